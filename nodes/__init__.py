@@ -1,0 +1,11 @@
+"""ComfyUI adapters. Each module lists its nodes in NODES = {name: (class, display name)}."""
+from . import quantize_int8
+
+_MODULES = (quantize_int8,)
+
+NODE_CLASS_MAPPINGS = {}
+NODE_DISPLAY_NAME_MAPPINGS = {}
+for _module in _MODULES:
+    for _name, (_cls, _display) in _module.NODES.items():
+        NODE_CLASS_MAPPINGS[_name] = _cls
+        NODE_DISPLAY_NAME_MAPPINGS[_name] = _display

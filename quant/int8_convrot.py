@@ -1,0 +1,128 @@
+"""Online INT8 ConvRot through comfy-kitchen.
+
+Weights: per-output-channel INT8 after a group-wise Hadamard rotation
+(ConvRot), which spreads outliers across each group before rounding.
+Activations: rotated and quantized per token at run time, inside
+comfy-kitchen's fused kernel (its eager backend composes the same from
+torch ops on CPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .kernel_select import KernelChooser, rows_bucket
+from .method import LinearMethod
+
+GROUP_SIZES = (16, 64, 256)
+
+# Row split: the seed split M=32700 GEMMs into 8192-row calls on an RTX 4090
+# to dodge a Stream-K schedule. It is only a candidate here, measured per GPU.
+DEFAULT_SPLIT_ROWS = 8192
+
+_chooser = KernelChooser("int8_convrot", force_env="BIGDIT_INT8_KERNEL",
+                         known=("kitchen", "kitchen_split", "dequant"))
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
+
+
+def forced_row_split(rows: int, out_features: int) -> int | None:
+    """Rows per call when the user forces the split with env vars, else None.
+
+    BIGDIT_INT8_MAX_ROWS (<= 0 disables) and BIGDIT_INT8_MIN_SPLIT_N.
+    """
+    max_rows = _env_int("BIGDIT_INT8_MAX_ROWS")
+    if max_rows is None or max_rows <= 0 or rows <= max_rows:
+        return None
+    if out_features < (_env_int("BIGDIT_INT8_MIN_SPLIT_N") or 0):
+        return None
+    return max_rows
+
+
+def _kitchen():
+    import comfy_kitchen as ck
+    return ck
+
+
+class Int8ConvRotMethod(LinearMethod):
+    name = "int8_convrot"
+
+    def __init__(self, group_size: int = 256, row_split: str = "auto"):
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        if row_split not in ("auto", "off"):
+            raise ValueError(f"row_split must be 'auto' or 'off', got {row_split!r}")
+        self.group_size = group_size
+        self.row_split = row_split
+
+    def describe(self) -> str:
+        return f"int8_convrot(g={self.group_size})"
+
+    def skip_reason(self, in_features: int, out_features: int) -> str | None:
+        if in_features % self.group_size:
+            return f"in_features {in_features} not divisible by group size {self.group_size}"
+        return None
+
+    def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+
+        qdata, params = TensorWiseINT8Layout.quantize(
+            weight, is_weight=True, per_channel=True, convrot=True,
+            convrot_groupsize=self.group_size, stochastic_rounding=0)
+        return {"weight": qdata, "weight_scale": params.scale.to(torch.float32)}
+
+    def dequantize(self, layer) -> torch.Tensor:
+        from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+
+        params = TensorWiseINT8Layout.Params(
+            scale=layer.weight_scale, orig_dtype=layer.compute_dtype,
+            orig_shape=tuple(layer.weight.shape), is_weight=True,
+            convrot=True, convrot_groupsize=self.group_size)
+        return TensorWiseINT8Layout.dequantize(layer.weight, params)
+
+    def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        ck = _kitchen()
+        t = layer.tensors_for(x)
+        weight, scale, bias = t["weight"], t["weight_scale"], t.get("bias")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else layer.compute_dtype
+
+        def fused(rows: torch.Tensor) -> torch.Tensor:
+            return ck.int8_linear(rows, weight, scale, bias, out_dtype, convrot=True,
+                                  convrot_groupsize=self.group_size, input_act=input_act)
+
+        def split(rows_per_call: int) -> torch.Tensor:
+            parts = [fused(x2d[i:i + rows_per_call]) for i in range(0, x2d.shape[0], rows_per_call)]
+            return torch.cat(parts)
+
+        def dequant_gemm() -> torch.Tensor:
+            from comfy_kitchen.backends._activations import apply_input_act
+            w = self.dequantize(layer).to(device=x.device, dtype=out_dtype)
+            return F.linear(apply_input_act(x2d, input_act).to(out_dtype), w,
+                            None if bias is None else bias.to(out_dtype))
+
+        rows, n_out = x2d.shape[0], weight.shape[0]
+        forced_rows = forced_row_split(rows, n_out)
+        if forced_rows is not None:
+            out = split(forced_rows)
+        else:
+            candidates = {"kitchen": lambda: fused(x2d)}
+            if x.device.type == "cuda":
+                if self.row_split == "auto" and rows > DEFAULT_SPLIT_ROWS:
+                    candidates["kitchen_split"] = lambda: split(DEFAULT_SPLIT_ROWS)
+                candidates["dequant"] = dequant_gemm
+            key = (str(x.device), rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act)
+            choice = _chooser.choose(key, candidates, x.device)
+            out = candidates[choice]()
+        return out.reshape(*lead, n_out)
+
+
+def chooser() -> KernelChooser:
+    """The process-wide INT8 kernel chooser (benchmarks read its timings)."""
+    return _chooser

@@ -1,0 +1,76 @@
+"""Measured kernel choice: the fastest of several valid kernels per shape.
+
+Where a format has more than one correct kernel (comfy-kitchen's fused GEMM,
+the same split into row chunks, a dequantize-then-GEMM path...), which one is
+fastest depends on the GPU and the shape. Rather than ship one GPU's
+thresholds, the first call of each (device, shape bucket) times every
+candidate on the real inputs and caches the winner for the process.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def rows_bucket(rows: int) -> int:
+    """Row counts are bucketed to the next power of two so a batch change re-measures once."""
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def _time_ms(fn: Callable[[], object], iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()  # warm-up: kernel selection, workspace allocation
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+class KernelChooser:
+    """Chooses among named candidates; `force_env` names an env var that pins one."""
+
+    def __init__(self, name: str, force_env: str, known: tuple[str, ...], iters: int = 3):
+        self.name = name
+        self.force_env = force_env
+        self.known = known
+        self.iters = iters
+        self.choices: dict[tuple, str] = {}
+        self.timings: dict[tuple, dict[str, float]] = {}
+
+    def forced(self) -> str | None:
+        value = os.environ.get(self.force_env, "").strip().lower()
+        return value or None
+
+    def choose(self, key: tuple, candidates: dict[str, Callable[[], object]], device: torch.device) -> str:
+        """The winning candidate's name for this key; the first candidate is the default."""
+        names = list(candidates)
+        forced = self.forced()
+        if forced is not None and forced != "auto":
+            if forced not in self.known:
+                raise ValueError(f"{self.force_env}={forced!r} is not one of {list(self.known)} or 'auto'")
+            # A forced kernel this call cannot use (say, a row split of a short input) means the default.
+            return forced if forced in names else names[0]
+        if len(names) == 1 or device.type != "cuda":
+            return names[0]
+        cached = self.choices.get(key)
+        if cached is not None:
+            return cached
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return names[0]
+        timings = {n: _time_ms(fn, self.iters) for n, fn in candidates.items()}
+        best = min(timings, key=timings.get)
+        self.choices[key] = best
+        self.timings[key] = timings
+        log.debug("%s %s: %s (%s)", self.name, key, best,
+                  ", ".join(f"{n} {t:.3f} ms" for n, t in timings.items()))
+        return best

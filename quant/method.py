@@ -1,0 +1,40 @@
+"""The interface every quantization method implements.
+
+Modelled on sglang's/vLLM's LinearMethod: a method decides whether it can take
+a layer, turns a full-precision weight into its stored tensors once
+(`quantize_weight`, run on the compute device one layer at a time), and runs
+the layer's forward from those tensors (`apply`).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .linear import QuantLinear
+
+
+class LinearMethod(ABC):
+    #: Short format name, used in reports and checkpoint markers.
+    name: str = ""
+
+    def skip_reason(self, in_features: int, out_features: int) -> str | None:
+        """Why this method cannot take a layer of this shape, or None."""
+        return None
+
+    @abstractmethod
+    def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Stored tensors for a full-precision [out, in] weight. Must not modify `weight`."""
+
+    @abstractmethod
+    def apply(self, layer: "QuantLinear", x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        """The layer's output for `x` (and the optional fused input activation)."""
+
+    def dequantize(self, layer: "QuantLinear") -> torch.Tensor:
+        """The full-precision weight this layer represents (for LoRA, tests and fallbacks)."""
+        raise NotImplementedError(f"{self.name} cannot dequantize")
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,69 @@
+"""What a quantization pass did, layer by layer, rendered for people."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024 ** 3
+
+
+def format_gib(n_bytes: int) -> str:
+    return f"{n_bytes / GIB:.4g} GiB"
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    name: str
+    method: str | None          # None: kept in its original precision
+    reason: str                 # why kept, or a short description of the format
+    bytes_before: int
+    bytes_after: int
+    linear: bool = True         # False for weight-bearing modules that are not Linear-like
+
+
+@dataclass
+class QuantReport:
+    title: str = "quantization"
+    records: list[LayerRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[LayerRecord]:
+        return [r for r in self.records if r.method is not None]
+
+    @property
+    def linear_count(self) -> int:
+        return sum(r.linear for r in self.records)
+
+    @property
+    def kept(self) -> list[LayerRecord]:
+        return [r for r in self.records if r.method is None]
+
+    def bytes_before(self) -> int:
+        return sum(r.bytes_before for r in self.records)
+
+    def bytes_after(self) -> int:
+        return sum(r.bytes_after for r in self.records)
+
+    def method_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.quantized:
+            counts[r.method] = counts.get(r.method, 0) + 1
+        return counts
+
+    def summary_line(self) -> str:
+        return f"quantized {len(self.quantized)}/{self.linear_count} linear layers"
+
+    def render(self) -> str:
+        before, after = self.bytes_before(), self.bytes_after()
+        lines = [
+            self.summary_line(),
+            f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})",
+        ]
+        counts = self.method_counts()
+        if counts:
+            lines.append("formats: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+        lines.extend(self.notes)
+        if self.kept:
+            lines.append(f"kept in original precision ({len(self.kept)}):")
+            lines.extend(f"  {r.name}: {r.reason}" for r in self.kept)
+        return "\n".join(lines)

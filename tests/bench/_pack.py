@@ -1,0 +1,61 @@
+"""Shared bits of the GPU benchmarks: import the pack as `bigdit`, name the GPU, write JSON."""
+import datetime
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+PACK_ROOT = Path(__file__).resolve().parents[2]
+RESULTS = PACK_ROOT / "tests" / "bench" / "results"
+
+if "bigdit" not in sys.modules:
+    _pkg = types.ModuleType("bigdit")
+    _pkg.__path__ = [str(PACK_ROOT)]
+    sys.modules["bigdit"] = _pkg
+
+
+def gpu_slug() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def default_out(bench: str) -> Path:
+    return RESULTS / f"{bench}-{gpu_slug()}-{datetime.date.today().isoformat()}.json"
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    if torch.cuda.is_available():
+        env["capability"] = list(torch.cuda.get_device_capability())
+    try:
+        import comfy_kitchen
+        env["comfy_kitchen"] = getattr(comfy_kitchen, "__version__", "?")
+    except ImportError:
+        env["comfy_kitchen"] = None
+    return env
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {path}")
+
+
+def cuda_time_ms(fn, warmup: int = 2, iters: int = 10) -> float:
+    """Median time of `fn` in ms, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]

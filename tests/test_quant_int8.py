@@ -1,0 +1,204 @@
+"""INT8 ConvRot core on CPU (comfy-kitchen's eager backend) against bf16/fp32 references."""
+import pytest
+import torch
+from torch import nn
+
+from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, quantize_layers
+from bigdit.quant.dispatch import QuantizationError
+from bigdit.quant.int8_convrot import Int8ConvRotMethod
+from bigdit.quant.kernel_select import KernelChooser
+from bigdit.quant.patterns import parse_patterns
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def cosine(out, ref):
+    return torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+
+
+def make_linear(k, n, bias=True, seed=0, outliers=False, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_(0, k ** -0.5)
+        if outliers:
+            layer.weight[:, :4] *= 30  # a few hot input channels, as in real DiT weights
+    return layer.to(dtype)
+
+
+def quantize_one(layer, group_size=256, **method_kw):
+    model = nn.Sequential(layer)
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(group_size, **method_kw)))
+    return replacements.get("0"), report
+
+
+@pytest.mark.parametrize("group_size", [16, 64, 256])
+def test_each_group_size_close_to_fp32_reference(group_size):
+    layer = make_linear(512, 384)
+    qlayer, _ = quantize_one(layer, group_size)
+    x = torch.randn(33, 512, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    out = qlayer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    # W8A8 with per-channel weights and per-token activations: about 1% on Gaussian data.
+    assert rel_err(out, ref) < 0.02
+    assert cosine(out, ref) > 0.999
+
+
+def test_convrot_tames_outlier_channels():
+    """Rotation spreads outlier input channels; plain per-token INT8 activations suffer from them."""
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+    layer = make_linear(1024, 256, outliers=True)
+    x = torch.randn(64, 1024, dtype=torch.bfloat16)
+    x[:, :4] *= 50
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    qlayer, _ = quantize_one(layer, 256)
+    convrot_err = rel_err(qlayer(x), ref)
+    # The same weights without rotation: per-channel weights, per-token activations.
+    qw, wp = TensorWiseINT8Layout.quantize(layer.weight, is_weight=True, per_channel=True)
+    qx, xp = TensorWiseINT8Layout.quantize(x, is_weight=False)
+    plain = (qx.float() * xp.scale.float()) @ (qw.float() * wp.scale.float()).T + layer.bias.float()
+    plain_err = rel_err(plain, ref)
+    assert convrot_err < 0.5 * plain_err, (convrot_err, plain_err)
+    assert convrot_err < 0.05
+
+
+def test_row_split_is_bit_exact(monkeypatch):
+    layer = make_linear(256, 512)
+    qlayer, _ = quantize_one(layer)
+    x = torch.randn(2, 50, 256, dtype=torch.bfloat16)
+    whole = qlayer(x)
+    monkeypatch.setenv("BIGDIT_INT8_MAX_ROWS", "16")
+    monkeypatch.setenv("BIGDIT_INT8_MIN_SPLIT_N", "512")
+    split = qlayer(x)
+    assert torch.equal(whole, split)
+    monkeypatch.setenv("BIGDIT_INT8_MIN_SPLIT_N", "513")  # too narrow to split: same path as whole
+    assert torch.equal(whole, qlayer(x))
+
+
+def test_forced_kernel_env_is_validated(monkeypatch):
+    layer = make_linear(256, 256)
+    qlayer, _ = quantize_one(layer)
+    monkeypatch.setenv("BIGDIT_INT8_KERNEL", "nonsense")
+    with pytest.raises(ValueError, match="BIGDIT_INT8_KERNEL"):
+        qlayer(torch.randn(3, 256, dtype=torch.bfloat16))
+
+
+def test_chooser_uses_default_candidate_on_cpu():
+    chooser = KernelChooser("t", force_env="BIGDIT_TEST_UNSET", known=("a", "b"))
+    calls = []
+    choice = chooser.choose(("k",), {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                            torch.device("cpu"))
+    assert choice == "a" and calls == []  # nothing timed off-GPU
+
+
+def test_swiglu_input_activation_matches_unfused():
+    layer = make_linear(256, 128)
+    qlayer, _ = quantize_one(layer)
+    x = torch.randn(10, 512, dtype=torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    unfused = qlayer(torch.nn.functional.silu(gate) * up)
+    fused = qlayer(x, input_act="swiglu")
+    assert rel_err(fused, unfused) < 0.01
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(256, 512)
+        self.odd = nn.Linear(100, 256)            # in_features not divisible by any group size
+        self.head = nn.Linear(512, 64)
+        self.conv = nn.Conv2d(4, 8, 3)            # weight-bearing, not Linear-like
+        self.norm = nn.LayerNorm(256)
+        self.to(torch.bfloat16)
+        self.head.float()                         # kept in fp32 on purpose
+
+
+def test_report_and_skips():
+    model = Tiny()
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
+    assert set(replacements) == {"proj"}
+    text = report.render()
+    assert text.splitlines()[0] == "quantized 1/3 linear layers"
+    reasons = {r.name: r.reason for r in report.kept}
+    assert "not divisible by group size 256" in reasons["odd"]
+    assert reasons["head"] == "stored in fp32 on purpose"
+    assert reasons["conv"].startswith("not Linear-like")
+    assert "norm" not in reasons  # 1-D weights are not layers to report
+    assert report.bytes_before() - report.bytes_after() == 256 * 512 * 2 - (256 * 512 + 512 * 4)
+    assert "GiB" in text.splitlines()[1]
+
+
+def test_include_fp32_and_smaller_group():
+    model = Tiny()
+    cfg = QuantConfig(method=Int8ConvRotMethod(256), include_fp32=True)
+    replacements, _ = quantize_layers(model, cfg)
+    assert set(replacements) == {"proj", "head"}
+    assert replacements["head"].compute_dtype == torch.float32
+
+
+def test_ignored_patterns():
+    assert parse_patterns(" a.*, b\n\nc ,") == ("a.*", "b", "c")
+    model = Tiny()
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256), ignored=("pro*",)))
+    assert replacements == {}
+    assert {r.name: r.reason for r in report.kept}["proj"] == "ignored (matches 'pro*')"
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256), ignored=("*",)))
+    assert replacements == {} and report.summary_line() == "quantized 0/3 linear layers"
+
+
+def test_quantization_does_not_touch_the_model_and_is_idempotent():
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    replacements, _ = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    apply_replacements(model, replacements)
+    assert isinstance(model.proj, QuantLinear)
+    weight = model.proj.weight
+    again, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
+    assert again == {}
+    assert model.proj.weight is weight
+    assert report.summary_line() == "quantized 1/3 linear layers"
+    assert {r.name: r.reason for r in report.records}["proj"] == "already quantized"
+
+
+def test_failure_names_the_layer_and_installs_nothing():
+    class Exploding(Int8ConvRotMethod):
+        def quantize_weight(self, weight):
+            if weight.shape == (64, 512):
+                raise RuntimeError("boom")
+            return super().quantize_weight(weight)
+
+    model = Tiny()
+    model.head.to(torch.bfloat16)
+    with pytest.raises(QuantizationError, match="'head'.*boom"):
+        quantize_layers(model, QuantConfig(method=Exploding(256)))
+    assert isinstance(model.proj, nn.Linear) and model.proj.weight.dtype == torch.bfloat16
+
+
+def test_quantized_layer_moves_with_module_and_reports_true_bytes():
+    layer = make_linear(256, 256, bias=False)
+    qlayer, _ = quantize_one(layer)
+    sd = qlayer.state_dict()
+    assert sd["weight"].dtype == torch.int8 and sd["weight_scale"].dtype == torch.float32
+    assert sum(t.numel() * t.element_size() for t in sd.values()) == 256 * 256 + 256 * 4
+    qlayer.to(torch.device("meta"))
+    assert qlayer.weight.device.type == "meta"
+
+
+def test_dequantize_roundtrip():
+    layer = make_linear(512, 128, bias=False)
+    qlayer, _ = quantize_one(layer, 64)
+    w = qlayer.method.dequantize(qlayer)
+    assert w.shape == layer.weight.shape
+    assert rel_err(w, layer.weight) < 0.01
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="group_size"):
+        Int8ConvRotMethod(128)
+    with pytest.raises(ValueError, match="row_split"):
+        Int8ConvRotMethod(256, row_split="sometimes")
