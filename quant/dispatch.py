@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from .linear import QuantLinear
 from .method import LinearMethod
 from .patterns import first_match
 from .report import LayerRecord, QuantReport
+
+if TYPE_CHECKING:
+    from .auto import AutoSelector
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +35,13 @@ class QuantizationError(RuntimeError):
 class QuantConfig:
     """What to quantize and how.
 
-    `method` is the default; `rules` maps fnmatch patterns on module names to a
+    `method` is the default (a LinearMethod, or a selector with
+    `select(in, out) -> (method or None, reason)` such as auto); `rules` maps fnmatch patterns on module names to a
     method (or None to keep the layer), first match wins; `ignored` patterns
     keep layers as they are. fp32 weights in a lower-precision model are kept
     unless `include_fp32`.
     """
-    method: LinearMethod
+    method: "LinearMethod | AutoSelector"
     rules: list[tuple[str, LinearMethod | None]] = field(default_factory=list)
     ignored: tuple[str, ...] = ()
     include_fp32: bool = False
@@ -116,6 +120,11 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
             plans.append(LayerPlan(name, module, None, "stored in fp32 on purpose"))
             continue
         method = config.method
+        if hasattr(method, "select"):  # a selector (auto) chooses per shape
+            method, why = method.select(module.in_features, module.out_features)
+            if method is None:
+                plans.append(LayerPlan(name, module, None, why))
+                continue
         for rule_pattern, rule_method in config.rules:
             if first_match(name, (rule_pattern,)):
                 method = rule_method

@@ -11,8 +11,23 @@ def _int8_convrot(group_size: int = 256, row_split: str = "auto", **_) -> Linear
     return Int8ConvRotMethod(group_size=group_size, row_split=row_split)
 
 
+def _fp8(**_) -> LinearMethod:
+    from .fp8 import Fp8Method
+    return Fp8Method()
+
+
+def _auto(group_size: int = 256, device=None, **_):
+    import torch
+    from .auto import AutoSelector
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return AutoSelector(torch.device(device), group_size=group_size)
+
+
 _FACTORIES: dict[str, Callable[..., LinearMethod]] = {
     "int8_convrot": _int8_convrot,
+    "fp8_e4m3fn": _fp8,
+    "auto": _auto,
 }
 
 
@@ -20,7 +35,8 @@ def available_methods() -> tuple[str, ...]:
     return tuple(_FACTORIES)
 
 
-def get_method(name: str, **options) -> LinearMethod:
+def get_method(name: str, **options):
+    """A LinearMethod, or for `auto` a selector that picks one per layer shape."""
     try:
         factory = _FACTORIES[name]
     except KeyError:

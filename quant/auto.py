@@ -1,0 +1,91 @@
+"""`auto`: the fastest native format for this GPU, refined per layer shape by measurement.
+
+The table gives each GPU generation's first choice (measured on the H200 for
+sm90: FP8 GEMMs 1.7-2.0x bf16, INT8 ConvRot 0.8-1.1x; INT8 is the native
+fast format before sm89). Then, once per (device, in, out), a micro-benchmark
+times bf16 against the candidates at a representative token count; a layer
+whose formats are all slower than bf16 stays in bf16, so no layer gets slower.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import Fp8Method
+from .int8_convrot import Int8ConvRotMethod
+from .method import LinearMethod
+
+# Preference order by compute capability (first match from the top).
+PREFERENCE = (
+    ((8, 9), ("fp8_e4m3fn", "int8_convrot")),
+    ((7, 5), ("int8_convrot",)),
+)
+DEFAULT_ROWS = 8192
+
+
+def preferred_formats(device: torch.device) -> tuple[str, ...]:
+    if device.type != "cuda":
+        return ("int8_convrot",)  # no fast format on CPU; INT8 still halves memory
+    capability = torch.cuda.get_device_capability(device)
+    for minimum, formats in PREFERENCE:
+        if capability >= minimum:
+            return formats
+    return ()
+
+
+class AutoSelector:
+    """Picks a method per layer shape; `select` returns (method or None, reason)."""
+
+    def __init__(self, device: torch.device, group_size: int = 256, measure: bool | None = None):
+        self.device = device
+        self.methods: dict[str, LinearMethod] = {
+            "fp8_e4m3fn": Fp8Method(),
+            "int8_convrot": Int8ConvRotMethod(group_size),
+        }
+        self.order = preferred_formats(device)
+        self.measure = device.type == "cuda" if measure is None else measure
+        self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
+        self._cache: dict[tuple[int, int], tuple[LinearMethod | None, str]] = {}
+        self.timings: dict[tuple[int, int], dict[str, float]] = {}
+
+    def select(self, in_features: int, out_features: int) -> tuple[LinearMethod | None, str]:
+        key = (in_features, out_features)
+        if key not in self._cache:
+            self._cache[key] = self._decide(in_features, out_features)
+        return self._cache[key]
+
+    def _decide(self, k: int, n: int) -> tuple[LinearMethod | None, str]:
+        usable = [f for f in self.order if self.methods[f].skip_reason(k, n) is None]
+        if not usable:
+            return None, "auto: no native format fits this shape" if self.order else "auto: no fast format on this GPU"
+        if not self.measure:
+            return self.methods[usable[0]], f"auto: {usable[0]} (table)"
+        times = self._time(k, n, usable)
+        self.timings[(k, n)] = times
+        best = min(times, key=times.get)
+        if best == "bf16":
+            return None, f"auto: bf16 fastest at {k}->{n} ({_fmt(times)})"
+        return self.methods[best], f"auto: {best} ({_fmt(times)})"
+
+    def _time(self, k: int, n: int, formats: list[str]) -> dict[str, float]:
+        from .dispatch import quantize_linear
+        from .kernel_select import _time_ms
+
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        linear = torch.nn.Linear(k, n, bias=False, device=self.device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.normal_(0, k ** -0.5, generator=gen)
+        x = torch.randn(self.rows, k, device=self.device, dtype=torch.bfloat16, generator=gen)
+        times = {"bf16": _time_ms(lambda: F.linear(x, linear.weight), iters=5)}
+        for fmt in formats:
+            layer = quantize_linear(linear, self.methods[fmt], self.device)
+            layer(x)  # first call runs any kernel measurement of the format itself
+            times[fmt] = _time_ms(lambda: layer(x), iters=5)
+            del layer
+        return times
+
+
+def _fmt(times: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())

@@ -1,0 +1,92 @@
+"""Online FP8 (emulated on CPU: the same quantize-dequantize arithmetic as the GPU path) and `auto`."""
+import pytest
+import torch
+from torch import nn
+
+from bigdit.quant import QuantConfig, get_method, quantize_layers
+from bigdit.quant.auto import AutoSelector, preferred_formats
+from bigdit.quant.fp8 import FP8, Fp8Method, quantize_rows
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def quantized(k, n, method, bias=True):
+    torch.manual_seed(0)
+    layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    replacements, report = quantize_layers(nn.Sequential(layer), QuantConfig(method=method))
+    return layer, replacements.get("0"), report
+
+
+def test_fp8_weights_are_per_channel():
+    layer, q, _ = quantized(64, 32, Fp8Method())
+    assert q.weight.dtype == FP8 and q.weight_scale.shape == (32, 1)
+    # Each row uses the full E4M3 range: its absmax maps to 448.
+    assert torch.allclose(q.weight.float().abs().amax(dim=1), torch.full((32,), 448.0))
+
+
+def test_fp8_forward_close_to_fp32():
+    layer, q, report = quantized(256, 128, Fp8Method())
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    ref = nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    out = q(x)
+    # E4M3 has 3 mantissa bits: ~2-4% relative error per product, averaging down in the sum.
+    assert rel_err(out, ref) < 0.05
+    assert report.summary_line() == "quantized 1/1 linear layers"
+
+
+def test_per_token_scales_isolate_rows():
+    """A huge token must not crush the precision of the others (per-token, not per-tensor, scales)."""
+    x = torch.randn(4, 64)
+    x[0] *= 1e4
+    q, s = quantize_rows(x)
+    back = q.float() * s
+    assert rel_err(back[1:], x[1:]) < 0.05
+
+
+def test_fp8_static_input_scale_and_per_tensor_weight_scale():
+    """The checkpoint form: a per-tensor weight scale and a static input scale."""
+    layer, q, _ = quantized(64, 32, Fp8Method(), bias=False)
+    w = layer.weight.float()
+    wscale = w.abs().amax() / 448
+    q.weight.data = (w / wscale).to(FP8)
+    q.weight_scale = nn.Parameter(wscale.reshape(()), requires_grad=False)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    q.input_scale = nn.Parameter((x.float().abs().amax() / 448).reshape(()), requires_grad=False)
+    ref = nn.functional.linear(x.float(), w)
+    assert rel_err(q(x), ref) < 0.06
+
+
+def test_fp8_swiglu_input_act():
+    _, q, _ = quantized(64, 32, Fp8Method())
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    assert rel_err(q(x, input_act="swiglu"), q(nn.functional.silu(gate) * up)) < 0.02
+
+
+def test_fp8_skips_shapes_cublas_cannot_take():
+    assert Fp8Method().skip_reason(100, 64) is not None
+    assert Fp8Method().skip_reason(128, 64) is None
+
+
+def test_auto_on_cpu_uses_table_without_timing():
+    selector = AutoSelector(torch.device("cpu"))
+    assert preferred_formats(torch.device("cpu")) == ("int8_convrot",)
+    method, why = selector.select(256, 128)
+    assert method.name == "int8_convrot" and "table" in why
+    assert selector.timings == {}
+    method, why = selector.select(100, 128)  # not divisible by the group size
+    assert method is None and "no native format" in why
+
+
+def test_auto_through_the_dispatcher():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(100, 256)).to(torch.bfloat16)
+    replacements, report = quantize_layers(model, QuantConfig(method=get_method("auto", device="cpu")))
+    assert set(replacements) == {"0"}
+    assert report.summary_line() == "quantized 1/2 linear layers"
+
+
+def test_unknown_method_lists_valid_ones():
+    with pytest.raises(ValueError, match="int8_convrot"):
+        get_method("int3")
