@@ -6,6 +6,7 @@ failure half-way leaves the model exactly as it was.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -49,6 +50,10 @@ class QuantConfig:
     keep: dict[str, str] = field(default_factory=dict)  # module name -> reason to keep it as is
     # Modules that stand in for the tree's at run time (ComfyUI object patches).
     overrides: dict[str, nn.Module] = field(default_factory=dict)
+    # "module": replace layers with QuantLinear. "kitchen": where the method has a
+    # comfy-kitchen layout, keep the layer's own class and give it a
+    # QuantizedTensor weight (what upstream ComfyUI runs natively).
+    representation: str = "module"
 
     def device(self) -> torch.device:
         if self.compute_device is not None:
@@ -63,16 +68,31 @@ class LayerPlan:
     method: LinearMethod | None
     reason: str
     linear: bool = True
+    existing_format: str | None = None  # a layer someone else already quantized
+
+
+def is_kitchen_tensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "QuantizedTensor"
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """True storage bytes; a QuantizedTensor reports its original dtype's size otherwise."""
+    if is_kitchen_tensor(t):
+        params = t._params
+        extra = sum(getattr(params, f).nbytes for f in params._tensor_fields()
+                    if isinstance(getattr(params, f), torch.Tensor))
+        return t._qdata.nbytes + extra
+    return t.numel() * t.element_size()
 
 
 def _weight_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return sum(tensor_bytes(p) for p in module.parameters(recurse=False))
 
 
 def _is_quantized_weight(weight: torch.Tensor) -> bool:
     # Upstream ComfyUI loads quantized checkpoints as QuantizedTensor weights;
     # any non-float storage is already someone's quantized format.
-    return type(weight).__name__ == "QuantizedTensor" or weight.dtype not in FLOAT_DTYPES
+    return is_kitchen_tensor(weight) or weight.dtype not in FLOAT_DTYPES
 
 
 def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
@@ -110,7 +130,8 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
             continue
         weight = module.weight
         if _is_quantized_weight(weight):
-            plans.append(LayerPlan(name, module, None, f"already quantized ({type(weight).__name__} {weight.dtype})"))
+            fmt = weight._layout_cls if is_kitchen_tensor(weight) else str(weight.dtype).replace("torch.", "")
+            plans.append(LayerPlan(name, module, None, "already quantized", existing_format=fmt))
             continue
         pattern = first_match(name, config.ignored)
         if pattern is not None:
@@ -140,20 +161,33 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     return plans
 
 
-def quantize_linear(module: nn.Linear, method: LinearMethod, device: torch.device) -> QuantLinear:
-    """Quantize one layer on `device` and return a QuantLinear living where the weight lived."""
+def quantize_linear(module: nn.Linear, method: LinearMethod, device: torch.device,
+                    representation: str = "module") -> nn.Module:
+    """Quantize one layer on `device`; the result lives where the weight lived.
+
+    Returns a QuantLinear, or with representation "kitchen" (where the method
+    has a comfy-kitchen layout) a shallow copy of `module` whose weight is a
+    QuantizedTensor. `module` itself is never modified.
+    """
     weight = module.weight.detach()
     home = weight.device
     with torch.no_grad():
         tensors = method.quantize_weight(weight.to(device))
     tensors = {k: v.to(home) for k, v in tensors.items()}
+    if representation == "kitchen":
+        kitchen = method.kitchen_weight(tensors, weight.dtype)
+        if kitchen is not None:
+            clone = copy.copy(module)
+            clone._parameters = dict(module._parameters)
+            clone.weight = nn.Parameter(kitchen, requires_grad=False)
+            return clone
     bias = None if module.bias is None else module.bias.detach()
     return QuantLinear(method, module.in_features, module.out_features, tensors, bias, compute_dtype=weight.dtype)
 
 
 def quantize_layers(model: nn.Module, config: QuantConfig,
                     progress: Callable[[int, int], None] | None = None,
-                    title: str = "quantization") -> tuple[dict[str, QuantLinear], QuantReport]:
+                    title: str = "quantization") -> tuple[dict[str, nn.Module], QuantReport]:
     """Quantize every planned layer, one at a time; returns (replacements, report).
 
     Only one layer's weight is on the compute device at a time. Raises
@@ -162,17 +196,17 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
     plans = plan_layers(model, config)
     device = config.device()
     todo = [p for p in plans if p.method is not None and not isinstance(p.module, QuantLinear)]
-    replacements: dict[str, QuantLinear] = {}
+    replacements: dict[str, nn.Module] = {}
     report = QuantReport(title=title)
     done = 0
     for plan in plans:
         before = _weight_bytes(plan.module)
         if plan.method is None or isinstance(plan.module, QuantLinear):
-            fmt = plan.method.name if plan.method is not None else None
+            fmt = plan.method.name if plan.method is not None else plan.existing_format
             report.records.append(LayerRecord(plan.name, fmt, plan.reason, before, before, plan.linear))
             continue
         try:
-            new = quantize_linear(plan.module, plan.method, device)
+            new = quantize_linear(plan.module, plan.method, device, config.representation)
         except Exception as exc:
             raise QuantizationError(f"quantizing layer {plan.name!r} with {plan.method.describe()} failed: {exc}") from exc
         replacements[plan.name] = new

@@ -76,13 +76,20 @@ class Int8ConvRotMethod(LinearMethod):
             convrot_groupsize=self.group_size, stochastic_rounding=0)
         return {"weight": qdata, "weight_scale": params.scale.to(torch.float32)}
 
+    def _params(self, scale: torch.Tensor, compute_dtype: torch.dtype, shape):
+        from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+        return TensorWiseINT8Layout.Params(
+            scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(shape), is_weight=True,
+            convrot=True, convrot_groupsize=self.group_size)
+
+    def kitchen_weight(self, tensors, compute_dtype):
+        from comfy_kitchen.tensor import QuantizedTensor
+        params = self._params(tensors["weight_scale"], compute_dtype, tensors["weight"].shape)
+        return QuantizedTensor(tensors["weight"], "TensorWiseINT8Layout", params)
+
     def dequantize(self, layer) -> torch.Tensor:
         from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
-
-        params = TensorWiseINT8Layout.Params(
-            scale=layer.weight_scale, orig_dtype=layer.compute_dtype,
-            orig_shape=tuple(layer.weight.shape), is_weight=True,
-            convrot=True, convrot_groupsize=self.group_size)
+        params = self._params(layer.weight_scale, layer.compute_dtype, layer.weight.shape)
         return TensorWiseINT8Layout.dequantize(layer.weight, params)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:

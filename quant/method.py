@@ -36,5 +36,12 @@ class LinearMethod(ABC):
         """The full-precision weight this layer represents (for LoRA, tests and fallbacks)."""
         raise NotImplementedError(f"{self.name} cannot dequantize")
 
+    def kitchen_weight(self, tensors: dict[str, torch.Tensor], compute_dtype: torch.dtype):
+        """The stored tensors as one comfy-kitchen QuantizedTensor weight, or None if kitchen has no such layout.
+
+        Upstream ComfyUI runs, offloads and LoRA-patches such weights natively.
+        """
+        return None
+
     def describe(self) -> str:
         return self.name

@@ -62,6 +62,9 @@ class QuantReport:
         counts = self.method_counts()
         if counts:
             lines.append("formats: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+        already = sum(r.method is not None and r.reason == "already quantized" for r in self.records)
+        if already:
+            lines.append(f"already quantized, left alone: {already}")
         lines.extend(self.notes)
         if self.kept:
             lines.append(f"kept in original precision ({len(self.kept)}):")

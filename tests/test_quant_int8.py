@@ -202,3 +202,21 @@ def test_bad_options():
         Int8ConvRotMethod(128)
     with pytest.raises(ValueError, match="row_split"):
         Int8ConvRotMethod(256, row_split="sometimes")
+
+
+def test_kitchen_representation_matches_quantlinear_bit_for_bit():
+    """Upstream ComfyUI's native form: the layer keeps its class, its weight becomes a QuantizedTensor."""
+    model = Tiny()
+    modules, _ = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
+    kitchen, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256), representation="kitchen"))
+    layer = kitchen["proj"]
+    assert type(layer) is nn.Linear and type(layer.weight).__name__ == "QuantizedTensor"
+    assert model.proj.weight.dtype == torch.bfloat16  # the original is untouched
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), modules["proj"](x))
+    assert report.bytes_after() == sum(r.bytes_after for r in report.records)
+    assert {r.name: r.bytes_after for r in report.records}["proj"] == 256 * 512 + 512 * 4 + 512 * 2
+    apply_replacements(model, kitchen)
+    _, again = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
+    assert again.summary_line() == "quantized 1/3 linear layers"
+    assert {r.name: r.method for r in again.records}["proj"] == "TensorWiseINT8Layout"

@@ -1,0 +1,81 @@
+"""QuantizeModelINT8 in a real ComfyUI, on the tiny Wan model."""
+import pytest
+import torch
+
+from graphs import chain_id, wan_t2v_graph
+
+pytestmark = pytest.mark.integration
+
+
+def quantize_node(group_size="16", ignored_layers="", **extra):
+    return ("QuantizeModelINT8", {"group_size": group_size, "ignored_layers": ignored_layers, **extra})
+
+
+def report_of(history, node_id=chain_id(0)) -> str:
+    return history["outputs"][node_id]["text"][0]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_node_inputs_as_documented(comfy):
+    info = comfy.object_info()["QuantizeModelINT8"]
+    assert list(info["input"]["required"]) == ["model", "group_size", "ignored_layers"]
+    assert list(info["input"]["optional"]) == ["row_split"]
+    assert info["input"]["required"]["group_size"][0] == ["256", "64", "16"]
+    assert info["input"]["required"]["group_size"][1]["default"] == "256"
+    assert info["input"]["optional"]["row_split"][0] == ["auto", "off"]
+    assert info["output"] == ["MODEL", "STRING"] and info["category"] == "quantization"
+
+
+@pytest.fixture(scope="module")
+def baseline(comfy, tiny_wan2):
+    return comfy.latent(comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"])), "save_latent")
+
+
+def test_quantized_run_is_close_but_not_identical(comfy, tiny_wan2, baseline):
+    history = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[quantize_node()]))
+    report = report_of(history)
+    first = report.splitlines()[0]
+    quantized, total = map(int, first.removeprefix("quantized ").removesuffix(" linear layers").split("/"))
+    assert 0 < quantized <= total
+    latent = comfy.latent(history, "save_latent")
+    assert not torch.equal(latent, baseline)
+    # Random tiny weights, 2 sampler steps: W8A8 error stays at the percent level.
+    assert rel(latent, baseline) < 0.05, rel(latent, baseline)
+
+
+def test_group_256_keeps_narrow_layers_and_says_why(comfy, tiny_wan):
+    history = comfy.run(wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
+                                      model_chain=[quantize_node("256")]))
+    report = report_of(history)
+    # dim 128 is not divisible by 256: those layers stay, each listed with its reason.
+    assert "not divisible by group size 256" in report
+
+
+def test_ignore_everything_reproduces_baseline_exactly(comfy, tiny_wan2, baseline):
+    history = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"],
+                                      model_chain=[quantize_node(ignored_layers="*")]))
+    assert report_of(history).startswith("quantized 0/")
+    assert torch.equal(comfy.latent(history, "save_latent"), baseline)
+
+
+def test_other_branch_keeps_original_weights(comfy, tiny_wan2, baseline):
+    """One loader feeds both a quantized and a plain sampler; the plain one must be untouched."""
+    graph = wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[quantize_node()])
+    graph["plain_sampler"] = {**graph["sampler"], "inputs": {**graph["sampler"]["inputs"], "model": ["unet", 0]}}
+    graph["plain_latent"] = {"class_type": "SaveLatent",
+                             "inputs": {"samples": ["plain_sampler", 0], "filename_prefix": "bigdit/plain"}}
+    history = comfy.run(graph)
+    assert torch.equal(comfy.latent(history, "plain_latent"), baseline)
+    assert not torch.equal(comfy.latent(history, "save_latent"), baseline)
+
+
+def test_quantizing_twice_is_idempotent(comfy, tiny_wan2):
+    once = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[quantize_node()]))
+    twice = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"],
+                                    model_chain=[quantize_node(), quantize_node()]))
+    assert report_of(twice, chain_id(1)).splitlines()[0] == report_of(once).splitlines()[0]
+    assert "already quantized" in report_of(twice, chain_id(1))
+    assert torch.equal(comfy.latent(once, "save_latent"), comfy.latent(twice, "save_latent"))
