@@ -1,0 +1,59 @@
+"""API-format ComfyUI graphs for the integration tests.
+
+`wan_t2v_graph` builds, with fixed node ids:
+
+    unet (UNETLoader, or `loader`) -> m0 -> m1 -> ... (model_chain) -> sampler (KSampler)
+    cond (BigditZeroConditioning) -> sampler positive and negative
+    latent (EmptyHunyuanLatentVideo) -> sampler -> save_latent (SaveLatent)
+    sampler -> decode (VAEDecode, vae from VAELoader "vae") -> save_image (SaveImage)
+
+A chain node gets `"model": [previous id, 0]` added to its inputs, so its output
+0 must be the MODEL. `chain_id(i)` names chain node i; `add_preview` attaches a
+PreviewAny to any output (e.g. a STRING report of a chain node). After
+`history = comfy.run(graph)`, an output node's ui dict is
+`history["outputs"][node_id]`; PreviewAny's text is `...["text"][0]`.
+"""
+
+
+def chain_id(index: int) -> str:
+    return f"m{index}"
+
+
+def wan_t2v_graph(unet_name, vae_name, model_chain=(), seed=0, steps=2, width=64, height=64,
+                  length=1, weight_dtype="default", loader=None) -> dict:
+    """The tiny Wan 2.1 T2V text-to-video graph.
+
+    model_chain: (class_type, inputs) pairs applied in order to the model.
+    loader: (class_type, inputs) replacing UNETLoader (then unet_name and
+    weight_dtype are unused); its output 0 must be the MODEL.
+    """
+    if loader is None:
+        loader = ("UNETLoader", {"unet_name": unet_name, "weight_dtype": weight_dtype})
+    graph = {"unet": {"class_type": loader[0], "inputs": dict(loader[1])}}
+    model = "unet"
+    for index, (class_type, inputs) in enumerate(model_chain):
+        graph[chain_id(index)] = {"class_type": class_type, "inputs": {**inputs, "model": [model, 0]}}
+        model = chain_id(index)
+    graph.update({
+        "cond": {"class_type": "BigditZeroConditioning", "inputs": {"length": 8}},
+        "latent": {"class_type": "EmptyHunyuanLatentVideo",
+                   "inputs": {"width": width, "height": height, "length": length, "batch_size": 1}},
+        "sampler": {"class_type": "KSampler", "inputs": {
+            "model": [model, 0], "seed": seed, "steps": steps, "cfg": 1.0,
+            "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+            "positive": ["cond", 0], "negative": ["cond", 0], "latent_image": ["latent", 0]}},
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}},
+        "decode": {"class_type": "VAEDecode", "inputs": {"samples": ["sampler", 0], "vae": ["vae", 0]}},
+        "save_image": {"class_type": "SaveImage",
+                       "inputs": {"images": ["decode", 0], "filename_prefix": "bigdit/image"}},
+        "save_latent": {"class_type": "SaveLatent",
+                        "inputs": {"samples": ["sampler", 0], "filename_prefix": "bigdit/latent"}},
+    })
+    return graph
+
+
+def add_preview(graph: dict, source: str, output_index: int, node_id=None) -> str:
+    """Add a PreviewAny showing output `output_index` of node `source`; return its id."""
+    node_id = node_id or f"preview_{source}_{output_index}"
+    graph[node_id] = {"class_type": "PreviewAny", "inputs": {"source": [source, output_index]}}
+    return node_id
