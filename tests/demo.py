@@ -1,0 +1,39 @@
+"""Headless demo: a real ComfyUI with this pack, a tiny Wan model, QuantizeModelINT8, one sampled image.
+
+    bash .ci/demo            (sets up the environment first)
+
+Prints the quantization report, the wall time of the workflow, and where the image was saved.
+"""
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from comfy_harness import ComfyServer, ensure_comfyui  # noqa: E402
+from graphs import add_preview, chain_id, wan_t2v_graph  # noqa: E402
+from tiny_models import make_tiny_wan, make_tiny_wan_vae  # noqa: E402
+
+
+def main():
+    comfyui = ensure_comfyui()
+    base = Path(tempfile.mkdtemp(prefix="bigdit-demo-"))
+    with ComfyServer(base, comfyui) as comfy:
+        unet = make_tiny_wan(comfy.models_dir / "diffusion_models" / "tiny_wan.safetensors", num_layers=2,
+                             num_heads=2, dim=256, ffn_dim=512, comfyui=comfyui)
+        vae = make_tiny_wan_vae(comfy.models_dir / "vae" / "tiny_wan_vae.safetensors", comfyui=comfyui)
+        graph = wan_t2v_graph(unet.name, vae.name, model_chain=[
+            ("QuantizeModelINT8", {"group_size": "256", "ignored_layers": "", "row_split": "auto"})])
+        preview = add_preview(graph, chain_id(0), 1)
+        start = time.perf_counter()
+        history = comfy.run(graph)
+        elapsed = time.perf_counter() - start
+        print(history["outputs"][preview]["text"][0])
+        print(f"workflow time: {elapsed:.2f} s")
+        for image in comfy.output_files(history, "save_image"):
+            print(f"saved image: {image}")
+
+
+if __name__ == "__main__":
+    main()
