@@ -50,21 +50,26 @@ def _kitchen():
 
 
 class Int8ConvRotMethod(LinearMethod):
+    """INT8 with per-channel (or per-tensor) weight scales; `convrot=False` is
+    plain `int8_tensorwise`, as ComfyUI checkpoints without the rotation store it."""
     name = "int8_convrot"
 
-    def __init__(self, group_size: int = 256, row_split: str = "auto"):
-        if group_size not in GROUP_SIZES:
+    def __init__(self, group_size: int = 256, row_split: str = "auto", convrot: bool = True):
+        if convrot and group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
         if row_split not in ("auto", "off"):
             raise ValueError(f"row_split must be 'auto' or 'off', got {row_split!r}")
         self.group_size = group_size
         self.row_split = row_split
+        self.convrot = convrot
+        if not convrot:
+            self.name = "int8_tensorwise"
 
     def describe(self) -> str:
-        return f"int8_convrot(g={self.group_size})"
+        return f"int8_convrot(g={self.group_size})" if self.convrot else "int8_tensorwise"
 
     def skip_reason(self, in_features: int, out_features: int) -> str | None:
-        if in_features % self.group_size:
+        if self.convrot and in_features % self.group_size:
             return f"in_features {in_features} not divisible by group size {self.group_size}"
         return None
 
@@ -72,7 +77,7 @@ class Int8ConvRotMethod(LinearMethod):
         from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
 
         qdata, params = TensorWiseINT8Layout.quantize(
-            weight, is_weight=True, per_channel=True, convrot=True,
+            weight, is_weight=True, per_channel=True, convrot=self.convrot,
             convrot_groupsize=self.group_size, stochastic_rounding=0)
         return {"weight": qdata, "weight_scale": params.scale.to(torch.float32)}
 
@@ -80,7 +85,7 @@ class Int8ConvRotMethod(LinearMethod):
         from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
         return TensorWiseINT8Layout.Params(
             scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(shape), is_weight=True,
-            convrot=True, convrot_groupsize=self.group_size)
+            convrot=self.convrot, convrot_groupsize=self.group_size)
 
     def kitchen_weight(self, tensors, compute_dtype):
         from comfy_kitchen.tensor import QuantizedTensor
@@ -101,7 +106,7 @@ class Int8ConvRotMethod(LinearMethod):
         out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else layer.compute_dtype
 
         def fused(rows: torch.Tensor) -> torch.Tensor:
-            return ck.int8_linear(rows, weight, scale, bias, out_dtype, convrot=True,
+            return ck.int8_linear(rows, weight, scale, bias, out_dtype, convrot=self.convrot,
                                   convrot_groupsize=self.group_size, input_act=input_act)
 
         def split(rows_per_call: int) -> torch.Tensor:

@@ -16,6 +16,31 @@ def _fp8(**_) -> LinearMethod:
     return Fp8Method()
 
 
+def _mxfp4(min_output_dim: int | None = None, path: str = "auto", device=None, **_) -> LinearMethod:
+    from .mxfp4 import MIN_OUTPUT_DIM, Mxfp4Method
+    return Mxfp4Method(MIN_OUTPUT_DIM if min_output_dim is None else min_output_dim, path=path, device=device)
+
+
+def _int8_tensorwise(convrot: bool = False, convrot_groupsize: int = 256, **_) -> LinearMethod:
+    from .int8_convrot import Int8ConvRotMethod
+    return Int8ConvRotMethod(group_size=convrot_groupsize, convrot=convrot)
+
+
+def _nvfp4(**_) -> LinearMethod:
+    from .nvfp4 import Nvfp4Method
+    return Nvfp4Method()
+
+
+def _mxfp8(**_) -> LinearMethod:
+    from .mxfp8 import Mxfp8Method
+    return Mxfp8Method()
+
+
+def _quanto_qint8(**_) -> LinearMethod:
+    from .quanto_int8 import QuantoInt8Method
+    return QuantoInt8Method()
+
+
 def _auto(group_size: int = 256, device=None, **_):
     import torch
     from .auto import AutoSelector
@@ -27,7 +52,12 @@ def _auto(group_size: int = 256, device=None, **_):
 _FACTORIES: dict[str, Callable[..., LinearMethod]] = {
     "int8_convrot": _int8_convrot,
     "fp8_e4m3fn": _fp8,
+    "mxfp4": _mxfp4,
     "auto": _auto,
+    "int8_tensorwise": _int8_tensorwise,
+    "nvfp4": _nvfp4,
+    "mxfp8": _mxfp8,
+    "quanto_qint8": _quanto_qint8,
 }
 
 

@@ -220,3 +220,39 @@ def test_kitchen_representation_matches_quantlinear_bit_for_bit():
     _, again = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
     assert again.summary_line() == "quantized 1/3 linear layers"
     assert {r.name: r.method for r in again.records}["proj"] == "TensorWiseINT8Layout"
+
+
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_weight_patch_protocol_applies_lora(method_name):
+    """What ComfyUI's ModelPatcher does for a LoRA: convert_weight, add the delta, set_weight."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    delta = 0.02 * torch.randn(128, 256)
+    original_weight = q.weight.detach().clone()
+    patched = q.convert_weight(q.weight.float(), inplace=True) + 10 * delta  # wider than the original rows
+    q.set_weight(patched)
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    ref = nn.functional.linear(x.float(), layer.weight.float() + 10 * delta, layer.bias.float())
+    assert rel_err(q(x), ref) < 0.05
+    # ComfyUI restores only `weight` on unpatch (as a new Parameter); the layer
+    # must notice and take its original scales back.
+    q.weight = nn.Parameter(original_weight, requires_grad=False)
+    plain = nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert rel_err(q(x), plain) < 0.05
+    # An in-place restore could not be noticed, so in-place patching is refused.
+    with pytest.raises(RuntimeError, match="in-place"):
+        q.set_weight(patched, inplace_update=True)
+
+
+def test_per_call_weight_functions_apply_on_dequantized_weight():
+    layer = make_linear(256, 128)
+    q, _ = quantize_one(layer)
+    q.weight_function = [lambda w: w * 0]
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert torch.allclose(q(x).float(), layer.bias.float().expand(3, -1), atol=1e-2)
+
+
+def quantize_one_with(layer, method):
+    replacements, report = quantize_layers(nn.Sequential(layer), QuantConfig(method=method))
+    return replacements["0"], report

@@ -1,0 +1,49 @@
+"""Optimum Quanto qint8 weight-only layers, as self-describing Quanto checkpoints store them.
+
+Stored tensors (after the loader renames Quanto's `weight._data` / `weight._scale`):
+  weight        int8 [N, K]
+  weight_scale  float [N, 1]   per output channel, in the checkpoint's dtype
+
+The active layer's weight is dequantized just before its matmul, so this is a
+resident-memory format, not a speed format: weights take half of bf16's memory
+while resident, and each call pays a dequantization on top of a bf16 GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .method import LinearMethod
+
+QINT8_MIN, QINT8_MAX = -128, 127
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class QuantoInt8Method(LinearMethod):
+    name = "quanto_qint8"
+
+    def describe(self) -> str:
+        return "quanto_qint8 (weight-only, dequantized per call)"
+
+    def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Quanto's per-axis qint8: absmax / qmax per output channel, in the weight's dtype.
+        scale = weight.abs().amax(dim=1, keepdim=True) / QINT8_MAX
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        data = torch.round(weight / scale).clamp_(QINT8_MIN, QINT8_MAX).to(torch.int8)
+        return {"weight": data, "weight_scale": scale}
+
+    def requantize(self, layer, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = layer.weight_scale.to(weight.device).float()
+        return {"weight": torch.round(weight.float() / scale).clamp_(QINT8_MIN, QINT8_MAX).to(torch.int8)}
+
+    def dequantize(self, layer) -> torch.Tensor:
+        dtype = layer.compute_dtype
+        return layer.weight.to(dtype) * layer.weight_scale.to(dtype)
+
+    def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        from comfy_kitchen.backends._activations import apply_input_act
+        t = layer.tensors_for(x)
+        dtype = x.dtype if x.dtype in _FLOAT_DTYPES else layer.compute_dtype
+        weight = t["weight"].to(dtype) * t["weight_scale"].to(dtype)
+        bias = t.get("bias")
+        return F.linear(apply_input_act(x, input_act).to(dtype), weight, None if bias is None else bias.to(dtype))
