@@ -1,0 +1,181 @@
+"""Building blocks shared by every attention kernel: what a kernel declares it
+can run (`Constraints`), one kernel (`Impl`), and a user-facing backend that
+tries its kernels in order (`Backend`).
+
+Tensors are 4-D in one of two layouts, "BHSD" (batch, heads, sequence, head
+dim) or "BSHD"; a kernel returns its output in the layout it was given. Masks
+are SDPA-style whatever the layout: boolean (True = attend) or additive float,
+broadcastable to (batch, heads, queries, keys).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+LAYOUTS = ("BHSD", "BSHD")
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+class Unsupported(Exception):
+    """A kernel or backend cannot take this call; the message says why."""
+
+
+def dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """(batch, heads, seq, head_dim) of a tensor in `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if t.dim() != 4:
+        raise ValueError(f"attention tensors must be 4-D, got shape {tuple(t.shape)}")
+    b, x, y, d = t.shape
+    return (b, x, y, d) if layout == "BHSD" else (b, y, x, d)
+
+
+def convert(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """Same tensor viewed in another layout (a transpose, never a copy)."""
+    return t if src == dst else t.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device, None for anything else."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else None)
+    return _capability(device.type, index)
+
+
+@functools.lru_cache(maxsize=None)
+def load(module: str, attr: str | None, package: str) -> tuple[Callable | None, str | None]:
+    """Import `module.attr` (the module itself when attr is None) once:
+    (object, None) or (None, why it is missing).
+
+    Optional kernels may fail in many ways on import (no module, no GPU
+    driver, a Triton or CUDA mismatch), so any exception counts as missing.
+    """
+    try:
+        mod = importlib.import_module(module)
+        return (mod if attr is None else getattr(mod, attr)), None
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            return None, f"{package} is not installed"
+        return None, f"{package} failed to import ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - see docstring
+        return None, f"{package} failed to import ({type(e).__name__}: {e})"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a kernel can run. Checked before a call, so a kernel that cannot
+    take it is skipped with a reason instead of failing inside."""
+
+    devices: frozenset | None = frozenset({"cuda"})  # None: any device
+    min_capability: tuple[int, int] | None = None  # CUDA only
+    max_capability: tuple[int, int] | None = None  # inclusive
+    dtypes: frozenset | None = FLOAT_DTYPES  # None: any
+    max_head_dim: int | None = None
+    head_dims: frozenset | None = None  # exact set, when the kernel has one
+    masks: bool = True
+    cross: bool = True  # query and key lengths may differ
+
+    def check(self, q, k, v, layout, mask) -> None:
+        dev = q.device
+        if self.devices is not None and dev.type not in self.devices:
+            raise Unsupported(f"needs {' or '.join(sorted(self.devices))}, got a {dev.type} tensor")
+        if dev.type == "cuda" and (self.min_capability or self.max_capability):
+            cap = capability(dev)
+            if self.min_capability and cap < self.min_capability:
+                raise Unsupported(f"needs compute capability >= {_cc(self.min_capability)}, GPU is {_cc(cap)}")
+            if self.max_capability and cap > self.max_capability:
+                raise Unsupported(f"built for compute capability <= {_cc(self.max_capability)}, GPU is {_cc(cap)}")
+        if self.dtypes is not None and q.dtype not in self.dtypes:
+            raise Unsupported(f"dtype {q.dtype} not in {sorted(str(d) for d in self.dtypes)}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise Unsupported(f"mixed dtypes {q.dtype}/{k.dtype}/{v.dtype}")
+        d = dims(q, layout)[3]
+        if self.head_dims is not None and d not in self.head_dims:
+            raise Unsupported(f"head dim {d} not in {sorted(self.head_dims)}")
+        if self.max_head_dim is not None and d > self.max_head_dim:
+            raise Unsupported(f"head dim {d} > {self.max_head_dim}")
+        if mask is not None and not self.masks:
+            raise Unsupported("takes no attention mask")
+        if not self.cross and dims(k, layout)[2] != dims(q, layout)[2]:
+            raise Unsupported("query and key lengths differ (cross-attention)")
+
+
+def _cc(cap) -> str:
+    return "none" if cap is None else f"{cap[0]}.{cap[1]}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A kernel that accepted a call: `run()` computes it."""
+
+    label: str
+    run: Callable[[], torch.Tensor]
+
+
+class Impl:
+    """One kernel. Subclasses set `label`, `constraints`, and implement `_run`
+    (or override `plan` when acceptance depends on more than the constraints)."""
+
+    label = "?"
+    constraints = Constraints()
+
+    def unavailable(self) -> str | None:
+        """Why the kernel cannot be used at all (missing package), or None."""
+        return None
+
+    def plan(self, q, k, v, *, layout, mask, scale, options) -> Plan:
+        self.constraints.check(q, k, v, layout, mask)
+        why = self.unavailable()
+        if why:
+            raise Unsupported(why)
+        return Plan(self.label, lambda: self._run(q, k, v, layout, mask, scale))
+
+    def _run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Backend:
+    """A named backend: the first of its kernels that accepts a call runs it.
+
+    Calling it runs the attention or raises `Unsupported` with every kernel's
+    reason; `plan` is the same decision without running.
+    """
+
+    def __init__(self, name: str, impls: list[Impl]):
+        self.name = name
+        self._impls = impls
+
+    def impls_for(self, device: torch.device) -> list[Impl]:
+        return self._impls
+
+    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> Plan:
+        dims(q, layout)  # validates the layout
+        reasons = []
+        for impl in self.impls_for(q.device):
+            try:
+                plan = impl.plan(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
+            except Unsupported as e:
+                reasons.append((impl.label, str(e)))
+                continue
+            label = self.name if impl.label == self.name else f"{self.name}:{impl.label}"
+            return Plan(label, plan.run)
+        unique = list(dict.fromkeys(r for _, r in reasons))
+        raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
+
+    def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> torch.Tensor:
+        return self.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()
+
+    def __repr__(self):
+        return f"<attention backend {self.name}: {[i.label for i in self._impls]}>"

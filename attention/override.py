@@ -1,0 +1,91 @@
+"""ComfyUI's attention hook, without importing ComfyUI.
+
+ComfyUI (0.3.75 and later) runs every `optimized_attention*` call through
+transformer_options["optimized_attention_override"] when it is set, as
+`override(func, q, k, v, heads, mask=None, attn_precision=None,
+skip_reshape=False, skip_output_reshape=False, transformer_options=..., ...)`
+where `func` is the attention function ComfyUI would have used. Layouts:
+q/k/v are (B, S, heads*D) unless skip_reshape, then (B, heads, S, D); the
+output is (B, S, heads*D) unless skip_output_reshape, then (B, heads, S, D).
+Masks are 2-D (Sq, Sk), 3-D (B, Sq, Sk) or 4-D, boolean or additive, with
+SDPA's meaning, as ComfyUI's attention_pytorch reads them.
+"""
+from __future__ import annotations
+
+KEY = "optimized_attention_override"
+MARKER = "_bigdit_attention_override"
+
+
+class AttentionOverride:
+    """Our override. Composition with one that was already installed:
+
+    - an earlier SetAttentionBackend (recognised by the `MARKER` attribute,
+      so also across two imports of this pack) is replaced, never stacked:
+      the new settings win, and whatever the earlier one wrapped is kept;
+    - any other override (another pack's, or ComfyUI's sparse node) stays in
+      charge and is wrapped: it is called as before, but the `func` it gets,
+      the attention it falls back to, is this router. An override that never
+      calls its `func` therefore still decides every call; the statistics
+      then show no calls here.
+    """
+
+    def __init__(self, router, previous=None):
+        setattr(self, MARKER, True)
+        self.router = router
+        self.previous = previous
+
+    def __call__(self, func, *args, **kwargs):
+        if self.previous is not None:
+            return self.previous(self.attention, *args, **kwargs)
+        return self.attention(*args, **kwargs)
+
+    def attention(self, q, k, v, heads, mask=None, attn_precision=None,
+                  skip_reshape=False, skip_output_reshape=False, **kwargs):
+        """A ComfyUI attention function (attention_pytorch's signature)."""
+        if skip_reshape:
+            layout, (b, _, _, d) = "BHSD", q.shape
+        else:
+            b, _, inner = q.shape
+            d = inner // heads
+            layout = "BSHD"
+            q, k, v = (t.view(b, -1, heads, d) for t in (q, k, v))
+        if mask is not None:
+            if mask.ndim == 2:  # (Sq, Sk): add the batch dimension
+                mask = mask.unsqueeze(0)
+            if mask.ndim == 3:  # (B, Sq, Sk): add the heads dimension
+                mask = mask.unsqueeze(1)
+        out = self.router(q, k, v, layout=layout, mask=mask, scale=kwargs.get("scale"),
+                          transformer_options=kwargs.get("transformer_options"))
+        if skip_output_reshape:
+            return out if layout == "BHSD" else out.transpose(1, 2)
+        if layout == "BHSD":
+            out = out.transpose(1, 2)
+        return out.reshape(b, -1, heads * d)
+
+    def __deepcopy__(self, memo):
+        # ModelPatcher.clone deep-copies model_options; every clone must share
+        # this object so that its statistics are the model's
+        return self
+
+    def __repr__(self):
+        return f"<bigdit attention override: {self.router.describe()}>"
+
+
+def is_ours(override) -> bool:
+    return bool(getattr(override, MARKER, False))
+
+
+def install(transformer_options: dict, router) -> tuple[AttentionOverride, str]:
+    """Put `router` on transformer_options' attention hook, composing with
+    what is there (see AttentionOverride). Returns the override and one of
+    "installed", "replaced" (an earlier one of ours), "wrapped" (another)."""
+    current = transformer_options.get(KEY)
+    if current is None:
+        previous, how = None, "installed"
+    elif is_ours(current):
+        previous, how = current.previous, "replaced"
+    else:
+        previous, how = current, "wrapped"
+    override = AttentionOverride(router, previous)
+    transformer_options[KEY] = override
+    return override, how

@@ -1,0 +1,126 @@
+"""Route each attention call: the selected backend, else the dense backend,
+else SDPA; plus the dense schedule and per-model statistics."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from . import registry
+from .base import Unsupported
+from .schedule import DenseSchedule, parse_layers
+from .sol import MIN_TOKENS
+
+log = logging.getLogger(__name__)
+
+
+class AttentionStats:
+    """Calls per kernel that actually ran ("flash:fa3_fwd", "sol", "sdpa"),
+    fallbacks ("sage -> sdpa: takes no attention mask") and calls sent dense
+    by the schedule ("step", "layer"). `total` since creation, `run` since
+    the last `take_run()`."""
+
+    def __init__(self):
+        self.total = {"calls": Counter(), "fallbacks": Counter(), "scheduled_dense": Counter()}
+        self.run = {key: Counter() for key in self.total}
+
+    def add(self, kind: str, key: str) -> None:
+        self.total[kind][key] += 1
+        self.run[kind][key] += 1
+
+    def snapshot(self) -> dict:
+        return {kind: dict(counter) for kind, counter in self.total.items()}
+
+    def take_run(self) -> dict:
+        out = {kind: dict(counter) for kind, counter in self.run.items()}
+        for counter in self.run.values():
+            counter.clear()
+        return out
+
+
+def summary(counts: dict) -> str:
+    def fmt(counter):
+        return ", ".join(f"{k} x{n}" for k, n in sorted(counter.items(), key=lambda kv: -kv[1])) or "none"
+    return (f"ran {fmt(counts['calls'])}; fallbacks {fmt(counts['fallbacks'])}; "
+            f"scheduled dense {fmt(counts['scheduled_dense'])}")
+
+
+class Router:
+    """backend(q, k, v, layout=..., mask=..., scale=...) with fallbacks.
+
+    A call goes to `backend` unless the schedule (dense_steps/dense_layers)
+    sends it to `dense_backend`. A backend that declines the call (device,
+    dtype, head dim, mask, length, missing package) or fails at run time
+    passes it on to `dense_backend`, then to SDPA; each distinct reason is
+    logged once as a warning, every occurrence is counted in `stats`.
+    """
+
+    def __init__(self, backend: str = "auto", dense_backend: str = "auto", *, sol_tau: float = 1.0,
+                 dense_steps: int = 0, dense_layers: str = "", sol_min_tokens: int = MIN_TOKENS):
+        self.backend = registry.create(backend, sol_tau=sol_tau, sol_min_tokens=sol_min_tokens)
+        self.dense = registry.create(registry.parse(dense_backend, dense=True))
+        self.reference = registry.create("sdpa")
+        self.sol_tau = float(sol_tau)
+        self.schedule = DenseSchedule(dense_steps, parse_layers(dense_layers))
+        self.stats = AttentionStats()
+        self._warned = set()
+
+    def describe(self) -> str:
+        parts = [f"backend {self.backend.name}"]
+        if self.backend.name == "sol":
+            parts.append(f"tau {self.sol_tau:g}")
+        parts.append(f"dense {self.dense.name}")
+        if self.schedule.dense_steps:
+            parts.append(f"dense steps 0-{self.schedule.dense_steps - 1}")
+        if self.schedule.dense_layers:
+            parts.append(f"dense blocks {sorted(self.schedule.dense_layers)}")
+        return ", ".join(parts)
+
+    def begin_forward(self) -> None:
+        self.schedule.begin_forward()
+
+    def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None):
+        options = transformer_options or {}
+        chain = [self.backend, self.dense, self.reference]
+        if self.schedule.active:
+            why = self.schedule.dense_reason(options, (layout, tuple(q.shape), tuple(k.shape)))
+            if why:
+                self.stats.add("scheduled_dense", why)
+                chain = chain[1:]
+        # SDPA takes every call, so the chain ends at the first SDPA
+        names = [b.name for b in chain]
+        chain = chain[:names.index("sdpa") + 1]
+        seen = set()
+        *optional, reference = [b for b in chain if not (b.name in seen or seen.add(b.name))]
+        declined = []
+        for backend in optional:
+            try:
+                plan = backend.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
+            except Unsupported as e:
+                declined.append((backend.name, str(e)))
+                continue
+            try:
+                out = plan.run()
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - an optional kernel failing must not stop sampling
+                first_line = (str(e).splitlines() or [""])[0]
+                declined.append((backend.name, f"{plan.label} failed: {type(e).__name__}: {first_line}"))
+                continue
+            return self._ran(plan.label, out, declined)
+        plan = reference.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
+        return self._ran(plan.label, plan.run(), declined)
+
+    def _ran(self, label, out, declined):
+        for name, reason in declined:
+            self._fallback(name, reason, label)
+        self.stats.add("calls", label)
+        return out
+
+    def _fallback(self, name: str, reason: str, ran: str) -> None:
+        self.stats.add("fallbacks", f"{name} -> {ran}: {reason}")
+        if (name, reason) not in self._warned:
+            self._warned.add((name, reason))
+            log.warning("bigdit attention: %s cannot take this call (%s); running %s instead. "
+                        "Warned once per reason.", name, reason, ran)

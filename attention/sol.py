@@ -1,0 +1,118 @@
+"""Sol sparse attention through comfy-kitchen's `sol_attn`.
+
+`sol_attn` takes (B, T, H, 128) with q, k and v of one shape. Each 64-token
+query block attends the key blocks whose mean score clears `tau` standard
+deviations of its proxy row exactly and sees every other block as one pooled
+term, so higher tau is sparser (cheaper, less exact); as tau goes to minus
+infinity every block is exact and the result is dense attention. On CUDA it
+needs comfy-kitchen's compiled kernel (sm80+); on CPU comfy-kitchen's eager
+reference computes the same routing densely (O(T^2) memory).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .base import FLOAT_DTYPES, Constraints, Impl, Plan, Unsupported, convert, dims
+from .kernels import kitchen
+
+BLOCK = 64
+# Below about 12k tokens dense attention is usually faster than Sol
+# (comfy-kitchen's docs; ComfyUI's sparse node defaults min_tokens to 12288),
+# and short sequences (text refiners) lose most from pooling.
+MIN_TOKENS = 12288
+# comfy-kitchen's eager reference refuses a score tensor above 4 GiB.
+EAGER_MAX_SCORE_BYTES = 4 * 2**30
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted_params(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def h3_sinks(options: dict, tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """MiniMax-H3 conditioning rows as (sink_blocks, sink_q) block ranges.
+
+    Upstream ComfyUI's H3 publishes its packed layout as
+    transformer_options["minimax_h3_layout"] ([text | conditioning | audio |
+    video] segments). Everything before the video is attended exactly by
+    every query (sink_blocks) and the target-audio query rows run dense
+    (sink_q), as upstream's sparse node does by default. Other models: none.
+    """
+    none = ((0, 0), (0, 0))
+    layout = options.get("minimax_h3_layout")
+    if layout is None or getattr(layout, "seq_len", None) != tokens:
+        return none
+    video = next(((a, b) for a, b, kind in layout.segments if kind == "video"), None)
+    if video is None or video[0] <= 0:
+        return none
+    blocks = (0, -(-video[0] // BLOCK))
+    audio = next(((a, b) for a, b, kind in layout.segments if kind == "audio"), None)
+    return blocks, (blocks if audio is None else (audio[0] // BLOCK, blocks[1]))
+
+
+def key_bias_sinks(mask: torch.Tensor, tokens: int, sinks: tuple[int, int]):
+    """Map an SDPA mask onto Sol: (key_bias or None, sink_blocks).
+
+    Sol applies a per-key bias on its exact branch only, so the mask must be
+    key-only ((B|1, 1, 1, T)) and the blocks holding its masked keys must be
+    sink blocks (attended exactly by every query). They join the sink range
+    when it stays one contiguous range; otherwise the call is declined.
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != tokens:
+        raise Unsupported("mask varies over heads or queries (Sol takes key-only masks)")
+    masked = (~mask if mask.dtype == torch.bool else mask != 0).reshape(-1, tokens).any(0)
+    idx = masked.nonzero()
+    if idx.numel() == 0:
+        return None, sinks  # nothing masked
+    lo, hi = int(idx[0]) // BLOCK, int(idx[-1]) // BLOCK + 1
+    s0, s1 = sinks
+    if s1 > s0:
+        if lo > s1 or hi < s0:
+            raise Unsupported("masked keys and conditioning sinks are not one contiguous block range")
+        lo, hi = min(lo, s0), max(hi, s1)
+    return mask, (lo, hi)
+
+
+class Sol(Impl):
+    label = "sol"
+    constraints = Constraints(devices=frozenset({"cuda", "cpu"}), dtypes=FLOAT_DTYPES,
+                              head_dims=frozenset({128}), cross=False)
+
+    def __init__(self, tau: float = 1.0, min_tokens: int = MIN_TOKENS):
+        self.tau = float(tau)
+        self.min_tokens = int(min_tokens)
+
+    def plan(self, q, k, v, *, layout, mask, scale, options):
+        self.constraints.check(q, k, v, layout, mask)
+        if k.shape != q.shape or v.shape != q.shape:
+            raise Unsupported("q, k and v differ in shape")
+        ck = kitchen()
+        b, h, t, _ = dims(q, layout)
+        if q.device.type == "cuda" and not ck.sol_attn_is_available(q.device):
+            raise Unsupported("comfy-kitchen has no compiled sol_attn kernel for this GPU (needs sm80+)")
+        if q.device.type == "cpu" and b * h * t * t * 4 > EAGER_MAX_SCORE_BYTES:
+            raise Unsupported("too long for comfy-kitchen's O(T^2) eager reference on CPU")
+        if t < self.min_tokens:
+            raise Unsupported(f"fewer than {self.min_tokens} tokens, where dense is faster")
+        sink_blocks, sink_q = h3_sinks(options, t)
+        key_bias = None
+        if mask is not None:
+            key_bias, sink_blocks = key_bias_sinks(mask, t, sink_blocks)
+        kwargs = {"tau": self.tau, "scale": scale, "sink_blocks": list(sink_blocks),
+                  "sink_q": list(sink_q), "key_bias": key_bias}
+        # pass only what this comfy-kitchen's sol_attn accepts
+        accepted = _accepted_params(ck.sol_attn)
+        kwargs = {name: value for name, value in kwargs.items() if name in accepted}
+
+        def run():
+            qs, ks, vs = (convert(x, layout, "BSHD") for x in (q, k, v))
+            if q.device.type == "cuda" and q.dtype == torch.float32:
+                # the kernel takes bf16/fp16 and quantizes to int8 anyway; bf16 keeps fp32's range
+                qs, ks, vs = (x.to(torch.bfloat16) for x in (qs, ks, vs))
+            out = ck.sol_attn(qs, ks, vs, **kwargs).to(q.dtype)
+            return convert(out, "BSHD", layout)
+
+        return Plan(self.label, run)

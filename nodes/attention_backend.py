@@ -1,0 +1,92 @@
+"""SetAttentionBackend: choose the attention kernel of a model."""
+import logging
+
+import comfy.patcher_extension
+
+from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
+
+log = logging.getLogger(__name__)
+
+# key of our DIFFUSION_MODEL wrapper, ON_CLEANUP callback and attachment
+KEY = "bigdit_attention"
+
+
+class SetAttentionBackend:
+    DESCRIPTION = (
+        "Runs the model's attention with the chosen kernel: sdpa (PyTorch), flash (the best installed "
+        "FlashAttention, else PyTorch's flash kernel), sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
+        "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel "
+        "measured for this GPU). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
+        "with one warning per reason. An attention override already on the model is kept and gets this "
+        "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
+    )
+    CATEGORY = "attention"
+    FUNCTION = "apply"
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The model with the attention backend installed (the input model is unchanged).",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The diffusion model whose attention to replace."}),
+                "backend": (list(BACKENDS), {
+                    "default": "auto",
+                    "tooltip": "Attention kernel. auto: fastest dense kernel measured for this GPU (SDPA on CPU "
+                               "and unmeasured GPUs). sol: sparse; pays off above about 12k tokens.",
+                }),
+            },
+            "optional": {
+                "dense_backend": (list(DENSE_BACKENDS), {
+                    "default": "auto",
+                    "tooltip": "What runs wherever the backend does not: the dense steps and blocks below, and any "
+                               "call the backend cannot take (mask, head dim, dtype, device, short sequence).",
+                }),
+                "sol_tau": ("FLOAT", {
+                    "default": 1.0, "min": 0.0, "max": 4.0, "step": 0.05,
+                    "tooltip": "Sol routing threshold in standard deviations of the block scores: higher attends "
+                               "fewer key blocks exactly, faster and less exact.",
+                }),
+                "dense_steps": ("INT", {
+                    "default": 0, "min": 0, "max": 10000,
+                    "tooltip": "The first this many sampling steps run the dense backend (counted within each "
+                               "sampler's schedule). Meant for sol; applies to any backend.",
+                }),
+                "dense_layers": ("STRING", {
+                    "default": "",
+                    "tooltip": "Transformer blocks that always run the dense backend, e.g. '0,1' or '0, 47-49'.",
+                }),
+            },
+        }
+
+    def apply(self, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
+        router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers)
+        patched = model.clone()
+        options = patched.model_options.setdefault("transformer_options", {})
+        override, how = install(options, router)
+
+        # block counting restarts with every forward of the diffusion model
+        def begin_forward(executor, *args, **kwargs):
+            router.begin_forward()
+            return executor(*args, **kwargs)
+
+        def report(_patcher):
+            counts = router.stats.take_run()
+            if counts["calls"]:
+                log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
+
+        wrappers, callbacks = comfy.patcher_extension.WrappersMP, comfy.patcher_extension.CallbacksMP
+        patched.remove_wrappers_with_key(wrappers.DIFFUSION_MODEL, KEY)
+        patched.add_wrapper_with_key(wrappers.DIFFUSION_MODEL, KEY, begin_forward)
+        patched.remove_callbacks_with_key(callbacks.ON_CLEANUP, KEY)
+        patched.add_callback_with_key(callbacks.ON_CLEANUP, KEY, report)
+        # a later report reads the statistics here: model.get_attachment(KEY).stats
+        patched.set_attachments(KEY, router)
+
+        composed = {"installed": "", "replaced": "; replaced an earlier Set Attention Backend",
+                    "wrapped": f"; wrapping the existing override {override.previous!r}"}[how]
+        log.info("Set Attention Backend: %s%s", router.describe(), composed)
+        return (patched,)
+
+
+NODES = {"SetAttentionBackend": (SetAttentionBackend, "Set Attention Backend")}

@@ -1,0 +1,123 @@
+"""SetAttentionBackend in a real ComfyUI 0.3.75, on the tiny Wan models.
+
+Runs on a second server started with --use-pytorch-cross-attention: on CPU
+ComfyUI's own default is sub-quadratic attention (SDPA only on GPUs), and the
+`sdpa` backend can only reproduce a baseline that also ran SDPA. On CPU every
+other backend falls back to SDPA too, so every value must reproduce the
+baseline exactly, with one warning per fallback reason.
+"""
+import re
+
+import pytest
+import torch
+
+from comfy_harness import ComfyServer, PromptError
+from graphs import wan_t2v_graph
+
+pytestmark = pytest.mark.integration
+
+NODE = "SetAttentionBackend"
+
+
+@pytest.fixture(scope="module")
+def comfy_sdpa(comfy, tiny_wan, tiny_wan2, tmp_path_factory):
+    server = ComfyServer(tmp_path_factory.mktemp("comfy_sdpa"), comfy.comfyui,
+                         extra_args=["--use-pytorch-cross-attention"])
+    for sub, name in (("diffusion_models", tiny_wan["unet_name"]), ("diffusion_models", tiny_wan2["unet_name"]),
+                      ("vae", tiny_wan["vae_name"])):
+        (server.models_dir / sub / name).symlink_to(comfy.models_dir / sub / name)
+    yield server
+    server.stop()
+
+
+def run(server, tiny, chain=(), seed=5):
+    """(latent, the log this prompt wrote)."""
+    start = len(server.log_text())
+    history = server.run(wan_t2v_graph(tiny["unet_name"], tiny["vae_name"], model_chain=list(chain), seed=seed))
+    return server.latent(history, "save_latent"), server.log_text()[start:]
+
+
+def node(backend, **inputs):
+    return (NODE, {"backend": backend, **inputs})
+
+
+def summary(log):
+    (line,) = re.findall(r"Set Attention Backend \(.*\): ran .*", log)
+    return line
+
+
+@pytest.fixture(scope="module")
+def baseline(comfy_sdpa, tiny_wan):
+    return run(comfy_sdpa, tiny_wan)[0]
+
+
+def test_object_info_lists_the_node(comfy):
+    info = comfy.object_info()[NODE]
+    assert info["category"] == "attention" and info["output"] == ["MODEL"]
+    assert info["description"]
+    required, optional = info["input"]["required"], info["input"]["optional"]
+    assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "sol"]
+    assert optional["dense_backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash"]
+    assert optional["sol_tau"][0] == "FLOAT" and optional["sol_tau"][1]["default"] == 1.0
+    assert optional["dense_steps"][0] == "INT" and optional["dense_steps"][1]["default"] == 0
+    assert optional["dense_layers"][0] == "STRING" and optional["dense_layers"][1]["default"] == ""
+    for spec in (*required.values(), *optional.values()):
+        assert spec[1].get("tooltip"), spec
+
+
+# backend -> the fallback reasons it must warn about on CPU (once each)
+CPU_FALLBACKS = {
+    "auto": [],
+    "sdpa": [],
+    "flash": ["needs cuda, got a cpu tensor"],
+    "sage": ["needs cuda, got a cpu tensor"],
+    "kitchen_int8": ["needs cuda, got a cpu tensor"],
+    "sol": ["fewer than 12288 tokens", "query and key lengths differ (cross-attention)"],
+}
+
+
+@pytest.mark.parametrize("backend", list(CPU_FALLBACKS))
+def test_every_backend_runs_the_tiny_wan(comfy_sdpa, tiny_wan, baseline, backend):
+    latent, log = run(comfy_sdpa, tiny_wan, [node(backend)])
+    assert torch.equal(latent, baseline)
+    line = summary(log)
+    # 2 steps at cfg 1: one forward each, one self- and one cross-attention
+    ran = "ran sdpa x4" if backend == "sdpa" else "ran auto:sdpa x4"
+    assert ran in line, line
+    warnings = re.findall(rf"bigdit attention: {backend} cannot take this call \((.*)\); running", log)
+    assert len(warnings) == len(CPU_FALLBACKS[backend]), warnings
+    for reason in CPU_FALLBACKS[backend]:
+        assert sum(reason in w for w in warnings) == 1, (reason, warnings)
+
+
+def test_sdpa_is_close_to_comfyui_cpu_default(comfy, tiny_wan):
+    # the default server runs ComfyUI's sub-quadratic attention on CPU
+    base = comfy.latent(comfy.run(wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], seed=5)), "save_latent")
+    ours = comfy.latent(comfy.run(wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], seed=5,
+                                                model_chain=[node("sdpa")])), "save_latent")
+    torch.testing.assert_close(ours, base, atol=1e-4, rtol=0)  # measured 1.7e-6
+
+
+def test_dense_schedule_in_a_real_model(comfy_sdpa, tiny_wan2):
+    # 2 blocks, Wan reports no block index: blocks are counted per forward.
+    # step 0: all 4 calls dense (block 0 by step, block 1 by layer);
+    # step 1: block 1 by layer, block 0 tries sage and falls back on CPU.
+    latent, log = run(comfy_sdpa, tiny_wan2, [node("sage", dense_steps=1, dense_layers="1")])
+    assert torch.isfinite(latent).all()
+    line = summary(log)
+    assert "ran auto:sdpa x8" in line, line
+    assert "scheduled dense layer x4, step x2" in line, line
+    assert re.search(r"sage -> auto:sdpa: needs cuda, got a cpu tensor x2", line), line
+
+
+def test_a_second_node_replaces_the_first(comfy_sdpa, tiny_wan, baseline):
+    latent, log = run(comfy_sdpa, tiny_wan, [node("sage"), node("sdpa")])
+    assert torch.equal(latent, baseline)
+    assert "replaced an earlier Set Attention Backend" in log
+    assert "ran sdpa x4" in summary(log)
+    assert "sage cannot take this call" not in log  # the first one never runs
+
+
+def test_bad_dense_layers_is_a_node_error(comfy_sdpa, tiny_wan):
+    with pytest.raises(PromptError, match="dense_layers"):
+        run(comfy_sdpa, tiny_wan, [node("sol", dense_layers="first")])

@@ -1,0 +1,112 @@
+"""The dense schedule: which calls run the dense backend instead of Sol."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigdit.attention import Router
+from bigdit.attention.schedule import DenseSchedule, parse_layers
+
+SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+@pytest.mark.parametrize("text, blocks", [
+    ("", set()), ("0,1", {0, 1}), (" 0, 1 ,47-49", {0, 1, 47, 48, 49}), ("5-3", {3, 4, 5}), ("2 7", {2, 7}),
+])
+def test_parse_layers(text, blocks):
+    assert parse_layers(text) == blocks
+
+
+@pytest.mark.parametrize("text", ["a", "1.5", "-2", "1,,x"])
+def test_parse_layers_rejects(text):
+    with pytest.raises(ValueError, match="dense_layers"):
+        parse_layers(text)
+
+
+@pytest.mark.parametrize("sigma, step", [(1.0, 0), (0.75, 1), (0.6, 1), (0.25, 3), (0.7500001, 1)])
+def test_step_from_sigmas(sigma, step):
+    schedule = DenseSchedule(dense_steps=1)
+    options = {"sigmas": torch.tensor([sigma, sigma]), "sample_sigmas": SIGMAS}
+    assert schedule.step(options) == step
+
+
+def qkv(t=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, t, 128, generator=g) for _ in range(3))
+
+
+def sample(router, steps=4, blocks=3, cross=False):
+    """Drive `router` like a sampler: per step one forward over `blocks`
+    blocks of self-attention (and cross-attention to 64 text tokens).
+    Returns {(step, block, kind): ran SDPA exactly?}."""
+    q, k, v = qkv()
+    text_k, text_v = qkv(t=64, seed=1)[:2]
+    dense_self = F.scaled_dot_product_attention(q, k, v)
+    ran_dense = {}
+    for step in range(steps):
+        router.begin_forward()
+        options = {"sigmas": SIGMAS[step:step + 1], "sample_sigmas": SIGMAS}
+        for block in range(blocks):
+            out = router(q, k, v, transformer_options=options)
+            ran_dense[step, block, "self"] = torch.equal(out, dense_self)
+            if cross:
+                router(q, text_k, text_v, transformer_options=options)
+    return ran_dense
+
+
+def test_dense_steps_and_layers_route_to_the_dense_backend():
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_steps=2, dense_layers="1",
+                    sol_min_tokens=0)
+    ran_dense = sample(router, cross=True)
+    for (step, block, _), dense in ran_dense.items():
+        assert dense == (step < 2 or block == 1), (step, block)
+    stats = router.stats.snapshot()
+    # block 1 by layer every step (self + cross); blocks 0 and 2 by step in steps 0-1
+    assert stats["scheduled_dense"] == {"layer": 8, "step": 8}
+    assert stats["calls"] == {"sol": 4, "sdpa": 20}
+    # the remaining cross-attention calls fall back, Sol takes no cross-attention
+    assert sum(stats["fallbacks"].values()) == 4
+
+
+def test_block_counting_restarts_with_each_forward():
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="1", sol_min_tokens=0)
+    ran_dense = sample(router, steps=2, cross=True)
+    assert [ran_dense[s, b, "self"] for s in range(2) for b in range(3)] == [False, True, False] * 2
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="1", sol_min_tokens=0)
+    router.schedule.begin_forward = lambda: None  # without the per-forward reset, blocks count on
+    ran_dense = sample(router, steps=2)
+    assert [ran_dense[s, b, "self"] for s in range(2) for b in range(3)] == [False, True] + [False] * 4
+
+
+def test_block_index_reported_by_the_model_wins():
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="7", sol_min_tokens=0)
+    q, k, v = qkv()
+    dense = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(router(q, k, v, transformer_options={"block_index": 7}), dense)
+    assert not torch.equal(router(q, k, v, transformer_options={"block_index": 0}), dense)
+    assert router.stats.snapshot()["scheduled_dense"] == {"layer": 1}
+
+
+def test_no_step_information_warns_once_and_runs_sol(caplog):
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_steps=3, sol_min_tokens=0)
+    q, k, v = qkv()
+    with caplog.at_level(logging.WARNING, logger="bigdit.attention.schedule"):
+        for _ in range(3):
+            router(q, k, v, transformer_options={})
+    assert len([r for r in caplog.records if "dense_steps is not applied" in r.getMessage()]) == 1
+    assert router.stats.snapshot()["calls"] == {"sol": 3}
+
+
+def test_schedule_applies_to_any_backend():
+    router = Router("sage", dense_backend="sdpa", dense_steps=1)
+    ran_dense = sample(router, steps=2, blocks=1)
+    assert all(ran_dense.values())  # on CPU sage falls back; SDPA either way
+    stats = router.stats.snapshot()
+    assert stats["scheduled_dense"] == {"step": 1}
+    assert sum(stats["fallbacks"].values()) == 1  # only the step-1 call tried sage
+
+
+def test_negative_dense_steps_rejected():
+    with pytest.raises(ValueError, match="dense_steps"):
+        Router("sol", dense_steps=-1)
