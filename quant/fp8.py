@@ -8,6 +8,7 @@ quantize-dequantize arithmetic runs in fp32, so CPU results track the GPU's.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -57,8 +58,13 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
     return quantize_rows(x, input_act)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def native_fp8_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device) >= (8, 9)
 
 
 class Fp8Method(LinearMethod):
@@ -97,17 +103,18 @@ class Fp8Method(LinearMethod):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
         input_scale = t.get("input_scale")
+        native = native_fp8_supported(x.device)
         if input_scale is not None:
             # Static activation scale from the checkpoint.
             xa = _input_act(x2d, input_act).float()
             xq = (xa / input_scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
             x_scale = input_scale.float().reshape(1, 1).expand(xq.shape[0], 1).contiguous()
-        elif native_fp8_supported(x.device):
+        elif native:
             xq, x_scale = _fast_quantize_rows(x2d, input_act)
         else:
             xq, x_scale = quantize_rows(x2d, input_act)
         w_scale = self._row_scales(t["weight_scale"], n_out)
-        if native_fp8_supported(x.device):
+        if native:
             out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
                                    bias=None if bias is None else bias.to(out_dtype),
                                    out_dtype=out_dtype, use_fast_accum=True)

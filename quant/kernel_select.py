@@ -23,23 +23,22 @@ def rows_bucket(rows: int) -> int:
 
 
 def _time_ms(fn: Callable[[], object], iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """Per-call time of `iters` back-to-back calls (the CPU runs ahead, as in a model)."""
     fn()  # warm-up: kernel selection, workspace allocation
-    times = []
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(iters):
-        start.record()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 class KernelChooser:
     """Chooses among named candidates; `force_env` names an env var that pins one."""
 
-    def __init__(self, name: str, force_env: str, known: tuple[str, ...], iters: int = 3):
+    def __init__(self, name: str, force_env: str, known: tuple[str, ...], iters: int = 5):
         self.name = name
         self.force_env = force_env
         self.known = known

@@ -63,6 +63,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---- the encoder and decoder ------------------------------------------------
 
+_RNE_BOUNDARIES: dict[torch.device, torch.Tensor] = {}
+
+
 def _rne_boundaries(device: torch.device) -> torch.Tensor:
     """Midpoints between consecutive E2M1 magnitudes, for torch.bucketize.
 
@@ -72,10 +75,11 @@ def _rne_boundaries(device: torch.device) -> torch.Tensor:
     below a value, so a midpoint whose tie rounds up is replaced by the float
     just below it. Everything above 5.0 lands on code 7 (6.0): the saturation.
     """
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
-    ties_up = torch.tensor([False, True, False, True, False, True, False])
-    mids = torch.where(ties_up, torch.nextafter(mids, torch.zeros(())), mids)
-    return mids.to(device)
+    if device not in _RNE_BOUNDARIES:
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+        ties_up = torch.tensor([False, True, False, True, False, True, False])
+        _RNE_BOUNDARIES[device] = torch.where(ties_up, torch.nextafter(mids, torch.zeros(())), mids).to(device)
+    return _RNE_BOUNDARIES[device]
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,13 +104,15 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # (log2(0) = -inf) lands there too; any scale encodes it exactly.
     shared_exp = torch.where(amax > 0, shared_exp, -E8M0_BIAS).clamp_min(-E8M0_BIAS)
     # No clamp above: finite fp32 input has amax < 2^128, so shared_exp <= 125 < 127
-    # (E8M0's emax). The spec maps a NaN or infinite amax to the NaN scale, and a
-    # NaN scale makes the whole block NaN whatever its elements; those are 0 here.
+    # (E8M0's emax). A NaN or infinite amax gets the NaN scale (E8M0 has no Inf),
+    # as the spec authors' reference emulation (microxcaling) does; a NaN scale
+    # makes every element of its block NaN, so the elements are left 0.
     shared_exp = torch.where(finite, shared_exp, 0)
 
-    # Step 2: P_i = V_i / 2^shared_exp, rounded to E2M1 (nearest, ties to even),
-    # normal numbers clamped to the largest normal (saturation to +-6). The
-    # divisor is a normal power of two, so the division itself is exact.
+    # §6.3, then: P_i = quantize_to_element_format(V_i / X), X = 2^shared_exp:
+    # E2M1 round to nearest even, normal numbers clamped to the largest normal
+    # (saturation to +-6). X is a power of two, so V_i / X is exact wherever it
+    # matters (a quotient too small for a normal float rounds to 0 either way).
     inv_scale = ((E8M0_BIAS - shared_exp) << 23).view(torch.float32)
     scaled = blocks * inv_scale.unsqueeze(-1)
     codes = torch.bucketize(scaled.abs(), _rne_boundaries(x.device), out_int32=True).to(torch.uint8)

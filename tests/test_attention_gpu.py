@@ -30,6 +30,8 @@ def qkv(b=2, h=4, s=2048, d=128, dtype=torch.bfloat16, seed=0):
 
 
 def reference(q, k, v, mask=None):
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
 
 

@@ -44,18 +44,20 @@ def write_json(path: Path, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-def cuda_time_ms(fn, warmup: int = 2, iters: int = 10) -> float:
-    """Median time of `fn` in ms, by CUDA events."""
+def cuda_time_ms(fn, warmup: int = 2, iters: int = 10, repeats: int = 3) -> float:
+    """Time per call of `fn` in ms: `iters` calls back to back between two CUDA events
+    (as in a model, the CPU runs ahead of the GPU), median over `repeats`."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
+    per_call = []
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(iters):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        per_call.append(start.elapsed_time(end) / iters)
+    per_call.sort()
+    return per_call[len(per_call) // 2]
