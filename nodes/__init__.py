@@ -1,7 +1,7 @@
 """ComfyUI adapters. Each module lists its nodes in NODES = {name: (class, display name)}."""
-from . import attention_backend, offload, quantize_int8
+from . import attention_backend, checkpoint_loaders, offload, quantize_int8
 
-_MODULES = (quantize_int8, attention_backend, offload)
+_MODULES = (quantize_int8, attention_backend, offload, checkpoint_loaders)
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}

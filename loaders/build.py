@@ -1,0 +1,207 @@
+"""Builds a model's Linear layers one at a time while the model is being loaded.
+
+A model loader calls `LayerBuilder.build(name, ...)` for every Linear as its
+weights arrive. The layer is built from the checkpoint's quantized tensors (per
+its marker or Quanto entry), or its plain weight is quantized online right
+there (when an online QuantConfig is given), or None tells the loader to keep
+the plain layer. Only one layer's full-precision weight is on the compute
+device at a time, and a plain weight the file maps lazily is read once.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..quant.dispatch import FLOAT_DTYPES, QuantConfig
+from ..quant.linear import QuantLinear
+from ..quant.method import LinearMethod
+from ..quant.methods import available_methods, get_method
+from ..quant.mxfp8 import native_mxfp8_supported
+from ..quant.nvfp4 import native_nvfp4_supported
+from ..quant.patterns import first_match
+from ..quant.report import LayerRecord, QuantReport
+from .checkpoint import CheckpointPlan, TensorSource
+from .errors import CheckpointError
+
+# Checkpoint format -> quant registry name.
+METHOD_FOR_FORMAT = {
+    "int8_tensorwise": "int8_tensorwise",
+    "float8_e4m3fn": "fp8_e4m3fn",
+    "nvfp4": "nvfp4",
+    "mxfp8": "mxfp8",
+    "quanto_qint8": "quanto_qint8",
+}
+NVFP4_MODES = ("auto", "requantize")
+# Block formats with a native comfy-kitchen GEMM only on some GPUs.
+NATIVE_BLOCK_FORMAT = {"nvfp4": native_nvfp4_supported, "mxfp8": native_mxfp8_supported}
+
+
+def fastest_native_methods(device: torch.device, in_features: int, out_features: int) -> list[LinearMethod]:
+    """Native formats of `device` that take this shape, fastest first (empty: none).
+
+    The order is auto's table (FP8 on sm89+, INT8 ConvRot on sm75+ and on CPU,
+    where INT8 at least halves memory); INT8 takes the largest group size that
+    divides the input width.
+    """
+    from ..quant.auto import preferred_formats
+    methods = []
+    for fmt in preferred_formats(device):
+        options = [{"group_size": g} for g in (256, 64, 16)] if fmt == "int8_convrot" else [{}]
+        for kw in options:
+            method = get_method(fmt, **kw)
+            if method.skip_reason(in_features, out_features) is None:
+                methods.append(method)
+                break
+    return methods
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class LayerBuilder:
+    def __init__(self, plan: CheckpointPlan, source: TensorSource, device: torch.device, *,
+                 online: QuantConfig | None = None, nvfp4: str = "auto", title: str = "load",
+                 progress: Callable[[], None] | None = None):
+        if nvfp4 not in NVFP4_MODES:
+            raise ValueError(f"nvfp4 must be one of {NVFP4_MODES}, got {nvfp4!r}")
+        self.plan, self.source, self.device = plan, source, torch.device(device)
+        self.online, self.nvfp4, self.progress = online, nvfp4, progress
+        self.report = QuantReport(title=title)
+        self.report.notes.extend(plan.describe())
+        self.consumed: set[str] = set()
+        self._dominant = plan.proxy_dtype()
+        self._methods: dict[tuple, LinearMethod] = {}
+        self._paths: dict[str, dict[str, int]] = {}
+        self._online_counts: dict[str, int] = {}
+
+    # -- before building -------------------------------------------------------
+    def resolve_methods(self) -> None:
+        """Every format the checkpoint uses must have a method here; checked before any model exists."""
+        missing = [name for name, layer in self.plan.layers.items()
+                   if METHOD_FOR_FORMAT[layer.format] not in available_methods()]
+        if missing:
+            formats = sorted({self.plan.layers[n].format for n in missing})
+            raise CheckpointError(self.plan.path, f"format(s) {', '.join(formats)} not available in this build", missing)
+        for layer in self.plan.layers.values():
+            self._method(layer.format, layer.options)
+
+    def _method(self, fmt: str, options: dict) -> LinearMethod:
+        key = (fmt, tuple(sorted(options.items())))
+        if key not in self._methods:
+            self._methods[key] = get_method(METHOD_FOR_FORMAT[fmt], **options)
+        return self._methods[key]
+
+    # -- per layer ---------------------------------------------------------------
+    def build(self, name: str, weight: torch.Tensor | None, in_features: int, out_features: int,
+              bias: torch.Tensor | None, compute_dtype: torch.dtype, home: torch.device | None) -> QuantLinear | None:
+        """The module for Linear `name`, or None to keep the plain layer (its record is kept either way)."""
+        home = torch.device("cpu") if home is None else torch.device(home)
+        plain_bytes = (in_features + (bias is not None)) * out_features * compute_dtype.itemsize
+        if bias is not None:
+            bias = bias.to(device=home, dtype=compute_dtype, copy=True)
+        if name in self.plan.layers:
+            built = self._from_checkpoint(name, in_features, out_features, bias, compute_dtype, home, plain_bytes)
+        elif self.online is not None and weight is not None:
+            built = self._online(name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes)
+        else:
+            why = "not quantized in the checkpoint" if weight is not None else "no weight in the checkpoint"
+            self.report.records.append(LayerRecord(name, None, why, plain_bytes, plain_bytes))
+            built = None
+        if self.progress is not None:
+            self.progress()
+        return built
+
+    def _from_checkpoint(self, name, in_features, out_features, bias, compute_dtype, home, plain_bytes):
+        layer = self.plan.layers[name]
+        why_not = layer.mismatch(in_features, out_features)
+        if why_not is not None:
+            raise CheckpointError(self.plan.path, f"shape mismatch: {why_not}", [name])
+        method = self._method(layer.format, layer.options)
+        tensors = self.plan.layer_tensors(self.source, name)
+        reason = f"{layer.format} from the checkpoint"
+        if layer.format in NATIVE_BLOCK_FORMAT:
+            method, tensors, reason = self._block_format(layer.format, method, tensors, in_features, out_features,
+                                                         compute_dtype, reason)
+        tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
+        built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
+        self.consumed.add(name)
+        self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes,
+                                               _nbytes(built.parameters())))
+        return built
+
+    def _block_format(self, fmt, method, tensors, in_features, out_features, compute_dtype, reason):
+        """NVFP4/MXFP8 run natively only on sm100+; elsewhere they are dequantized per call,
+        unless NVFP4 is re-quantized now to this device's fastest native format."""
+        paths = self._paths.setdefault(fmt, {})
+        if NATIVE_BLOCK_FORMAT[fmt](self.device):
+            paths["native comfy-kitchen GEMM"] = paths.get("native comfy-kitchen GEMM", 0) + 1
+            return method, tensors, reason + ", native GEMM"
+        targets = fastest_native_methods(self.device, in_features, out_features)
+        if fmt == "nvfp4" and self.nvfp4 == "requantize" and targets:
+            target = targets[0]
+            on_device = {k: v.to(self.device) for k, v in tensors.items()}
+            stand_in = QuantLinear(method, in_features, out_features, on_device, None, compute_dtype)
+            with torch.no_grad():
+                requantized = target.quantize_weight(method.dequantize(stand_in))
+            label = f"re-quantized at load to {target.describe()}"
+            paths[label] = paths.get(label, 0) + 1
+            return target, requantized, f"nvfp4 in the checkpoint, {label}"
+        paths["dequantized before each matmul"] = paths.get("dequantized before each matmul", 0) + 1
+        return method, tensors, reason + ", dequantized per call"
+
+    def _online(self, name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes):
+        method, reason = self._decide(name, weight.dtype, in_features, out_features)
+        if method is None:
+            self.report.records.append(LayerRecord(name, None, reason, plain_bytes, plain_bytes))
+            return None
+        with torch.no_grad():
+            tensors = method.quantize_weight(weight.to(self.device))
+        tensors = {k: v.to(home) for k, v in tensors.items()}
+        built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
+        self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, _nbytes(built.parameters())))
+        self._online_counts[reason] = self._online_counts.get(reason, 0) + 1
+        return built
+
+    def _decide(self, name: str, dtype: torch.dtype, in_features: int, out_features: int):
+        """quant.dispatch.plan_layers' decision for one layer, made from the file's dtypes."""
+        config = self.online
+        if name in config.keep:
+            return None, config.keep[name]
+        if dtype not in FLOAT_DTYPES:
+            return None, f"already quantized ({str(dtype).replace('torch.', '')})"
+        pattern = first_match(name, config.ignored)
+        if pattern is not None:
+            return None, f"ignored (matches {pattern!r})"
+        if dtype == torch.float32 and self._dominant != torch.float32 and not config.include_fp32:
+            return None, "stored in fp32 on purpose"
+        method = config.method
+        if hasattr(method, "select"):
+            method, why = method.select(in_features, out_features)
+            if method is None:
+                return None, why
+        for rule_pattern, rule_method in config.rules:
+            if first_match(name, (rule_pattern,)):
+                method = rule_method
+                break
+        if method is None:
+            return None, "kept by rule"
+        why_not = method.skip_reason(in_features, out_features)
+        if why_not is not None:
+            return None, why_not
+        return method, method.describe()
+
+    # -- after building ----------------------------------------------------------
+    def finish(self) -> QuantReport:
+        """The report, once every Linear was built; raises if a quantized layer found no Linear."""
+        self.plan.require_consumed(self.consumed)
+        if self._online_counts:
+            self.report.notes.append("quantized while loading: " + ", ".join(
+                f"{label} x{n}" for label, n in self._online_counts.items()))
+        for fmt, paths in self._paths.items():
+            where = f"{self.device.type}" + (f" sm{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
+                                            if self.device.type == "cuda" else "")
+            self.report.notes.append(f"{fmt} layers on {where}: " + ", ".join(f"{label} x{n}"
+                                                                               for label, n in paths.items()))
+        return self.report

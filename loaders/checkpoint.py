@@ -1,0 +1,189 @@
+"""One entry point: a safetensors file -> CheckpointPlan (tensor access, per-layer formats, report).
+
+Auto-detects ComfyUI per-layer markers (both forms) and self-describing Quanto
+qint8 files; anything else is a plain checkpoint. Everything is validated
+here, before a model exists; after the model is built, `require_consumed`
+checks that every quantized layer found a Linear to load into.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .errors import CheckpointError
+from .layers import LayerFormat, method_tensors
+from .markers import MARKER_SUFFIX, has_markers, inspect_markers
+from .quanto import FORMAT_KEY, inspect_quanto, is_quanto
+from .safetensors_header import SafetensorsHeader, read_header
+
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_LEGACY_SCALED_FP8 = "scaled_fp8"
+
+
+class TensorSource:
+    """Lazy tensor access to one safetensors file (zero-copy: tensors map the file).
+
+    Tensors handed out stay valid after `close()`.
+    """
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        self.path = path
+        try:
+            self._file = safe_open(path, framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(path, f"safetensors cannot open the file ({exc})") from exc
+
+    def __call__(self, key: str) -> torch.Tensor:
+        try:
+            return self._file.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(self.path, f"cannot read tensor {key!r} ({exc})", [key]) from exc
+
+    def close(self) -> None:
+        self._file = None
+
+    def __enter__(self) -> "TensorSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class CheckpointPlan:
+    path: str
+    header: SafetensorsHeader
+    kind: str                               # "ComfyUI per-layer markers", "Quanto qint8" or "plain"
+    layers: dict[str, LayerFormat]          # by module name in the loader's namespace
+    plain_keys: dict[str, str]              # loader-side key -> file key, tensors handed over as stored
+    notes: list[str] = field(default_factory=list)
+
+    def open(self) -> TensorSource:
+        return TensorSource(self.path)
+
+    def layer_tensors(self, source: TensorSource, name: str) -> dict[str, torch.Tensor]:
+        """The quantized layer's tensors, by role, as its LinearMethod stores them."""
+        layer = self.layers[name]
+        return method_tensors(layer, {role: source(key) for role, key in layer.tensors.items()})
+
+    def proxy_dtype(self) -> torch.dtype:
+        """The checkpoint's main float dtype among its unquantized matrices (bf16 if none)."""
+        counts = Counter()
+        for key in self.plain_keys.values():
+            info = self.header.tensors[key]
+            if info.dtype in _TORCH_DTYPES and len(info.shape) >= 2:
+                counts[info.dtype] += info.numel
+        return _TORCH_DTYPES[counts.most_common(1)[0][0]] if counts else torch.bfloat16
+
+    def state_dict(self, source: TensorSource) -> dict[str, torch.Tensor]:
+        """What a model loader sees: the plain tensors, and for each quantized layer a
+        zero-cost stand-in `<layer>.weight` of its logical shape (the model's own
+        architecture detection reads shapes; the layer loads its real tensors itself)."""
+        sd = {new: source(old) for new, old in self.plain_keys.items()}
+        proxy = torch.zeros((), dtype=self.proxy_dtype())
+        for name, layer in self.layers.items():
+            sd[f"{name}.weight"] = proxy.expand(layer.logical_shape())
+        return sd
+
+    def renamed(self, rules: list[tuple[str, str]], only_matching: bool = False) -> "CheckpointPlan":
+        """The plan with key prefixes replaced (first matching rule wins).
+
+        With `only_matching`, keys no rule matches are dropped, as a model loader
+        that strips a prefix drops the rest; dropping a quantized layer that way is
+        an error. Two names mapping to one is a mapping collision (an error).
+        """
+        targets: dict[str, str] = {}
+        collisions: list[tuple[str, str, str]] = []
+        dropped_layers: list[str] = []
+
+        def place(new: str | None, old: str, is_layer: bool) -> None:
+            if new is None:
+                if is_layer:
+                    dropped_layers.append(old)
+                return
+            if new in targets and targets[new] != old:
+                collisions.append((targets[new], old, new))
+            targets[new] = old
+
+        layers, plain = {}, {}
+        for name, layer in self.layers.items():
+            new = _rename(name, rules, only_matching)
+            place(None if new is None else f"{new}.weight", name, True)
+            if new is not None:
+                layers[new] = layer.with_name(new)
+        for key, old in self.plain_keys.items():
+            new = _rename(key, rules, only_matching)
+            place(new, key, False)
+            if new is not None:
+                plain[new] = old
+        if collisions:
+            first, second, target = collisions[0]
+            raise CheckpointError(self.path, f"mapping collision: {len(collisions)} name(s) map onto another "
+                                             f"({first!r} and {second!r} both become {target!r})",
+                                  [name for collision in collisions for name in collision[:2]])
+        if dropped_layers:
+            prefixes = ", ".join(repr(old) for old, _ in rules)
+            raise CheckpointError(self.path, f"quantized layers outside the loaded model (prefix {prefixes})",
+                                  dropped_layers)
+        return replace(self, layers=layers, plain_keys=plain)
+
+    def unconsumed(self, consumed) -> list[str]:
+        consumed = set(consumed)
+        return [name for name in self.layers if name not in consumed]
+
+    def require_consumed(self, consumed) -> None:
+        """Every quantized layer must have been loaded by a Linear of the model."""
+        missing = self.unconsumed(consumed)
+        if missing:
+            raise CheckpointError(self.path, f"unconsumed markers: {len(missing)} quantized layer(s) match no Linear "
+                                             f"layer of the model, so the load was abandoned", missing)
+
+    def describe(self) -> list[str]:
+        counts = Counter(layer.format for layer in self.layers.values())
+        formats = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items())) or "none"
+        return [f"checkpoint {os.path.basename(self.path)}: {self.kind}; quantized layers in the file: {formats}",
+                *self.notes]
+
+
+def _rename(name: str, rules: list[tuple[str, str]], only_matching: bool) -> str | None:
+    for old, new in rules:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None if only_matching else name
+
+
+def inspect_checkpoint(path) -> CheckpointPlan:
+    """Read and validate `path`; raises CheckpointError naming the file and layers."""
+    path = os.fspath(path)
+    header = read_header(path)
+    with TensorSource(path) as source:
+        quanto, marked = is_quanto(header), has_markers(header)
+        if quanto and marked:
+            raise CheckpointError(path, "the file has both a Quanto quantization map and ComfyUI markers")
+        legacy = [k for k in header.tensors if k == _LEGACY_SCALED_FP8 or k.endswith("." + _LEGACY_SCALED_FP8)]
+        if legacy:
+            raise CheckpointError(path, "legacy scaled_fp8 checkpoint: load it with ComfyUI's own loader", legacy)
+        if quanto:
+            kind, layers = "Quanto qint8", inspect_quanto(header, source)
+            notes = ["Quanto qint8 is a resident-memory format, not a speed format: each layer's weight is "
+                     "dequantized just before its matmul"]
+        elif marked:
+            kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source)
+            notes = []
+        elif FORMAT_KEY in header.metadata:
+            raise CheckpointError(path, f"unsupported {FORMAT_KEY} {header.metadata[FORMAT_KEY]!r} (supported: quanto)")
+        else:
+            kind, layers, notes = "plain", {}, []
+    claimed = {key for layer in layers.values() for key in layer.tensors.values()}
+    claimed |= {f"{name}{MARKER_SUFFIX}" for name in layers}
+    claimed |= {f"{name}.{aux}" for name in layers for aux in ("input_scale", "output_scale")
+                if layers[name].format == "quanto_qint8"}
+    plain = {key: key for key in header.tensors if key not in claimed}
+    sources = Counter(layer.source for layer in layers.values())
+    if marked:
+        notes.append("markers read from " + ", ".join(f"{src} x{n}" for src, n in sorted(sources.items())))
+    return CheckpointPlan(path, header, kind, layers, plain, notes)

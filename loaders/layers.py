@@ -1,0 +1,144 @@
+"""What one quantized layer of a checkpoint is: its format, its tensors, and how they are checked.
+
+Shared by the ComfyUI per-layer markers (markers.py) and Quanto maps (quanto.py).
+Roles are the parameter names a QuantLinear gets (`weight`, `weight_scale`,
+`weight_scale_2`, `input_scale`); `tensors` maps each role to its key in the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import CheckpointError
+from .safetensors_header import FLOAT_DTYPES, SafetensorsHeader, TensorInfo
+
+TensorReader = Callable[[str], torch.Tensor]
+
+
+def roundup(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    name: str                   # module name in the checkpoint's namespace, e.g. "blocks.0.ffn.0"
+    format: str                 # int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8 or quanto_qint8
+    tensors: dict[str, str]     # role -> tensor key in the file
+    storage_shape: tuple[int, int]
+    options: dict = field(default_factory=dict)   # method options, e.g. convrot flags
+    source: str = ""            # where the layer was declared
+
+    def logical_shape(self) -> tuple[int, int]:
+        """[out, in] of the weight this layer stands for (padded for the block formats)."""
+        rows, cols = self.storage_shape
+        return (rows, cols * 2) if self.format == "nvfp4" else (rows, cols)
+
+    def mismatch(self, in_features: int, out_features: int) -> str | None:
+        """Why the stored tensors cannot be a [out, in] Linear weight, or None."""
+        if self.format == "nvfp4":
+            expected = (roundup(out_features, 16), roundup(in_features, 16) // 2)
+        elif self.format == "mxfp8":
+            expected = (roundup(out_features, 32), roundup(in_features, 32))
+        else:
+            expected = (out_features, in_features)
+        if tuple(self.storage_shape) != expected:
+            return (f"{self.format} weight {list(self.storage_shape)} does not fit a Linear of "
+                    f"{in_features}->{out_features} (expected {list(expected)})")
+        return None
+
+    def with_name(self, name: str) -> "LayerFormat":
+        return LayerFormat(name, self.format, self.tensors, self.storage_shape, self.options, self.source)
+
+
+class Problems:
+    """Collects per-layer problems; raises one CheckpointError for the first kind, naming all its layers."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._layers: dict[str, list[str]] = {}
+
+    def add(self, problem: str, layer: str) -> None:
+        self._layers.setdefault(problem, []).append(layer)
+
+    def raise_if_any(self) -> None:
+        for problem, layers in self._layers.items():
+            raise CheckpointError(self.path, problem, layers)
+
+
+# ---- tensor checks ----------------------------------------------------------
+
+def is_scalar(info: TensorInfo) -> bool:
+    return info.numel == 1 and len(info.shape) <= 1
+
+
+def per_tensor_or_channel(info: TensorInfo, rows: int) -> bool:
+    """A scale stored per tensor (1 element) or per output channel ([N], [N, 1])."""
+    return is_scalar(info) or info.shape in ((rows,), (rows, 1)) or info.shape == (1, 1)
+
+
+def non_finite(tensor: torch.Tensor, encoding: str) -> bool:
+    """Whether a scale holds NaN or Inf; `encoding` says how U8 storage is to be read."""
+    raw = tensor.view(torch.uint8) if tensor.element_size() == 1 else None
+    if encoding == "F8_E8M0":
+        return bool((raw == 0xFF).any())            # E8M0's only non-finite code
+    if encoding == "F8_E4M3":
+        return bool(((raw & 0x7F) == 0x7F).any())   # E4M3FN: NaN, no infinities
+    return not bool(torch.isfinite(tensor.float()).all())
+
+
+def check_scales(layer: LayerFormat, read: TensorReader, encodings: dict[str, str], problems: Problems) -> None:
+    """NaN/Inf scales are refused: they would silently turn the layer's output into NaN."""
+    for role, encoding in encodings.items():
+        key = layer.tensors.get(role)
+        if key is not None and non_finite(read(key), encoding):
+            problems.add(f"non-finite (NaN/Inf) values in {layer.format} {role}", layer.name)
+
+
+def companion_keys(header: SafetensorsHeader, name: str) -> dict[str, str]:
+    """{suffix: key} of the tensors stored directly under module `name` (e.g. weight, weight_scale)."""
+    prefix = name + "."
+    return {key[len(prefix):]: key for key in header.tensors
+            if key.startswith(prefix) and "." not in key[len(prefix):]}
+
+
+def expect_dtype(info: TensorInfo, allowed: tuple[str, ...], what: str, layer: str, problems: Problems) -> bool:
+    if info.dtype in allowed:
+        return True
+    problems.add(f"dtype mismatch: {what} must be {' or '.join(allowed)}, found {info.dtype}", layer)
+    return False
+
+
+def float_scale(info: TensorInfo, what: str, layer: str, problems: Problems) -> bool:
+    return expect_dtype(info, FLOAT_DTYPES, what, layer, problems)
+
+
+# ---- tensors as the methods take them ---------------------------------------
+
+_VIEWS = {("nvfp4", "weight_scale"): torch.float8_e4m3fn, ("mxfp8", "weight_scale"): torch.float8_e8m0fnu}
+
+
+def method_tensors(layer: LayerFormat, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors for `layer` in the dtypes and shapes its LinearMethod stores.
+
+    Per-tensor scales become fp32 scalars, per-channel ones fp32 [N, 1] (Quanto's
+    keep their dtype); block scales stored as uint8 are viewed as their fp8 type.
+    MXFP8's optional input_scale is dropped: its activations carry block scales.
+    """
+    out = {}
+    for role, tensor in raw.items():
+        view = _VIEWS.get((layer.format, role))
+        if view is not None:
+            out[role] = tensor.view(view)
+        elif role == "weight":
+            out[role] = tensor
+        elif layer.format == "quanto_qint8":
+            out[role] = tensor
+        elif layer.format == "mxfp8" and role == "input_scale":
+            continue
+        elif tensor.numel() == 1:
+            out[role] = tensor.float().reshape(())
+        else:
+            out[role] = tensor.float().reshape(-1, 1)
+    return out

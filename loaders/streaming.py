@@ -1,0 +1,295 @@
+"""Layerwise weight streaming with one-block lookahead. Pure torch, no ComfyUI.
+
+Streamed blocks keep their tensors in host memory, page-locked where they are
+(`HostPins`: cudaHostRegister on the existing buffers, so host memory holds
+one copy, quantized tensors included). Forward pre-/post-hooks on every block
+drive a small state machine:
+
+- while streamed block s(k) computes, s(k+1)'s tensors are copied on a side
+  CUDA stream into freshly allocated device tensors;
+- the copy waits on an event recorded on the compute stream when it was
+  issued, so it never overwrites memory the compute stream still reads, and
+  the compute stream waits on the copy's event before s(k+1) runs: no host
+  synchronisation, no copy on the compute stream;
+- at the pre-hook the block's parameter (and buffer) entries are swapped for
+  the device copies; at the post-hook the host tensors are put back and the
+  device copies dropped, so the caching allocator reuses their memory for the
+  next prefetch. At most two streamed blocks are on the device at once.
+
+The streamer stays attached across forwards: when the last streamed block
+finishes, the first one is issued for the next forward (it is also issued on
+attach), so it overlaps the blocks after the last streamed one and the next
+forward's start; the planner keeps block 0 resident so there are some.
+
+On a CPU device the same hooks run and "copies" are real host-to-host copies
+("CPU-to-CPU streaming"), so tests can check the order of moves and that
+outputs match exactly. A `trace` list records ("issue" | "enter" | "swap_in" |
+"release", block index) in order.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MAX_ON_DEVICE = 2  # the streamed block computing and the next one being copied
+# Tensors below this are not page-locked in place (they could share a page
+# with an unrelated allocation); each copy stages them through a pinned buffer.
+PIN_MIN_BYTES = 1 << 20
+
+_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def normalize_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def block_tensors(block: nn.Module) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
+    """(owner module, "_parameters" | "_buffers", name, tensor) for every tensor of a block."""
+    for module in block.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                if tensor is not None:
+                    yield module, kind, name, tensor
+
+
+def offloaded_blocks(blocks: Sequence[nn.Module], device) -> list[int]:
+    """Indices of blocks with any tensor away from `device` (e.g. left in RAM by a partial load)."""
+    device = normalize_device(device)
+    return [i for i, block in enumerate(blocks)
+            if any(t.device != device for *_, t in block_tensors(block))]
+
+
+class HostPins:
+    """Page-locks host tensors in place with cudaHostRegister; `release()` undoes it.
+
+    Release before anything may free or move the tensors: memory freed while
+    registered stays registered.
+    """
+
+    def __init__(self, min_bytes: int = PIN_MIN_BYTES):
+        self.min_bytes = min_bytes
+        self._registered: dict[int, int] = {}  # data_ptr -> bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self._registered.values())
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        """True if `tensor` is page-locked now (by us or earlier by someone else)."""
+        if tensor.device.type != "cpu" or not torch.cuda.is_available():
+            return False
+        # A comfy-kitchen QuantizedTensor reports its dequantized shape; its packed data is the buffer.
+        tensor = getattr(tensor, "_qdata", tensor)
+        if tensor.data_ptr() in self._registered or tensor.is_pinned():
+            return True
+        n_bytes = tensor.numel() * tensor.element_size()
+        if n_bytes < self.min_bytes or not tensor.is_contiguous():
+            return False
+        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), n_bytes, 0)
+        if int(status) != 0:
+            log.debug("cudaHostRegister of %d bytes failed (%s); copying from pageable memory", n_bytes, status)
+            return False
+        self._registered[tensor.data_ptr()] = n_bytes
+        return True
+
+    def release(self) -> None:
+        for ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+
+
+def move_blocks_to_host(blocks: Sequence[nn.Module], indices: Iterable[int], pins: HostPins | None = None) -> int:
+    """Moves these blocks' tensors to host memory, page-locked when `pins` is given; returns bytes moved."""
+    moved = 0
+    for i in indices:
+        for *_, tensor in block_tensors(blocks[i]):
+            if tensor.device.type != "cpu":
+                tensor.data = tensor.data.to("cpu")
+                moved += tensor.numel() * tensor.element_size()
+            if pins is not None:
+                pins.pin(tensor.data)
+    return moved
+
+
+def _async_source(src: torch.Tensor) -> torch.Tensor:
+    """A source the side stream can copy from without blocking the host.
+
+    A copy from pageable memory first waits, on the host, for the copy stream
+    to drain; small tensors (norm scales, biases) are staged through a pinned
+    buffer instead. Large ones are pinned in place by HostPins; if that failed
+    they are copied as they are.
+    """
+    if getattr(src, "_qdata", None) is not None or src.is_pinned():
+        return src
+    if src.numel() * src.element_size() < PIN_MIN_BYTES:
+        return torch.empty_like(src, pin_memory=True).copy_(src)
+    return src
+
+
+@dataclass
+class StreamStats:
+    forwards: int = 0
+    loads: int = 0          # streamed block executions
+    prefetched: int = 0     # ... whose copy was issued before the block started
+    bytes_copied: int = 0
+    max_on_device: int = 0  # most streamed blocks on the device at once
+
+    @property
+    def late(self) -> int:
+        return self.loads - self.prefetched
+
+    def render(self) -> str:
+        return (f"{self.loads} streamed block loads in {self.forwards} forwards, {self.prefetched} prefetched "
+                f"ahead, {self.late} late; {self.bytes_copied / 1024 ** 2:.1f} MiB copied; "
+                f"at most {self.max_on_device} streamed blocks on the device")
+
+
+@dataclass
+class _Staged:
+    tensors: list[torch.Tensor]
+    done: "torch.cuda.Event | None"
+    prefetched: bool
+    in_use: bool = False
+
+
+@dataclass
+class LayerwiseStreamer:
+    """Streams `streamed` blocks of `blocks` onto `device` around each block's forward.
+
+    Use as a context manager (or attach()/detach()) around one or more forwards;
+    a copy issued for a forward that never comes is dropped on detach.
+    Tensors of a streamed block that are already on `device` stay put (a block
+    ComfyUI loaded partially streams only its offloaded part); on a CPU device
+    every tensor of a streamed block is copied.
+    """
+    blocks: Sequence[nn.Module]
+    device: torch.device
+    streamed: Iterable[int]
+    pins: HostPins | None = None
+    stats: StreamStats = field(default_factory=StreamStats)
+    trace: list | None = None
+
+    def __post_init__(self):
+        self.blocks = list(self.blocks)
+        self.device = normalize_device(self.device)
+        self.order = sorted(set(self.streamed))
+        self._next_streamed = {}
+        streamed, upcoming = set(self.order), None
+        for j in reversed(range(len(self.blocks))):
+            self._next_streamed[j] = upcoming
+            if j in streamed:
+                upcoming = j
+        self._entries: dict[int, list[tuple[nn.Module, str, str, torch.Tensor]]] = {}
+        self._staged: dict[int, _Staged] = {}
+        self._handles = []
+
+    # -- lifecycle -----------------------------------------------------------
+    def __enter__(self) -> "LayerwiseStreamer":
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def attach(self) -> None:
+        for i in self.order:
+            cpu = self.device.type == "cpu"
+            self._entries[i] = [e for e in block_tensors(self.blocks[i]) if cpu or e[3].device != self.device]
+            if self.pins is not None and not cpu:
+                for *_, tensor in self._entries[i]:
+                    self.pins.pin(tensor)
+        for j, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(lambda m, a, j=j: self._enter(j)))
+            self._handles.append(block.register_forward_hook(lambda m, a, o, j=j: self._exit(j), always_call=True))
+        if self.order:
+            self._issue(self.order[0], prefetched=True)
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for i in list(self._staged):
+            self._release(i)
+        self._entries.clear()
+
+    # -- the state machine -----------------------------------------------------
+    def _record(self, event: str, index: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, index))
+
+    def _issue(self, i: int, prefetched: bool) -> _Staged:
+        sources = [tensor for *_, tensor in self._entries[i]]
+        done = None
+        if self.device.type == "cuda":
+            # Allocated on the compute stream: the copy may only start once the
+            # compute stream has passed this point (the memory may be a block's
+            # that work queued before now still reads).
+            targets = [torch.empty_like(src, device=self.device) for src in sources]
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            stream = _copy_stream(self.device)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                for target, src in zip(targets, sources):
+                    target.copy_(_async_source(src), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+        else:
+            targets = [torch.empty_like(src, device=self.device).copy_(src) for src in sources]
+        staged = self._staged[i] = _Staged(targets, done, prefetched)
+        self.stats.bytes_copied += sum(t.numel() * t.element_size() for t in sources)
+        self.stats.max_on_device = max(self.stats.max_on_device, len(self._staged))
+        self._record("issue", i)
+        return staged
+
+    def _enter(self, j: int) -> None:
+        if j == 0:
+            self.stats.forwards += 1
+        self._record("enter", j)
+        if j in self._entries:
+            staged = self._staged.get(j) or self._issue(j, prefetched=False)
+            if staged.done is not None:
+                torch.cuda.current_stream(self.device).wait_event(staged.done)
+            for (module, kind, name, _), target in zip(self._entries[j], staged.tensors):
+                if kind == "_parameters":
+                    target = nn.Parameter(target, requires_grad=False)  # inference only
+                getattr(module, kind)[name] = target
+            staged.in_use = True
+            self.stats.loads += 1
+            self.stats.prefetched += staged.prefetched
+            self._record("swap_in", j)
+        self._prefetch(self._next_streamed[j])
+
+    def _exit(self, j: int) -> None:
+        staged = self._staged.get(j)
+        if staged is not None and staged.in_use:
+            self._release(j)
+        if self.order and j == self.order[-1]:
+            self._prefetch(self.order[0])  # for the next forward
+
+    def _prefetch(self, i: int | None) -> None:
+        if i is not None and i not in self._staged and len(self._staged) < MAX_ON_DEVICE:
+            self._issue(i, prefetched=True)
+
+    def _release(self, i: int) -> None:
+        staged = self._staged.pop(i)
+        if staged.in_use:
+            for module, kind, name, host in self._entries[i]:
+                getattr(module, kind)[name] = host
+        self._record("release", i)

@@ -1,0 +1,122 @@
+"""ComfyUI internals the checkpoint loaders touch, by feature detection.
+
+The loaders hand ComfyUI an operations class (`custom_operations`), which
+replaces the ops ComfyUI would pick, for every layer. Its Linear allocates no
+weight up front; when ComfyUI loads the state dict, each Linear asks the
+LayerBuilder for its module by name. A quantized layer is built right there
+(from the checkpoint's tensors, or by quantizing the plain weight the file
+maps lazily) and swapped in once loading is done; every other layer loads as
+ComfyUI's own `manual_cast` Linear. ComfyUI's architecture detection and model
+classes do the rest, so any architecture ComfyUI knows loads this way.
+"""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_detection
+import comfy.model_management
+import comfy.ops
+import comfy.sd
+import comfy.utils
+
+from ..loaders import CheckpointError, CheckpointPlan, LayerBuilder
+from ..quant.dispatch import apply_replacements
+
+
+def compute_device() -> torch.device:
+    return comfy.model_management.get_torch_device()
+
+
+def progress_counter(total: int):
+    """A callable that advances ComfyUI's progress bar by one step per call."""
+    bar = comfy.utils.ProgressBar(max(total, 1))
+    return lambda: bar.update(1)
+
+
+def building_operations(builder: LayerBuilder):
+    """An ops class for `custom_operations`: manual_cast, with a Linear that builds through `builder`."""
+    base = comfy.ops.manual_cast
+
+    class BuildingOperations(base):
+        class Linear(base.Linear):
+            def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+                torch.nn.Module.__init__(self)
+                self.in_features, self.out_features = in_features, out_features
+                self.factory = {"device": device, "dtype": dtype}
+                self.register_parameter("weight", None)  # allocated at load, and only if kept plain
+                self.bias = torch.nn.Parameter(torch.empty(out_features, **self.factory)) if bias else None
+                self.built = None
+
+            def reset_parameters(self):
+                return None
+
+            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs):
+                weight = state_dict.get(prefix + "weight")
+                bias = state_dict.get(prefix + "bias") if self.bias is not None else None
+                dtype = self.factory["dtype"] or (weight.dtype if weight is not None else torch.float32)
+                self.built = builder.build(prefix[:-1], weight, self.in_features, self.out_features, bias,
+                                           dtype, self.factory["device"])
+                if self.built is None:
+                    self.weight = torch.nn.Parameter(torch.empty((self.out_features, self.in_features),
+                                                                 **self.factory))
+                    super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                  unexpected_keys, error_msgs)
+
+    return BuildingOperations
+
+
+def install_built_layers(root: torch.nn.Module, operations) -> int:
+    """Swap every Linear the builder built for its built module; returns how many."""
+    built = {name: module.built for name, module in root.named_modules()
+             if isinstance(module, operations.Linear) and module.built is not None}
+    apply_replacements(root, built)
+    return len(built)
+
+
+def diffusion_namespace(plan: CheckpointPlan) -> CheckpointPlan:
+    """The plan in the diffusion model's own names, stripping the prefix ComfyUI strips
+    (e.g. "model.diffusion_model." in full checkpoints) and dropping what it drops."""
+    keys = list(plan.plain_keys) + [f"{name}.weight" for name in plan.layers]
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(dict.fromkeys(keys))
+    if not any(key.startswith(prefix) for key in keys):
+        return plan
+    return plan.renamed([(prefix, "")], only_matching=True)
+
+
+def _reset_size(patcher) -> None:
+    # The patcher may have measured the model before the swap; memory planning must see the built layers.
+    if hasattr(patcher, "size"):
+        patcher.size = 0
+
+
+def load_diffusion_model(plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict):
+    """A ModelPatcher for the diffusion model, built through `builder`. Raises CheckpointError
+    if ComfyUI does not recognize the architecture or a quantized layer found no Linear."""
+    operations = building_operations(builder)
+    patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": operations})
+    if patcher is None:
+        raise CheckpointError(plan.path, "ComfyUI could not detect the model type of this diffusion model")
+    builder.finish()
+    install_built_layers(patcher.model.diffusion_model, operations)
+    _reset_size(patcher)
+    return patcher
+
+
+def clip_types() -> list[str]:
+    """The text-encoder types this ComfyUI knows, as CLIPLoader lists them."""
+    return [t.name.lower() for t in comfy.sd.CLIPType]
+
+
+def load_text_encoder(plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict, clip_type: str,
+                      embedding_directory):
+    """A CLIP object whose text encoder was built through `builder` (same guarantees as above)."""
+    operations = building_operations(builder)
+    clip = comfy.sd.load_text_encoder_state_dicts(
+        [state_dict], embedding_directory=embedding_directory,
+        clip_type=getattr(comfy.sd.CLIPType, clip_type.upper()),
+        model_options={"custom_operations": operations})
+    builder.finish()
+    install_built_layers(clip.cond_stage_model, operations)
+    _reset_size(clip.patcher)
+    return clip

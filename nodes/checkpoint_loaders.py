@@ -1,0 +1,212 @@
+"""Loaders for quantized checkpoints: per-layer markers and Quanto files, and online quantization while loading."""
+from __future__ import annotations
+
+import folder_paths
+
+from ..loaders import LayerBuilder, inspect_checkpoint
+from ..quant import QuantConfig, available_methods, get_method
+from ..quant.int8_convrot import GROUP_SIZES
+from ..quant.patterns import parse_patterns
+from . import checkpoint_compat as compat
+from .offload import MODES as OFFLOAD_MODES
+from .offload import install_offload
+
+# Kept in full precision by LoadH3Quantized: H3's AdaLN projections, output head
+# and patch projections (its fp32 layers stay fp32 anyway), and their Wan
+# counterparts (the output head and the time-modulation projection).
+DEFAULT_KEEP = ("*adaln*", "final_layer.*", "*_patch_proj", "head.*", "time_projection.*")
+ONLINE_FORMATS = ("auto", "int8_convrot", "fp8_e4m3fn", "mxfp4", "none")
+
+_NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
+                  "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
+                  "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
+                  "the report says which happened.")
+
+
+def _report(builder: LayerBuilder, *extra: str) -> str:
+    return "\n".join([builder.report.render(), *extra])
+
+
+def _progress_total(plan) -> int:
+    """About one step per Linear: the quantized layers and the plain matrices."""
+    plain = sum(1 for key in plan.plain_keys.values()
+                if key.endswith(".weight") and len(plan.header.tensors[key].shape) == 2)
+    return plain + len(plan.layers)
+
+
+class MixedCheckpointLoader:
+    DESCRIPTION = (
+        "Loads a diffusion model saved with quantized layers: ComfyUI per-layer markers (int8_tensorwise with or "
+        "without ConvRot, float8_e4m3fn, nvfp4, mxfp8, mixed in one file, markers as comfy_quant tensors or in the "
+        "header) or a self-describing Quanto qint8 file; the format is detected. ComfyUI's own model detection "
+        "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these formats too. "
+        "The file is checked before anything is built; a bad file fails with an error naming the layer."
+    )
+    CATEGORY = "loaders"
+    FUNCTION = "load"
+    RETURN_TYPES = ("MODEL", "STRING")
+    RETURN_NAMES = ("model", "report")
+    OUTPUT_TOOLTIPS = ("The diffusion model with each layer in its checkpoint format.",
+                       "What was loaded: layers per format, the execution path of block formats, weights memory.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "unet_name": (folder_paths.get_filename_list("diffusion_models"), {
+                    "tooltip": "A safetensors file in models/diffusion_models with per-layer quantization markers "
+                               "or a Quanto quantization map."}),
+            },
+            "optional": {
+                "nvfp4": (["auto", "requantize"], {"default": "auto", "tooltip": _NVFP4_TOOLTIP}),
+            },
+        }
+
+    def load(self, unet_name, nvfp4="auto"):
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        plan = compat.diffusion_namespace(inspect_checkpoint(path))
+        with plan.open() as source:
+            builder = LayerBuilder(plan, source, compat.compute_device(), nvfp4=nvfp4, title="MixedCheckpointLoader",
+                                   progress=compat.progress_counter(_progress_total(plan)))
+            builder.resolve_methods()
+            model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
+        text = _report(builder)
+        return {"ui": {"text": [text]}, "result": (model, text)}
+
+
+def online_method(name: str, group_size: int, device):
+    """The registered method for a LoadH3Quantized choice, or a clear error if this build lacks it."""
+    if name not in available_methods():
+        raise ValueError(f"quantization {name!r} is not available in this build yet "
+                         f"(available: {', '.join(available_methods())})")
+    return get_method(name, group_size=group_size, device=device)
+
+
+class LoadH3Quantized:
+    DESCRIPTION = (
+        "Loads a bf16 or marker-quantized diffusion model (MiniMax-H3, Wan, any model ComfyUI knows) and quantizes "
+        "it while loading, one layer at a time: each layer's weight is read from the file, quantized on the GPU and "
+        "stored, so the full-precision model is never resident twice. AdaLN projections, output heads and patch "
+        "projections stay in full precision, as do layers stored in fp32. Layers the file already quantized keep "
+        "their format."
+    )
+    CATEGORY = "loaders"
+    FUNCTION = "load"
+    RETURN_TYPES = ("MODEL", "STRING")
+    RETURN_NAMES = ("model", "report")
+    OUTPUT_TOOLTIPS = ("The quantized diffusion model.",
+                       "Layers per format, every layer kept with its reason, memory saved, and the offload plan.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "unet_name": (folder_paths.get_filename_list("diffusion_models"), {
+                    "tooltip": "A bf16/fp16 safetensors file in models/diffusion_models (marker layers in it load "
+                               "as stored)."}),
+                "quantization": (list(ONLINE_FORMATS), {
+                    "default": "auto",
+                    "tooltip": "auto: the fastest native format of this GPU, measured per layer shape (a layer "
+                               "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
+                               "fp8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
+                               "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
+                               "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
+                               "GPU's fastest native format where it has no NVFP4 GEMM."}),
+                "offload": (list(OFFLOAD_MODES), {
+                    "default": "auto",
+                    "tooltip": "auto: keep the model resident when it fits, else stream the blocks that do not "
+                               "fit. layerwise: stream them. none: everything resident (fails if it cannot fit)."}),
+            },
+            "optional": {
+                "group_size": ([str(g) for g in reversed(GROUP_SIZES)], {
+                    "default": "256",
+                    "tooltip": "INT8 ConvRot group size (int8_convrot and auto). 256 is fastest; 64 or 16 also "
+                               "quantize layers whose input width is not a multiple of 256."}),
+                "ignored_layers": ("STRING", {
+                    "default": "", "multiline": True,
+                    "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, comma "
+                               f"or newline separated. Always kept: {', '.join(DEFAULT_KEEP)}."}),
+            },
+        }
+
+    def load(self, unet_name, quantization, offload, group_size="256", ignored_layers=""):
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        device = compat.compute_device()
+        config = None
+        if quantization != "none":
+            config = QuantConfig(method=online_method(quantization, int(group_size), device),
+                                 ignored=DEFAULT_KEEP + parse_patterns(ignored_layers), compute_device=device)
+        plan = compat.diffusion_namespace(inspect_checkpoint(path))
+        with plan.open() as source:
+            builder = LayerBuilder(plan, source, device, online=config,
+                                   nvfp4="auto" if config is None else "requantize", title="LoadH3Quantized",
+                                   progress=compat.progress_counter(_progress_total(plan)))
+            builder.resolve_methods()
+            model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
+        text = _report(builder, install_offload(model, offload))
+        return {"ui": {"text": [text]}, "result": (model, text)}
+
+
+def parse_prefix_rules(text: str) -> list[tuple[str, str]]:
+    """"old -> new" per line (new may be empty, to strip a prefix)."""
+    rules = []
+    for line in (text or "").splitlines():
+        if not line.strip():
+            continue
+        old, arrow, new = line.partition("->")
+        if not arrow or not old.strip():
+            raise ValueError(f"rename_prefixes: expected 'old -> new', got {line.strip()!r}")
+        rules.append((old.strip(), new.strip()))
+    return rules
+
+
+class QuantizedCLIPLoader:
+    DESCRIPTION = (
+        "Loads a text encoder saved as self-describing Quanto qint8 (e.g. DeepBeepMeep's MiniMax-H3 encoder) or "
+        "with ComfyUI per-layer markers (int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8), as CLIPLoader loads a "
+        "plain one. Quanto qint8 saves memory, not time: each layer's weight is dequantized just before its matmul."
+    )
+    CATEGORY = "loaders"
+    FUNCTION = "load"
+    RETURN_TYPES = ("CLIP", "STRING")
+    RETURN_NAMES = ("clip", "report")
+    OUTPUT_TOOLTIPS = ("The text encoder.", "What was loaded: layers per format and the memory they take.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "clip_name": (folder_paths.get_filename_list("text_encoders"), {
+                    "tooltip": "A safetensors text encoder in models/text_encoders."}),
+                "type": (compat.clip_types(), {"tooltip": "The model family, as in CLIPLoader."}),
+            },
+            "optional": {
+                "rename_prefixes": ("STRING", {
+                    "default": "", "multiline": True,
+                    "tooltip": "Rename key prefixes of the file to ComfyUI's names, one 'old -> new' per line "
+                               "(empty new strips the prefix). Two names mapping to one is refused."}),
+                "nvfp4": (["auto", "requantize"], {"default": "auto", "tooltip": _NVFP4_TOOLTIP}),
+            },
+        }
+
+    def load(self, clip_name, type, rename_prefixes="", nvfp4="auto"):
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        plan = inspect_checkpoint(path)
+        rules = parse_prefix_rules(rename_prefixes)
+        if rules:
+            plan = plan.renamed(rules)
+        with plan.open() as source:
+            builder = LayerBuilder(plan, source, compat.compute_device(), nvfp4=nvfp4, title="QuantizedCLIPLoader",
+                                   progress=compat.progress_counter(_progress_total(plan)))
+            builder.resolve_methods()
+            clip = compat.load_text_encoder(plan, builder, plan.state_dict(source), type,
+                                            folder_paths.get_folder_paths("embeddings"))
+        text = _report(builder)
+        return {"ui": {"text": [text]}, "result": (clip, text)}
+
+
+NODES = {
+    "MixedCheckpointLoader": (MixedCheckpointLoader, "Load Quantized Checkpoint (markers / Quanto)"),
+    "LoadH3Quantized": (LoadH3Quantized, "Load Diffusion Model Quantized (H3)"),
+    "QuantizedCLIPLoader": (QuantizedCLIPLoader, "Load Quantized Text Encoder (Quanto / markers)"),
+}

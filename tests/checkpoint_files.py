@@ -1,0 +1,145 @@
+"""Quantized checkpoint writers for the loader tests.
+
+From a plain state dict they write:
+- ComfyUI per-layer marker files, markers as `<layer>.comfy_quant` uint8 JSON
+  tensors or in the `_quantization_metadata` header, any mix of formats, with
+  tensors quantized by the pack's methods (comfy-kitchen layouts);
+- Quanto qint8 files with our own writer (`write_quanto`), and with the real
+  one (`write_quanto_reference`: optimum-quanto quantizes, mmgp writes the
+  self-describing metadata) run in a subprocess, as those packages patch torch.
+
+Bad files are made from good ones by `edit_checkpoint` (rewrite tensors or
+metadata) and `truncate`.
+"""
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+# Marker format -> the pack's registry name of the method that writes it.
+WRITERS = {"int8_tensorwise": "int8_tensorwise", "float8_e4m3fn": "fp8_e4m3fn", "nvfp4": "nvfp4", "mxfp8": "mxfp8"}
+
+
+def load(path):
+    """(tensors, metadata) of a safetensors file."""
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def marker_tensor(marker: dict) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
+
+
+def write_markers(src, dst, layers: dict, form="tensor", per_tensor_fp8=False):
+    """Quantize `layers` {name: marker dict} of the plain file `src` into `dst`.
+
+    form: "tensor" (comfy_quant tensors), "header" (_quantization_metadata) or
+    "both" (each layer's marker in both forms). per_tensor_fp8 stores FP8
+    weight scales per tensor (ComfyUI's scaled-fp8 layout) instead of per channel.
+    """
+    from bigdit.quant.methods import get_method
+    sd, metadata = load(src)
+    for name, marker in layers.items():
+        weight = sd.pop(f"{name}.weight").float()
+        flags = {**marker.get("params", {}), **marker}
+        options = {k: v for k, v in flags.items() if k in ("convrot", "convrot_groupsize")}
+        if marker["format"] == "float8_e4m3fn" and per_tensor_fp8:
+            scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            tensors = {"weight": (weight / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(())}
+        else:
+            tensors = get_method(WRITERS[marker["format"]], **options).quantize_weight(weight)
+        for role, tensor in tensors.items():
+            sd[f"{name}.{role}"] = tensor.contiguous()
+        if form in ("tensor", "both"):
+            sd[f"{name}.comfy_quant"] = marker_tensor(marker)
+    if form in ("header", "both"):
+        metadata = {**metadata, "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    save(sd, dst, metadata)
+    return Path(dst)
+
+
+def quanto_map(prefixes, activations="none", weights="qint8") -> str:
+    qmap = {p: {"weights": weights, "activations": activations} for p in prefixes}
+    return base64.b64encode(json.dumps(qmap).encode()).decode()
+
+
+def write_quanto(src, dst, prefixes):
+    """Our own writer of the mmgp/DeepBeepMeep layout: per-channel qint8, unit auxiliary scales."""
+    sd, metadata = load(src)
+    for prefix in prefixes:
+        weight = sd.pop(f"{prefix}.weight")
+        scale = weight.abs().amax(dim=1, keepdim=True) / 127
+        sd[f"{prefix}.weight._data"] = torch.round(weight / scale).clamp(-128, 127).to(torch.int8)
+        sd[f"{prefix}.weight._scale"] = scale
+        sd[f"{prefix}.input_scale"] = torch.ones((), dtype=weight.dtype)
+        sd[f"{prefix}.output_scale"] = torch.ones((), dtype=weight.dtype)
+    save(sd, dst, {**metadata, "quantization_format": "quanto", "quantization_map_base64": quanto_map(prefixes)})
+    return Path(dst)
+
+
+def write_quanto_reference(src, dst, prefixes):
+    """The real writers: optimum-quanto quantizes, mmgp.safetensors2 writes the file."""
+    job = json.dumps({"src": str(src), "dst": str(dst), "prefixes": list(prefixes)})
+    result = subprocess.run([sys.executable, __file__, job], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"optimum-quanto/mmgp writer failed:\n{result.stdout}{result.stderr}")
+    return Path(dst)
+
+
+def save(sd, dst, metadata=None):
+    safetensors.torch.save_file(sd, str(dst), metadata=metadata or None)
+
+
+def edit_checkpoint(src, dst, tensors=None, drop=(), metadata=None):
+    """Copy `src` to `dst` with tensors replaced/added, keys dropped, metadata merged."""
+    sd, meta = load(src)
+    for key in drop:
+        sd.pop(key)
+    sd.update(tensors or {})
+    save(sd, dst, {**meta, **(metadata or {})})
+    return Path(dst)
+
+
+def truncate(src, dst, missing_bytes):
+    data = Path(src).read_bytes()
+    Path(dst).write_bytes(data[:len(data) - missing_bytes])
+    return Path(dst)
+
+
+def _reference_writer(job):
+    from mmgp import safetensors2
+    from optimum.quanto import freeze, qint8, quantization_map, quantize
+    from torch import nn
+
+    sd, _ = load(job["src"])
+    root = nn.Module()
+    for prefix in job["prefixes"]:
+        weight = sd.pop(f"{prefix}.weight")
+        bias = sd.pop(f"{prefix}.bias", None)
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        parent = root
+        *path, leaf = prefix.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, linear)
+    quantize(root, weights=qint8)
+    freeze(root)
+    out = {**sd, **root.state_dict()}
+    safetensors2.torch_write_file(out, job["dst"], quantization_map=quantization_map(root))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    _reference_writer(json.loads(sys.argv[1]))

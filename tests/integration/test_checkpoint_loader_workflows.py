@@ -1,0 +1,185 @@
+"""The checkpoint loader nodes in a real ComfyUI 0.3.75, against the bf16 baseline.
+
+Quantized files are written from the tiny Wan model (2 blocks, dim 256) by
+tests/checkpoint_files.py; each workflow's latent is compared with UNETLoader
+on the bf16 file (same seed, 2 steps). For scale: a model with other random
+weights lands at a relative latent difference of about 0.7.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_files import (edit_checkpoint, load, marker_tensor, truncate, write_markers, write_quanto,
+                              write_quanto_reference)
+from comfy_harness import PromptError
+from graphs import add_preview, wan_t2v_graph
+
+pytestmark = pytest.mark.integration
+
+BLOCK_LINEARS = [f"blocks.{b}.{name}" for b in range(2) for name in (
+    "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+    "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")]
+
+MIXED = {
+    "blocks.0.self_attn.q": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
+    "blocks.0.self_attn.k": {"format": "int8_tensorwise"},
+    "blocks.0.self_attn.v": {"format": "float8_e4m3fn"},
+    "blocks.0.ffn.0": {"format": "nvfp4"},
+    "blocks.0.ffn.2": {"format": "mxfp8"},
+    "blocks.1.ffn.0": {"format": "nvfp4"},
+    "blocks.1.cross_attn.o": {"format": "float8_e4m3fn"},
+}
+
+# Relative L2 difference of the final latent from the bf16 baseline (measured on CPU:
+# mixed 0.0019, header int8 + requantized nvfp4 0.0013, Quanto 0.00017, LoadH3Quantized int8 0.0012).
+TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01}
+
+
+@pytest.fixture(scope="module")
+def files(comfy, tiny_wan2):
+    folder = comfy.models_dir / "diffusion_models"
+    src = tiny_wan2["path"]
+    header = {name: {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 256}}
+              for name in BLOCK_LINEARS if not name.endswith("ffn.2")}
+    header.update({name: {"format": "nvfp4"} for name in BLOCK_LINEARS if name.endswith("ffn.2")})
+    mixed = write_markers(src, folder / "wan2_mixed.safetensors", MIXED)
+    sd, _ = load(mixed)
+    stray = {f"blocks.7.ffn.0.{k.rsplit('.', 1)[1]}": v for k, v in sd.items()
+             if k.startswith("blocks.0.ffn.0.") and not k.endswith("bias")}
+    return {
+        "mixed": mixed.name,
+        "header": write_markers(src, folder / "wan2_header.safetensors", header, form="header").name,
+        "quanto": write_quanto_reference(src, folder / "wan2_quanto.safetensors", BLOCK_LINEARS).name,
+        "truncated": truncate(mixed, folder / "bad_truncated.safetensors", 4096).name,
+        "unknown": edit_checkpoint(mixed, folder / "bad_unknown.safetensors", {
+            "blocks.1.ffn.0.comfy_quant": marker_tensor({"format": "int2_dream"})}).name,
+        "unconsumed": edit_checkpoint(mixed, folder / "bad_unconsumed.safetensors", stray).name,
+    }
+
+
+@pytest.fixture(scope="module")
+def baseline(comfy, tiny_wan2):
+    return comfy.latent(comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"])), "save_latent")
+
+
+def run_loader(comfy, tiny_wan2, class_type, inputs):
+    graph = wan_t2v_graph(None, tiny_wan2["vae_name"], loader=(class_type, inputs))
+    report_node = add_preview(graph, "unet", 1)
+    history = comfy.run(graph)
+    return comfy.latent(history, "save_latent"), history["outputs"][report_node]["text"][0]
+
+
+def rel(latent, baseline):
+    return ((latent - baseline).norm() / baseline.norm()).item()
+
+
+def test_mixed_marker_file(comfy, tiny_wan2, files, baseline):
+    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": files["mixed"]})
+    lines = report.splitlines()
+    assert lines[0] == "quantized 7/26 linear layers"
+    assert "formats: float8_e4m3fn x2, int8_convrot x1, int8_tensorwise x1, mxfp8 x1, nvfp4 x2" in lines
+    assert "nvfp4 layers on cpu: dequantized before each matmul x2" in lines
+    assert rel(latent, baseline) < TOLERANCE["mixed"]
+
+
+def test_header_markers_with_nvfp4_requantized(comfy, tiny_wan2, files, baseline):
+    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader",
+                                {"unet_name": files["header"], "nvfp4": "requantize"})
+    assert report.splitlines()[0] == "quantized 20/26 linear layers"
+    assert "formats: int8_convrot x20" in report
+    assert "markers read from _quantization_metadata x20" in report
+    assert "nvfp4 layers on cpu: re-quantized at load to int8_convrot(g=256) x2" in report
+    assert rel(latent, baseline) < TOLERANCE["header"]
+
+
+def test_quanto_file_from_optimum_quanto_and_mmgp(comfy, tiny_wan2, files, baseline):
+    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": files["quanto"]})
+    assert report.splitlines()[0] == "quantized 20/26 linear layers"
+    assert "formats: quanto_qint8 x20" in report
+    assert "resident-memory format, not a speed format" in report
+    assert rel(latent, baseline) < TOLERANCE["quanto"]
+
+
+def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
+    latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+        "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": "layerwise",
+        "group_size": "256", "ignored_layers": "text_embedding.*"})
+    lines = report.splitlines()
+    assert lines[0] == "quantized 22/26 linear layers"
+    assert "  head.head: ignored (matches 'head.*')" in lines
+    assert "  time_projection.1: ignored (matches 'time_projection.*')" in lines
+    assert "  text_embedding.0: ignored (matches 'text_embedding.*')" in lines
+    assert any(line.startswith("offload: layerwise") for line in lines)
+    assert rel(latent, baseline) < TOLERANCE["online_int8"]
+
+
+@pytest.mark.parametrize("case, words, layer", [
+    ("truncated", "truncated file", "blocks.1"),
+    ("unknown", "unsupported quantization format 'int2_dream'", "blocks.1.ffn.0"),
+    ("unconsumed", "unconsumed markers", "blocks.7.ffn.0"),
+])
+def test_bad_file_fails_clearly_and_the_server_keeps_serving(comfy, tiny_wan2, files, baseline, case, words, layer):
+    with pytest.raises(PromptError) as info:
+        run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": files[case]})
+    assert info.value.node_type == "MixedCheckpointLoader"
+    assert "CheckpointError" in info.value.message
+    assert f"{files[case]}: " in info.value.message and words in info.value.message
+    assert layer in info.value.message
+    # The next prompt runs normally.
+    assert comfy.alive()
+    again = comfy.latent(comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"])), "save_latent")
+    assert torch.equal(again, baseline)
+
+
+# ---- text encoder --------------------------------------------------------------
+
+_CLIP_L = """
+import sys
+from comfy.cli_args import args
+args.cpu = True
+import torch, comfy.ops, comfy.sd1_clip, safetensors.torch
+sys.path.insert(0, sys.argv[2])
+from tiny_models import _random_state_dict
+clip = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float32,
+                                  model_options={"custom_operations": comfy.ops.manual_cast})
+sd = {k: v.to(torch.bfloat16) for k, v in _random_state_dict(clip.transformer, 0).items()}
+safetensors.torch.save_file(sd, sys.argv[1])
+"""
+
+
+def _floats(text: str) -> torch.Tensor:
+    return torch.tensor([float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", text)])
+
+
+def test_quantized_clip_loader_quanto_clip_l(comfy, tmp_path):
+    """A random CLIP-L (ComfyUI 0.3.75's smallest text encoder, 123M parameters), all 73 Linear layers
+    Quanto qint8, against CLIPLoader on the bf16 file: the encoded prompt's printed values agree."""
+    folder = comfy.models_dir / "text_encoders"
+    folder.mkdir(exist_ok=True)
+    plain = folder / "clip_l_random.safetensors"
+    tests_dir = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", _CLIP_L, str(plain), tests_dir], cwd=comfy.comfyui, check=True)
+    sd, _ = load(plain)
+    linears = [k[:-len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
+               and "embedding" not in k]
+    quanto = write_quanto(plain, folder / "clip_l_quanto.safetensors", linears)
+
+    def encode(class_type, name):
+        graph = {"clip": {"class_type": class_type, "inputs": {"clip_name": name, "type": "stable_diffusion"}},
+                 "encode": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["clip", 0]}},
+                 "cond": {"class_type": "PreviewAny", "inputs": {"source": ["encode", 0]}}}
+        if class_type == "QuantizedCLIPLoader":
+            graph["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["clip", 1]}}
+        return comfy.run(graph)["outputs"]
+
+    reference = encode("CLIPLoader", plain.name)
+    outputs = encode("QuantizedCLIPLoader", quanto.name)
+    assert outputs["report"]["text"][0].splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers"
+    expected, got = _floats(reference["cond"]["text"][0]), _floats(outputs["cond"]["text"][0])
+    assert expected.numel() > 20 and got.shape == expected.shape
+    # Values of about 0.05 printed to 4 decimals; per-channel qint8 moves them by a few 1e-4.
+    assert (got - expected).abs().max() < 2e-3

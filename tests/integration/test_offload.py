@@ -1,0 +1,79 @@
+"""SetOffload in a real ComfyUI 0.3.75 (CPU): layerwise streaming reproduces the resident run exactly.
+
+On a CPU load device ComfyUI offloads nothing, so "layerwise" streams the
+plan's blocks host-to-host through the same hooks as on a GPU. `vram_gib`
+shrinks the plan's memory so that 3 of the 4 blocks must stream (streaming
+one or two saves nothing: their two staging slots hold as much).
+"""
+import re
+
+import pytest
+import torch
+
+from comfy_harness import PromptError
+from graphs import add_preview, chain_id, wan_t2v_graph
+from tiny_models import make_tiny_wan
+
+pytestmark = pytest.mark.integration
+
+UNITS = {"MiB": 2 ** 20, "GiB": 2 ** 30}
+
+
+@pytest.fixture(scope="module")
+def tiny_wan4(comfy, tiny_vae):
+    name = "tiny_wan4.safetensors"
+    make_tiny_wan(comfy.models_dir / "diffusion_models" / name, num_layers=4, comfyui=comfy.comfyui)
+    return {"unet_name": name, "vae_name": tiny_vae}
+
+
+def offload_graph(tiny, mode, quantize, **offload_inputs):
+    chain = [("QuantizeModelINT8", {"group_size": "64", "ignored_layers": ""})] if quantize else []
+    chain.append(("SetOffload", {"mode": mode, "reserve_gib": 0.0, **offload_inputs}))
+    graph = wan_t2v_graph(tiny["unet_name"], tiny["vae_name"], model_chain=chain, seed=3)
+    return graph, add_preview(graph, chain_id(len(chain) - 1), 1)
+
+
+def size(text, label):
+    """Bytes of the first '<label><number> MiB|GiB' in a report."""
+    number, unit = re.search(re.escape(label) + r"\s*([\d.]+) (MiB|GiB)", text).groups()
+    return float(number) * UNITS[unit]
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "int8"])
+def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize):
+    graph, report_id = offload_graph(tiny_wan4, "none", quantize)
+    resident = comfy.run(graph)
+    report = resident["outputs"][report_id]["text"][0]
+    assert "resident 4/4 blocks, streaming 0" in report
+    # ComfyUI's size accounting and the plan's agree on the (possibly quantized) weights.
+    assert size(report, "ComfyUI accounts") == pytest.approx(size(report, "the plan counts"), rel=0.01)
+
+    # Room for the rest, one resident block, two staging slots and half a block (activations are KiB):
+    # three blocks stream, the first of each run of 4/3 blocks: 1, 2, 3.
+    largest = size(report, "(")  # "(<size> the largest)"
+    budget = size(report, "+ rest") + 3.5 * largest
+    graph, _ = offload_graph(tiny_wan4, "layerwise", quantize, vram_gib=budget / UNITS["GiB"])
+    log_start = len(comfy.log_text())
+    streamed = comfy.run(graph)
+    log = comfy.log_text()[log_start:]
+
+    assert torch.equal(comfy.latent(resident, "save_latent"), comfy.latent(streamed, "save_latent"))
+    # The sampler's plan (with activations) and what the streamer did: three blocks, each copy issued
+    # ahead of its block.
+    assert "resident 1/4 blocks, streaming 3; estimated peak" in log, log[-3000:]
+    assert "streamed from host memory" in log and "blocks 1-3" in log
+    done = re.search(r"bigdit offload: streamed 3 of 4 blocks; (\d+) streamed block loads in (\d+) forwards, "
+                     r"(\d+) prefetched ahead, 0 late; [\d.]+ MiB copied; at most 2 streamed blocks", log)
+    assert done, log[-3000:]
+    loads, forwards, prefetched = map(int, done.groups())
+    assert forwards == 2 and loads == 3 * forwards == prefetched
+
+
+def test_none_that_cannot_fit_fails_with_the_plan(comfy, tiny_wan4):
+    graph, _ = offload_graph(tiny_wan4, "none", False, vram_gib=0.0005)
+    with pytest.raises(PromptError) as info:
+        comfy.run(graph)
+    assert info.value.node_type == "SetOffload"
+    assert "offload 'none' needs every block resident" in info.value.message
+    assert "resident 0/4 blocks, streaming 4" in info.value.message
+    assert "does not fit" in info.value.message

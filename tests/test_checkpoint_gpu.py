@@ -1,0 +1,80 @@
+"""Checkpoint layers on CUDA: every serialized format built on the GPU, against the fp32 reference,
+and NVFP4's execution path for this GPU (native on sm100+, else re-quantized or dequantized)."""
+import pytest
+import torch
+
+from test_checkpoint_loaders import (EXPECTED_METHOD, LINEARS, MIXED, TOLERANCE, build, layer_input,
+                                     plain_state_dict, reference_output, rel_err)
+from checkpoint_files import save, write_markers, write_quanto
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt_gpu") / "wan_bf16.safetensors"
+    save(plain_state_dict(), path)
+    return path
+
+
+def capability():
+    return torch.cuda.get_device_capability()
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32])
+def test_mixed_markers_on_cuda(plain_file, tmp_path, compute_dtype):
+    path = write_markers(plain_file, tmp_path / "mixed.safetensors", MIXED)
+    model, report, _ = build(path, compute_dtype=compute_dtype, device="cuda")
+    native = capability() >= (10, 0)
+    for name, expected in EXPECTED_METHOD.items():
+        layer = model.get_submodule(name)
+        assert layer.method.name == expected and layer.weight.is_cuda, name
+        x = layer_input(name).to("cuda", compute_dtype)
+        out = layer(x)
+        assert out.is_cuda and out.dtype == compute_dtype
+        # bf16 activations add about 0.4% to each format's error; NVFP4/MXFP8 natively quantize them too.
+        tolerance = TOLERANCE[expected] + (0.01 if compute_dtype == torch.bfloat16 else 0)
+        if native and expected in ("nvfp4", "mxfp8"):
+            tolerance *= 1.5
+        assert rel_err(out, reference_output(name, x.float().cpu()).cuda()) < tolerance, name
+    path_word = "native comfy-kitchen GEMM" if native else "dequantized before each matmul"
+    assert f"nvfp4 layers on cuda sm{''.join(map(str, capability()))}: {path_word} x1" in report.render()
+
+
+def test_quanto_on_cuda(plain_file, tmp_path):
+    path = write_quanto(plain_file, tmp_path / "quanto.safetensors", ["blocks.0.ffn.0"])
+    model, _, _ = build(path, compute_dtype=torch.bfloat16, device="cuda")
+    x = layer_input("blocks.0.ffn.0").to("cuda", torch.bfloat16)
+    out = model.get_submodule("blocks.0.ffn.0")(x)
+    assert rel_err(out, reference_output("blocks.0.ffn.0", x.float().cpu()).cuda()) < TOLERANCE["quanto_qint8"] + 0.01
+
+
+def test_nvfp4_requantized_for_this_gpu(plain_file, tmp_path):
+    path = write_markers(plain_file, tmp_path / "nvfp4.safetensors", {"blocks.0.ffn.2": {"format": "nvfp4"}})
+    model, report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda", nvfp4="requantize")
+    layer = model.get_submodule("blocks.0.ffn.2")
+    if capability() >= (10, 0):
+        expected = "nvfp4"            # native NVFP4 is already the fastest
+    elif capability() >= (8, 9):
+        expected = "float8_e4m3fn"
+    else:
+        expected = "int8_convrot"
+    assert layer.method.name == expected, report.render()
+    x = layer_input("blocks.0.ffn.2").to("cuda", torch.bfloat16)
+    bound = TOLERANCE["nvfp4"] + TOLERANCE.get(expected, 0) + 0.01
+    assert rel_err(layer(x), reference_output("blocks.0.ffn.2", x.float().cpu()).cuda()) < bound
+
+
+def test_every_shape_of_the_model_runs(plain_file, tmp_path):
+    """All Linear shapes of the model in one format each, as a load would see them."""
+    for fmt in ("nvfp4", "mxfp8", "float8_e4m3fn"):
+        path = write_markers(plain_file, tmp_path / f"{fmt}.safetensors", {n: {"format": fmt} for n in LINEARS})
+        model, _, _ = build(path, compute_dtype=torch.bfloat16, device="cuda")
+        for name in LINEARS:
+            x = layer_input(name).to("cuda", torch.bfloat16)
+            out = model.get_submodule(name)(x)
+            bound = TOLERANCE[fmt] * 1.5 + 0.01
+            assert rel_err(out, reference_output(name, x.float().cpu()).cuda()) < bound, (fmt, name)

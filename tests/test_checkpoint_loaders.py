@@ -1,0 +1,441 @@
+"""Checkpoint inspection (loaders/) and layer-by-layer building, on CPU, against the plain layers.
+
+A small Wan-shaped model (same layer names as ComfyUI's WanModel) is saved in
+bf16; quantized files are written from it in every format and marker form, then
+built back layer by layer through LayerBuilder, the code the ComfyUI loaders
+run inside `_load_from_state_dict`. Each layer's output is compared with the
+bf16 layer's in fp32.
+"""
+import base64
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from checkpoint_files import (edit_checkpoint, load, marker_tensor, quanto_map, save, truncate, write_markers,
+                              write_quanto, write_quanto_reference)
+
+from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
+from bigdit.loaders.safetensors_header import MAX_METADATA_BYTES
+from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
+
+# (out, in) of the Linear layers, named as in ComfyUI's WanModel (dim 128, ffn 256).
+LINEARS = {
+    "blocks.0.self_attn.q": (128, 128),
+    "blocks.0.self_attn.o": (128, 128),
+    "blocks.0.cross_attn.k": (128, 128),
+    "blocks.0.ffn.0": (256, 128),
+    "blocks.0.ffn.2": (128, 256),
+    "time_projection.1": (768, 128),
+    "head.head": (64, 128),
+}
+
+# Bound on each format's layer output error against the fp32 product of the
+# bf16 weights, Gaussian inputs and weights, relative L2 (measured on CPU:
+# 0.0096, 0.0094, 0.037, 0.098, 0.028, 0.0071).
+TOLERANCE = {
+    "int8_convrot": 0.02,       # W8A8 with rotation
+    "int8_tensorwise": 0.02,    # W8A8, per-channel weights, per-token activations
+    "float8_e4m3fn": 0.06,      # W8A8 E4M3: 3 mantissa bits each side
+    "nvfp4": 0.15,              # weight-only E2M1 (dequantized on CPU)
+    "mxfp8": 0.05,              # weight-only E4M3 with power-of-two block scales
+    "quanto_qint8": 0.015,      # weight-only per-channel int8
+}
+
+MIXED = {
+    "blocks.0.self_attn.q": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64},
+    "blocks.0.self_attn.o": {"format": "int8_tensorwise"},
+    "blocks.0.cross_attn.k": {"format": "float8_e4m3fn"},
+    "blocks.0.ffn.0": {"format": "nvfp4"},
+    "blocks.0.ffn.2": {"format": "mxfp8"},
+}
+EXPECTED_METHOD = {"blocks.0.self_attn.q": "int8_convrot", "blocks.0.self_attn.o": "int8_tensorwise",
+                   "blocks.0.cross_attn.k": "float8_e4m3fn", "blocks.0.ffn.0": "nvfp4", "blocks.0.ffn.2": "mxfp8"}
+
+
+class WanShaped(nn.Module):
+    """Plain Linear layers at the names of LINEARS (nested modules built from the dots)."""
+
+    def __init__(self, linears=LINEARS):
+        super().__init__()
+        for name, (n_out, n_in) in linears.items():
+            parent = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(leaf, nn.Linear(n_in, n_out))
+
+
+def plain_state_dict(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, (n_out, n_in) in LINEARS.items():
+        sd[f"{name}.weight"] = (torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5).to(torch.bfloat16)
+        sd[f"{name}.bias"] = (torch.randn(n_out, generator=gen) * 0.02).to(torch.bfloat16)
+    sd["blocks.0.norm3.weight"] = torch.ones(128, dtype=torch.bfloat16)
+    sd["blocks.0.modulation"] = torch.randn(1, 6, 128, generator=gen).to(torch.bfloat16)
+    sd["patch_embedding.weight"] = torch.randn(128, 16, 1, 2, 2, generator=gen)  # fp32 on purpose
+    return sd
+
+
+@pytest.fixture(scope="module")
+def plain_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "wan_bf16.safetensors"
+    save(plain_state_dict(), path)
+    return path
+
+
+def build(path, compute_dtype=torch.float32, linears=LINEARS, device="cpu", **builder_kw):
+    """Load `path` into a WanShaped model the way the ComfyUI loaders do: plan, then one Linear at a time."""
+    plan = inspect_checkpoint(path)
+    model = WanShaped(linears).to(device)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device(device), **builder_kw)
+        builder.resolve_methods()
+        sd = plan.state_dict(source)
+        built = {}
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                weight, bias = sd.get(f"{name}.weight"), sd.get(f"{name}.bias")
+                layer = builder.build(name, weight, module.in_features, module.out_features, bias, compute_dtype,
+                                      torch.device(device))
+                if layer is None:
+                    with torch.no_grad():
+                        module.weight.copy_(weight)
+                        module.bias.copy_(bias)
+                else:
+                    built[name] = layer
+        report = builder.finish()
+    apply_replacements(model, built)
+    return model, report, plan
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def reference_output(name, x, sd=None):
+    sd = sd or plain_state_dict()
+    return nn.functional.linear(x.float(), sd[f"{name}.weight"].float(), sd[f"{name}.bias"].float())
+
+
+def layer_input(name, seed=1):
+    return torch.randn(2, 9, LINEARS[name][1], generator=torch.Generator().manual_seed(seed))
+
+
+# ---- good files ---------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["tensor", "header", "both"])
+def test_mixed_markers_dispatch_each_layer(plain_file, tmp_path, form):
+    path = write_markers(plain_file, tmp_path / f"mixed_{form}.safetensors", MIXED, form=form)
+    model, report, plan = build(path)
+    assert plan.kind == "ComfyUI per-layer markers"
+    for name, expected in EXPECTED_METHOD.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, QuantLinear) and layer.method.name == expected, name
+        x = layer_input(name)
+        out = layer(x)
+        assert out.dtype == torch.float32 and out.shape == (2, 9, LINEARS[name][0])
+        assert rel_err(out, reference_output(name, x)) < TOLERANCE[expected], name
+    for name in ("time_projection.1", "head.head"):
+        assert type(model.get_submodule(name)) is nn.Linear
+    lines = report.render().splitlines()
+    assert lines[0] == "quantized 5/7 linear layers"
+    assert "float8_e4m3fn x1, int8_convrot x1, int8_tensorwise x1, mxfp8 x1, nvfp4 x1" in report.render()
+    assert any(line.startswith("nvfp4 layers on cpu: dequantized before each matmul x1") for line in lines)
+
+
+def test_int8_flags_under_params_and_bf16_compute(plain_file, tmp_path):
+    marker = {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 16}}
+    path = write_markers(plain_file, tmp_path / "params.safetensors", {"blocks.0.ffn.2": marker}, form="header")
+    model, _, plan = build(path, compute_dtype=torch.bfloat16)
+    assert plan.layers["blocks.0.ffn.2"].options == {"convrot": True, "convrot_groupsize": 16}
+    layer = model.get_submodule("blocks.0.ffn.2")
+    assert layer.method.describe() == "int8_convrot(g=16)"
+    x = layer_input("blocks.0.ffn.2").to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, reference_output("blocks.0.ffn.2", x)) < TOLERANCE["int8_convrot"]
+
+
+def test_fp8_per_tensor_scale_and_static_input_scale(plain_file, tmp_path):
+    marker = {"format": "float8_e4m3fn"}
+    path = write_markers(plain_file, tmp_path / "fp8.safetensors", {"blocks.0.ffn.0": marker}, per_tensor_fp8=True)
+    x = layer_input("blocks.0.ffn.0")
+    path = edit_checkpoint(path, tmp_path / "fp8_static.safetensors",
+                           {"blocks.0.ffn.0.input_scale": (x.abs().amax() / 448).reshape(())})
+    model, _, plan = build(path)
+    layer = model.get_submodule("blocks.0.ffn.0")
+    assert layer.weight_scale.shape == () and layer.input_scale.dtype == torch.float32
+    assert rel_err(layer(x), reference_output("blocks.0.ffn.0", x)) < TOLERANCE["float8_e4m3fn"]
+
+
+def test_nvfp4_and_mxfp8_pad_odd_shapes(tmp_path):
+    linears = {"proj": (40, 100)}
+    sd = {"proj.weight": torch.randn(40, 100).to(torch.bfloat16), "proj.bias": torch.zeros(40, dtype=torch.bfloat16)}
+    save(sd, tmp_path / "odd.safetensors")
+    for fmt, storage in (("nvfp4", [48, 56]), ("mxfp8", [64, 128])):
+        path = write_markers(tmp_path / "odd.safetensors", tmp_path / f"odd_{fmt}.safetensors", {"proj": {"format": fmt}})
+        plan = inspect_checkpoint(path)
+        assert list(plan.layers["proj"].storage_shape) == storage
+        model, _, _ = build(path, linears=linears)
+        x = torch.randn(5, 100)
+        ref = nn.functional.linear(x, sd["proj.weight"].float())
+        out = model.proj(x)
+        assert out.shape == (5, 40) and rel_err(out, ref) < TOLERANCE[fmt], fmt
+
+
+def test_nvfp4_requantized_to_fastest_native_format(plain_file, tmp_path):
+    path = write_markers(plain_file, tmp_path / "nvfp4.safetensors", {"blocks.0.ffn.2": {"format": "nvfp4"}})
+    model, report, _ = build(path, nvfp4="requantize")
+    layer = model.get_submodule("blocks.0.ffn.2")
+    # On CPU the fastest native format is INT8 ConvRot, at the largest group size dividing 256.
+    assert layer.method.describe() == "int8_convrot(g=256)" and layer.weight.dtype == torch.int8
+    assert "nvfp4 layers on cpu: re-quantized at load to int8_convrot(g=256) x1" in report.render()
+    x = layer_input("blocks.0.ffn.2")
+    # NVFP4's own error plus INT8's.
+    assert rel_err(layer(x), reference_output("blocks.0.ffn.2", x)) < TOLERANCE["nvfp4"] + TOLERANCE["int8_convrot"]
+
+
+def test_state_dict_stands_in_for_quantized_weights(plain_file, tmp_path):
+    path = write_markers(plain_file, tmp_path / "mixed.safetensors", MIXED)
+    plan = inspect_checkpoint(path)
+    with plan.open() as source:
+        sd = plan.state_dict(source)
+    assert not any(k.endswith(("comfy_quant", "weight_scale", "weight_scale_2")) for k in sd)
+    proxy = sd["blocks.0.ffn.0.weight"]    # nvfp4: stored [256, 64] uint8, logical [256, 128]
+    assert proxy.shape == (256, 128) and proxy.dtype == torch.bfloat16 and proxy.stride() == (0, 0)
+    assert torch.equal(sd["head.head.weight"], plain_state_dict()["head.head.weight"])
+    assert sd["blocks.0.ffn.0.bias"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("writer", ["own", "optimum-quanto+mmgp"])
+def test_quanto_qint8(plain_file, tmp_path, writer):
+    prefixes = ["blocks.0.self_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2"]
+    write = write_quanto if writer == "own" else write_quanto_reference
+    path = write(plain_file, tmp_path / "quanto.safetensors", prefixes)
+    model, report, plan = build(path)
+    assert plan.kind == "Quanto qint8"
+    assert sorted(plan.layers) == sorted(prefixes)
+    for name in prefixes:
+        assert plan.layers[name].tensors == {"weight": f"{name}.weight._data", "weight_scale": f"{name}.weight._scale"}
+        layer = model.get_submodule(name)
+        assert layer.method.name == "quanto_qint8" and layer.weight.dtype == torch.int8
+        x = layer_input(name)
+        assert rel_err(layer(x), reference_output(name, x)) < TOLERANCE["quanto_qint8"], name
+    text = report.render()
+    assert text.splitlines()[0] == "quantized 3/7 linear layers"
+    assert "resident-memory format, not a speed format" in text
+
+
+def test_quanto_prefixes_map_to_model_names(plain_file, tmp_path):
+    sd = {f"language_model.{k}": v for k, v in plain_state_dict().items()}
+    save(sd, tmp_path / "prefixed.safetensors")
+    path = write_quanto(tmp_path / "prefixed.safetensors", tmp_path / "quanto.safetensors",
+                        ["language_model.blocks.0.ffn.0"])
+    plan = inspect_checkpoint(path).renamed([("language_model.", "")])
+    assert list(plan.layers) == ["blocks.0.ffn.0"]
+    assert plan.plain_keys["head.head.weight"] == "language_model.head.head.weight"
+
+
+def test_online_quantization_while_building(plain_file):
+    config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("head.*", "time_projection.*"))
+    model, report, plan = build(plain_file, online=config)
+    assert plan.kind == "plain"
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert quantized == {"blocks.0.self_attn.q", "blocks.0.self_attn.o", "blocks.0.cross_attn.k",
+                         "blocks.0.ffn.0", "blocks.0.ffn.2"}
+    reasons = {r.name: r.reason for r in report.kept}
+    assert reasons["head.head"] == "ignored (matches 'head.*')"
+    x = layer_input("blocks.0.ffn.2")
+    assert rel_err(model.get_submodule("blocks.0.ffn.2")(x), reference_output("blocks.0.ffn.2", x)) < 0.02
+
+
+def test_marker_layers_stay_serialized_under_online_quantization(plain_file, tmp_path):
+    path = write_markers(plain_file, tmp_path / "one.safetensors", {"blocks.0.ffn.0": {"format": "mxfp8"}})
+    config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("head.*", "time_projection.*"))
+    model, report, _ = build(path, online=config)
+    assert model.get_submodule("blocks.0.ffn.0").method.name == "mxfp8"
+    assert model.get_submodule("blocks.0.ffn.2").method.name == "int8_convrot"
+    assert report.summary_line() == "quantized 5/7 linear layers"
+
+
+# ---- bad files: each error names the file and the layer -----------------------
+
+def _int8_file(plain_file, tmp_path, layers=("blocks.0.ffn.0",)):
+    return write_markers(plain_file, tmp_path / "int8.safetensors",
+                         {name: {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}
+                          for name in layers})
+
+
+def _nvfp4_file(plain_file, tmp_path):
+    return write_markers(plain_file, tmp_path / "nvfp4.safetensors", {"blocks.0.ffn.0": {"format": "nvfp4"}})
+
+
+def _quanto_file(plain_file, tmp_path):
+    return write_quanto(plain_file, tmp_path / "quanto.safetensors", ["blocks.0.ffn.0", "blocks.0.ffn.2"])
+
+
+def bad_truncated(plain_file, tmp_path):
+    return truncate(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors", 1000)
+
+
+def bad_marker_json(plain_file, tmp_path):
+    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           {"blocks.0.ffn.0.comfy_quant": torch.tensor(list(b'{"format": "int8_'), dtype=torch.uint8)})
+
+
+def bad_unknown_format(plain_file, tmp_path):
+    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           {"blocks.0.ffn.0.comfy_quant": marker_tensor({"format": "float3_e1m1"})})
+
+
+def bad_shape(plain_file, tmp_path):
+    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           {"blocks.0.ffn.0.weight_scale": torch.ones(257, 1)})
+
+
+def bad_dtype(plain_file, tmp_path):
+    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           {"blocks.0.ffn.0.weight": torch.zeros(256, 128, dtype=torch.bfloat16)})
+
+
+def bad_quanto_activations(plain_file, tmp_path):
+    return edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors", metadata={
+        "quantization_map_base64": quanto_map(["blocks.0.ffn.0", "blocks.0.ffn.2"], activations="qint8")})
+
+
+def bad_quanto_scale(plain_file, tmp_path):
+    return edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           {"blocks.0.ffn.0.input_scale": torch.tensor(0.5, dtype=torch.bfloat16)})
+
+
+def bad_prefix_set(plain_file, tmp_path):
+    return edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors", metadata={
+        "quantization_map_base64": quanto_map(["blocks.0.ffn.0"])})
+
+
+def bad_oversized_metadata(plain_file, tmp_path):
+    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           metadata={"notes": "x" * (MAX_METADATA_BYTES + 1)})
+
+
+def bad_nan_scale(plain_file, tmp_path):
+    path = _int8_file(plain_file, tmp_path)
+    scale = load(path)[0]["blocks.0.ffn.0.weight_scale"].clone()
+    scale[3] = float("nan")
+    return edit_checkpoint(path, tmp_path / "bad.safetensors", {"blocks.0.ffn.0.weight_scale": scale})
+
+
+def bad_nan_block_scale(plain_file, tmp_path):
+    path = _nvfp4_file(plain_file, tmp_path)
+    block = load(path)[0]["blocks.0.ffn.0.weight_scale"].clone()
+    block.view(torch.uint8)[5, 1] = 0x7F  # E4M3FN NaN
+    return edit_checkpoint(path, tmp_path / "bad.safetensors", {"blocks.0.ffn.0.weight_scale": block})
+
+
+def bad_missing_companion(plain_file, tmp_path):
+    return edit_checkpoint(_nvfp4_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           drop=["blocks.0.ffn.0.weight_scale_2"])
+
+
+def bad_unknown_companion(plain_file, tmp_path):
+    return edit_checkpoint(_nvfp4_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           {"blocks.0.ffn.0.pre_quant_scale": torch.ones(128)})
+
+
+def bad_conflicting_markers(plain_file, tmp_path):
+    meta = {"format_version": "1.0", "layers": {"blocks.0.ffn.0": {"format": "float8_e4m3fn"}}}
+    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           metadata={"_quantization_metadata": json.dumps(meta)})
+
+
+BAD_FILES = {
+    # name: (writer, expected words, layer named)
+    "truncated": (bad_truncated, "truncated file", "blocks.0"),
+    "bad marker JSON": (bad_marker_json, "bad marker JSON", "blocks.0.ffn.0"),
+    "unknown format": (bad_unknown_format, "unsupported quantization format 'float3_e1m1'", "blocks.0.ffn.0"),
+    "shape mismatch": (bad_shape, "shape mismatch: int8_tensorwise weight_scale", "blocks.0.ffn.0"),
+    "dtype mismatch": (bad_dtype, "dtype mismatch: int8_tensorwise weight must be I8, found BF16", "blocks.0.ffn.0"),
+    "activation-quantized Quanto": (bad_quanto_activations, "activation-quantized", "blocks.0.ffn.0"),
+    "non-unit Quanto scale": (bad_quanto_scale, "non-unit Quanto input_scale", "blocks.0.ffn.0"),
+    "prefix-set mismatch": (bad_prefix_set, "prefix-set mismatch", "blocks.0.ffn.2"),
+    "oversized metadata": (bad_oversized_metadata, "oversized metadata", "'notes'"),
+    "NaN scale": (bad_nan_scale, "non-finite (NaN/Inf) values in int8_tensorwise weight_scale", "blocks.0.ffn.0"),
+    "NaN block scale": (bad_nan_block_scale, "non-finite (NaN/Inf) values in nvfp4 weight_scale", "blocks.0.ffn.0"),
+    "missing companion": (bad_missing_companion, "missing tensor(s) weight_scale_2", "blocks.0.ffn.0"),
+    "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: pre_quant_scale",
+                          "blocks.0.ffn.0"),
+    "conflicting markers": (bad_conflicting_markers, "conflicting markers", "blocks.0.ffn.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_is_refused_naming_file_and_layer(plain_file, tmp_path, case):
+    writer, words, layer = BAD_FILES[case]
+    path = writer(plain_file, tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        inspect_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith("bad.safetensors: "), message
+    assert words in message and layer in message, message
+
+
+def test_unconsumed_marker_abandons_the_load(plain_file, tmp_path):
+    sd, _ = load(_int8_file(plain_file, tmp_path))
+    # A marked layer the model does not have (e.g. a checkpoint of a deeper model).
+    extra = {f"blocks.9.ffn.0.{k[len('blocks.0.ffn.0.'):]}": v for k, v in sd.items() if k.startswith("blocks.0.ffn.0.")
+             and not k.endswith("bias")}
+    path = edit_checkpoint(tmp_path / "int8.safetensors", tmp_path / "bad.safetensors", extra)
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: unconsumed markers.*blocks\.9\.ffn\.0"):
+        build(path)
+
+
+def test_layer_that_does_not_fit_the_model(plain_file, tmp_path):
+    path = _int8_file(plain_file, tmp_path)
+    linears = {**LINEARS, "blocks.0.ffn.0": (512, 128)}
+    with pytest.raises(CheckpointError, match=r"int8.safetensors: shape mismatch: .*does not fit a Linear of "
+                                              r"128->512.*blocks\.0\.ffn\.0"):
+        build(path, linears=linears)
+
+
+def test_mapping_collision(plain_file, tmp_path):
+    sd = {**{f"a.{k}": v for k, v in plain_state_dict().items()}, **{f"b.{k}": v for k, v in plain_state_dict().items()}}
+    save(sd, tmp_path / "two.safetensors")
+    path = write_quanto(tmp_path / "two.safetensors", tmp_path / "bad.safetensors", ["a.blocks.0.ffn.0", "b.blocks.0.ffn.0"])
+    plan = inspect_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: mapping collision.*'a.blocks.0.ffn.0' and "
+                                              r"'b.blocks.0.ffn.0' both become 'blocks.0.ffn.0.weight'"):
+        plan.renamed([("a.", ""), ("b.", "")])
+
+
+def test_oversized_header_and_garbage(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes((10 ** 12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(CheckpointError, match="huge.safetensors: oversized header"):
+        inspect_checkpoint(path)
+    path.write_bytes((2).to_bytes(8, "little") + b"[]")
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        inspect_checkpoint(path)
+
+
+def test_error_lists_at_most_five_layers(plain_file, tmp_path):
+    names = list(LINEARS)
+    path = _int8_file(plain_file, tmp_path, layers=names)
+    markers = {f"{n}.comfy_quant": marker_tensor({"format": "int4_mystery"}) for n in names}
+    bad = edit_checkpoint(path, tmp_path / "bad.safetensors", markers)
+    with pytest.raises(CheckpointError) as info:
+        inspect_checkpoint(bad)
+    layers = info.value.layers
+    assert sorted(layers) == sorted(names)
+    assert str(info.value).endswith(f"(layers: {', '.join(layers[:5])} and 2 more)")
+
+
+def test_quanto_map_must_be_base64_json(plain_file, tmp_path):
+    path = edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
+                           metadata={"quantization_map_base64": base64.b64encode(b"not json").decode()})
+    with pytest.raises(CheckpointError, match="bad.safetensors: quantization_map_base64 is not base64-encoded JSON"):
+        inspect_checkpoint(path)
