@@ -155,7 +155,8 @@ def set_cap(device, cap_bytes):
         return
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if cap_bytes is None else cap_bytes / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(1.0 if cap_bytes is None else cap_bytes / total, index)
 
 
 @torch.no_grad()
