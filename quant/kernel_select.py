@@ -50,15 +50,20 @@ class KernelChooser:
         value = os.environ.get(self.force_env, "").strip().lower()
         return value or None
 
-    def choose(self, key: tuple, candidates: dict[str, Callable[[], object]], device: torch.device) -> str:
-        """The winning candidate's name for this key; the first candidate is the default."""
-        names = list(candidates)
+    def choose(self, key: tuple, candidates: dict[str, Callable[[], object]], device: torch.device,
+               measured: tuple[str, ...] | None = None) -> str:
+        """The winning candidate's name for this key; the first candidate is the default.
+
+        Only the names in `measured` (default: all) compete; the others run only when forced.
+        """
         forced = self.forced()
         if forced is not None and forced != "auto":
             if forced not in self.known:
                 raise ValueError(f"{self.force_env}={forced!r} is not one of {list(self.known)} or 'auto'")
             # A forced kernel this call cannot use (say, a row split of a short input) means the default.
-            return forced if forced in names else names[0]
+            return forced if forced in candidates else next(iter(candidates))
+        candidates = {n: fn for n, fn in candidates.items() if measured is None or n in measured}
+        names = list(candidates)
         if len(names) == 1 or device.type != "cuda":
             return names[0]
         cached = self.choices.get(key)
