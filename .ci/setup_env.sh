@@ -27,5 +27,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 
+# Debian's Chromium for the browser test of the web extension (skipped without it).
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "installing chromium" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >&2 || echo "chromium install failed" >&2
+fi
+
 "$VENV/bin/python" "$ROOT/tests/comfy_harness.py" >&2
 echo "$VENV"

@@ -1,0 +1,297 @@
+"""What a ComfyUI user sees of the pack, checked against a real ComfyUI 0.3.75 and its own front end.
+
+- example_workflows/api/*.json: every node and input matches the node definitions (the
+  server's /object_info, and for MiniMax-H3's nodes, which 0.3.75 lacks, upstream's as read
+  in tests/upstream_nodes.py); the server accepts each graph but for the model files it
+  does not have; the Wan ones run for real with the tiny model swapped in.
+- example_workflows/*.json (UI format) load in the front end to exactly the API graphs, and
+  have their preview picture.
+- Every node of the pack has a description, a tooltip on every input, and a help page that
+  the front end finds where it looks (/extensions/<pack>/docs/<Node>.md).
+- In headless Chromium: a workflow with QuantizeModelINT8, queued from the page, shows the
+  report on the node (web/js/bigdit_report.js). The screenshot goes to test-output/, and to
+  web/screenshots/report.png with BIGDIT_UPDATE_SCREENSHOT=1.
+"""
+import copy
+import json
+import os
+import re
+import shutil
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from browser import CHROMIUM, Browser
+from checkpoint_files import write_markers
+from comfy_harness import COMFYUI_VERSION, PromptError
+from graphs import wan_t2v_graph
+from upstream_nodes import UPSTREAM_COMBO_VALUES, UPSTREAM_NODES
+from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, register_node_defs, screenshot_node
+
+pytestmark = pytest.mark.integration
+
+PACK_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = PACK_ROOT / "example_workflows"
+API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
+UI_FILES = sorted(EXAMPLES.glob("*.json"))
+ARTIFACTS = PACK_ROOT / "test-output"
+PACK_MODULE = "custom_nodes.bigdit"  # the harness links the pack as custom_nodes/bigdit
+# Inputs naming a model file: the examples name the files users download, which no test server has.
+MODEL_FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}
+PREVIEW_MAX_BYTES = 200_000
+
+
+def load_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def node_specs(object_info):
+    """The server's definitions, plus upstream's for the node types it lacks."""
+    return {**UPSTREAM_NODES, **object_info}
+
+
+def validation_problems(graph, specs):
+    """Mismatches between an API graph and node definitions, as ComfyUI's validation would see them
+    (required inputs, known input names, link targets and types, combo values, number ranges)."""
+    problems = []
+    for node_id, node in graph.items():
+        class_type = node["class_type"]
+        spec = specs.get(class_type)
+        if spec is None:
+            problems.append(f"{node_id}: unknown node type {class_type}")
+            continue
+        declared = {**spec["input"].get("required", {}), **spec["input"].get("optional", {})}
+        missing = set(spec["input"].get("required", {})) - set(node["inputs"])
+        problems += [f"{node_id} {class_type}: required input {name} missing" for name in sorted(missing)]
+        for name, value in node["inputs"].items():
+            if name not in declared:
+                problems.append(f"{node_id} {class_type}: no input named {name}")
+                continue
+            kind, options = declared[name][0], (declared[name][1] if len(declared[name]) > 1 else {})
+            if isinstance(value, list):
+                source = graph.get(value[0])
+                outputs = specs.get(source["class_type"], {}).get("output", []) if source else []
+                if source is None or value[1] >= len(outputs):
+                    problems.append(f"{node_id} {class_type}.{name}: links to a missing output {value}")
+                elif kind != "*" and outputs[value[1]] != "*" and outputs[value[1]] != kind:
+                    problems.append(f"{node_id} {class_type}.{name}: {outputs[value[1]]} linked to a {kind} input")
+            elif isinstance(kind, list) or kind == "COMBO":
+                allowed = set(kind if isinstance(kind, list) else options.get("options", []))
+                allowed |= UPSTREAM_COMBO_VALUES.get((class_type, name), set())
+                if value not in allowed and name not in MODEL_FILE_INPUTS:
+                    problems.append(f"{node_id} {class_type}.{name}: {value!r} is not one of its values")
+            elif kind in ("INT", "FLOAT"):
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    problems.append(f"{node_id} {class_type}.{name}: {value!r} is not a number")
+                elif not options.get("min", value) <= value <= options.get("max", value):
+                    problems.append(f"{node_id} {class_type}.{name}: {value} outside "
+                                    f"[{options.get('min')}, {options.get('max')}]")
+    return problems
+
+
+def test_every_example_comes_in_both_formats_with_a_preview():
+    assert [p.name for p in API_FILES] == [p.name for p in UI_FILES]
+    assert len(API_FILES) >= 4
+    for ui in UI_FILES:
+        preview = ui.with_suffix(".jpg")  # the template browser asks for <name>.jpg
+        assert preview.exists(), preview
+        assert preview.read_bytes()[:3] == b"\xff\xd8\xff", f"{preview} is not a JPEG"
+        assert preview.stat().st_size < PREVIEW_MAX_BYTES, preview
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_matches_node_definitions(comfy, path):
+    assert validation_problems(load_json(path), node_specs(comfy.object_info())) == []
+
+
+def test_validation_catches_broken_graphs(comfy):
+    specs = node_specs(comfy.object_info())
+    graph = load_json(EXAMPLES / "api" / "bigdit-1-quantize-wan-int8-online.json")
+    quantize = next(k for k, n in graph.items() if n["class_type"] == "QuantizeModelINT8")
+    sampler = next(k for k, n in graph.items() if n["class_type"] == "KSampler")
+    broken = copy.deepcopy(graph)
+    broken[quantize]["inputs"]["group_size"] = "128"
+    broken[quantize]["inputs"]["groupsize"] = "256"
+    broken[sampler]["inputs"]["steps"] = 0
+    broken[sampler]["inputs"]["positive"] = [quantize, 0]
+    del broken[sampler]["inputs"]["cfg"]
+    problems = "\n".join(validation_problems(broken, specs))
+    for words in ("group_size: '128'", "no input named groupsize", "steps: 0 outside", "MODEL linked to a CONDITIONING",
+                  "required input cfg missing"):
+        assert words in problems
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_comfyui_accepts_example_but_for_model_files(comfy, path):
+    graph = load_json(path)
+    missing = sorted({n["class_type"] for n in graph.values()} - set(comfy.object_info()))
+    if missing:
+        pytest.skip(f"ComfyUI {COMFYUI_VERSION} has no {', '.join(missing)} (native MiniMax-H3 is upstream "
+                    "only): this graph is checked against upstream's definitions in tests/upstream_nodes.py")
+    with pytest.raises(PromptError) as info:
+        comfy.run(graph)
+    errors = [(node_id, error) for node_id, node in info.value.node_errors.items() for error in node["errors"]]
+    assert errors
+    for node_id, error in errors:
+        assert error["type"] == "value_not_in_list", (node_id, error)
+        assert error["extra_info"]["input_name"] in MODEL_FILE_INPUTS, (node_id, error)
+
+
+# ---- the Wan examples, run on the tiny model ---------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_mixed(comfy, tiny_wan):
+    layers = {"blocks.0.self_attn.q": {"format": "int8_tensorwise"}, "blocks.0.ffn.0": {"format": "float8_e4m3fn"}}
+    path = write_markers(tiny_wan["path"], comfy.models_dir / "diffusion_models" / "tiny_wan_mixed.safetensors",
+                         layers)
+    return path.name
+
+
+def tiny_variant(graph, tiny_wan, tiny_mixed):
+    """The example with the tiny Wan files, zero conditioning for the text encoder, 64x64x1, 2 steps."""
+    graph = copy.deepcopy(graph)
+    for node_id, node in list(graph.items()):
+        inputs = node["inputs"]
+        if node["class_type"] in ("UNETLoader", "LoadH3Quantized"):
+            inputs["unet_name"] = tiny_wan["unet_name"]
+        elif node["class_type"] == "MixedCheckpointLoader":
+            inputs["unet_name"] = tiny_mixed
+        elif node["class_type"] == "VAELoader":
+            inputs["vae_name"] = tiny_wan["vae_name"]
+        elif node["class_type"] == "CLIPLoader":
+            del graph[node_id]
+        elif node["class_type"] == "CLIPTextEncode":
+            graph[node_id] = {"class_type": "BigditZeroConditioning", "inputs": {"length": 8}}
+        elif node["class_type"] == "EmptyHunyuanLatentVideo":
+            inputs.update(width=64, height=64, length=1)
+        elif node["class_type"] == "KSampler":
+            inputs["steps"] = 2
+    return graph
+
+
+@pytest.mark.parametrize("name, report_node", [
+    ("bigdit-1-quantize-wan-int8-online", "QuantizeModelINT8"),
+    ("bigdit-2-load-mixed-quantized-checkpoint", "MixedCheckpointLoader"),
+    ("bigdit-4-attention-a-b-sdpa-vs-sol", "QuantizeModelINT8"),
+])
+def test_wan_example_runs_on_the_tiny_model(comfy, tiny_wan, tiny_mixed, name, report_node):
+    graph = tiny_variant(load_json(EXAMPLES / "api" / f"{name}.json"), tiny_wan, tiny_mixed)
+    history = comfy.run(graph)
+    saves = [k for k, n in graph.items() if n["class_type"] == "SaveAnimatedWEBP"]
+    samplers = [k for k, n in graph.items() if n["class_type"] == "KSampler"]
+    assert len(saves) == len(samplers) >= 1
+    for save in saves:
+        (image,) = comfy.output_files(history, save)
+        assert image.read_bytes()[8:12] == b"WEBP"
+    (reporter,) = [k for k, n in graph.items() if n["class_type"] == report_node]
+    report = history["outputs"][reporter]["text"][0]  # the ui text the web extension renders
+    assert re.match(r"quantized \d+/\d+ linear layers$", report.splitlines()[0])
+    assert "weights: " in report and "saved" in report
+
+
+# ---- node help -----------------------------------------------------------------
+
+def pack_nodes(object_info):
+    return {name: d for name, d in object_info.items() if d["python_module"] == PACK_MODULE}
+
+
+def test_every_node_has_description_tooltips_and_help_page(comfy):
+    nodes = pack_nodes(comfy.object_info())
+    assert {"QuantizeModelINT8", "SetAttentionBackend", "LoadH3Quantized", "MixedCheckpointLoader"} <= set(nodes)
+    for name, definition in nodes.items():
+        assert definition["description"].strip(), name
+        for section in ("required", "optional"):
+            for input_name, spec in definition["input"].get(section, {}).items():
+                assert len(spec) > 1 and spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
+        # The front end asks /extensions/<pack>/docs/<Node>/<locale>.md, then /extensions/<pack>/docs/<Node>.md.
+        page = (PACK_ROOT / "web" / "docs" / f"{name}.md").read_text()
+        with urllib.request.urlopen(f"{comfy.url}/extensions/bigdit/docs/{name}.md", timeout=10) as response:
+            assert response.read().decode() == page
+        assert page.startswith(f"# {definition['display_name']}"), name
+        for input_name in (*definition["input"].get("required", {}), *definition["input"].get("optional", {})):
+            assert f"`{input_name}`" in page, f"web/docs/{name}.md does not explain input {input_name}"
+
+
+def test_templates_are_listed_and_served(comfy):
+    with urllib.request.urlopen(f"{comfy.url}/workflow_templates", timeout=10) as response:
+        listed = json.loads(response.read())
+    assert sorted(listed["bigdit"]) == [p.stem for p in UI_FILES]
+    name = UI_FILES[0].stem
+    for suffix in (".json", ".jpg"):
+        url = f"{comfy.url}/api/workflow_templates/bigdit/{name}{suffix}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.read() == (EXAMPLES / f"{name}{suffix}").read_bytes()
+
+
+# ---- the front end in Chromium -----------------------------------------------
+
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: install Debian's "
+                                    "'chromium' package (.ci/setup_env.sh does) to test the web extension")
+
+REPORT_JS = r"""
+(() => {
+  const node = window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "QuantizeModelINT8");
+  const element = node?.widgets?.find((w) => w.name === "bigdit_report")?.element;
+  if (!element?.isConnected || !element.textContent) return null;
+  const headline = element.querySelector(".bigdit-headline");
+  const box = element.getBoundingClientRect();
+  return {text: element.textContent, headline: headline.textContent,
+          headlineWeight: getComputedStyle(headline).fontWeight,
+          saved: element.querySelector(".bigdit-saved")?.textContent ?? null,
+          visible: box.width > 100 && box.height > 30,
+          saved_workflow: JSON.stringify(window.comfyAPI.app.app.graph.serialize())};
+})()
+"""
+
+
+FITS_JS = r"""
+(() => {
+  const node = window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "QuantizeModelINT8");
+  const element = node.widgets.find((w) => w.name === "bigdit_report").element;
+  return element.scrollHeight <= element.clientHeight + 1;
+})()
+"""
+
+
+@pytest.fixture(scope="module")
+def browser(comfy):
+    with Browser(width=1400, height=900, timeout=30) as chromium:
+        open_comfy(chromium, comfy.url)
+        register_node_defs(chromium, UPSTREAM_NODES)
+        yield chromium
+
+
+@needs_chromium
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_loads_to_the_api_workflow(browser, path):
+    api = load_json(EXAMPLES / "api" / path.name)
+    assert load_ui_workflow(browser, load_json(path)) == api
+    nodes = [n for n in load_json(path)["nodes"] if n["type"] != "Note"]
+    assert Counter(n["type"] for n in nodes) == Counter(n["class_type"] for n in api.values())
+
+
+@needs_chromium
+def test_report_appears_on_the_node(browser, comfy, tiny_wan):
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[
+        ("QuantizeModelINT8", {"group_size": "64", "ignored_layers": "head.*", "row_split": "auto"})])
+    build_ui_workflow(browser, graph)
+    browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
+    shown = browser.wait_for(REPORT_JS, timeout=40)
+    # once laid out, the node grows until the whole report shows without scrolling
+    browser.wait_for(FITS_JS, timeout=5)
+
+    assert re.fullmatch(r"quantized \d+/\d+ linear layers", shown["headline"])
+    assert int(shown["headlineWeight"]) >= 600
+    assert shown["saved"].startswith("saved ") and shown["saved"].endswith("GiB")
+    assert "kept in original precision" in shown["text"] and "head.head: ignored" in shown["text"]
+    assert shown["visible"]
+    assert shown["headline"] not in shown["saved_workflow"]  # a run's output is not saved with the workflow
+
+    picture = screenshot_node(browser, "QuantizeModelINT8", ARTIFACTS / "report.png")
+    assert picture.stat().st_size > 5_000
+    if os.environ.get("BIGDIT_UPDATE_SCREENSHOT") == "1":
+        target = PACK_ROOT / "web" / "screenshots" / "report.png"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(picture, target)

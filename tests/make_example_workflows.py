@@ -1,0 +1,226 @@
+"""Write the pack's example workflows: example_workflows/<name>.json (UI format, what ComfyUI's
+template browser lists and what drag-and-drop loads), <name>.jpg (its preview) and
+example_workflows/api/<name>.json (API format, for POST /prompt).
+
+    python tests/make_example_workflows.py
+
+Each graph below is written once, in API terms with readable node keys. A headless ComfyUI
+0.3.75 (tests/comfy_harness.py) with this pack and its own front end in Chromium
+(tests/workflow_ui.py) builds the UI workflow from it, and graphToPrompt gives the API file,
+so both files are what the front end itself saves and queues. The MiniMax-H3 nodes, which
+0.3.75 lacks, are registered in the front end from tests/upstream_nodes.py first.
+Needs /usr/bin/chromium (Debian package 'chromium').
+"""
+import json
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+from browser import Browser  # noqa: E402
+from comfy_harness import ComfyServer  # noqa: E402
+from upstream_nodes import UPSTREAM_NODES  # noqa: E402
+from workflow_ui import build_ui_workflow, open_comfy, register_node_defs, screenshot_graph  # noqa: E402
+
+OUT = TESTS.parent / "example_workflows"
+PREVIEW_MAX_BYTES = 200_000
+
+# Files as Comfy-Org's Wan 2.1 repackage names them (models/diffusion_models, text_encoders, vae).
+WAN_UNET_BF16 = "wan2.1_t2v_14B_bf16.safetensors"
+WAN_TEXT_ENCODER = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+WAN_VAE = "wan_2.1_vae.safetensors"
+PROMPT = "A red fox trotting through a snowy pine forest at dawn, soft light, snow falling, cinematic."
+NEGATIVE = "blurry, low quality, static, distorted, watermark, text"
+
+
+def wan_t2v(model_chain, loader, title_suffix="", prefix="bigdit/wan"):
+    """Wan 2.1 text-to-video, 832x480, 33 frames: `loader` -> model_chain -> KSampler."""
+    graph = {"loader": loader}
+    model = "loader"
+    for key, node in model_chain:
+        graph[key] = {**node, "inputs": {**node["inputs"], "model": [model, 0]}}
+        model = key
+    graph.update({
+        "shift": {"class_type": "ModelSamplingSD3", "inputs": {"model": [model, 0], "shift": 8.0}},
+        "clip": {"class_type": "CLIPLoader",
+                 "inputs": {"clip_name": WAN_TEXT_ENCODER, "type": "wan", "device": "default"}},
+        "positive": {"class_type": "CLIPTextEncode", "title": "Prompt",
+                     "inputs": {"text": PROMPT, "clip": ["clip", 0]}},
+        "negative": {"class_type": "CLIPTextEncode", "title": "Negative prompt",
+                     "inputs": {"text": NEGATIVE, "clip": ["clip", 0]}},
+        "latent": {"class_type": "EmptyHunyuanLatentVideo",
+                   "inputs": {"width": 832, "height": 480, "length": 33, "batch_size": 1}},
+        "sampler": {"class_type": "KSampler", "title": "KSampler" + title_suffix, "inputs": {
+            "model": ["shift", 0], "seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc",
+            "scheduler": "simple", "denoise": 1.0, "positive": ["positive", 0], "negative": ["negative", 0],
+            "latent_image": ["latent", 0]}},
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": WAN_VAE}},
+        "decode": {"class_type": "VAEDecode", "inputs": {"samples": ["sampler", 0], "vae": ["vae", 0]}},
+        "save": {"class_type": "SaveAnimatedWEBP", "inputs": {
+            "images": ["decode", 0], "filename_prefix": prefix, "fps": 16.0, "lossless": False,
+            "quality": 90, "method": "default"}},
+    })
+    return graph
+
+
+def quantize_online():
+    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN_UNET_BF16, "weight_dtype": "default"}}
+    chain = [("quantize", {"class_type": "QuantizeModelINT8", "inputs": {
+        "group_size": "256", "ignored_layers": "", "row_split": "auto"}})]
+    return wan_t2v(chain, loader, prefix="bigdit/wan_int8")
+
+
+def mixed_checkpoint():
+    loader = {"class_type": "MixedCheckpointLoader", "inputs": {
+        "unet_name": "wan2.1_t2v_14B_mixed_int8_fp8.safetensors", "nvfp4": "auto"}}
+    return wan_t2v([], loader, prefix="bigdit/wan_mixed")
+
+
+def attention_ab():
+    """One model, two samplers on the same seed: SDPA and Sol (sparse) with 3 dense steps."""
+    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN_UNET_BF16, "weight_dtype": "default"}}
+    chain = [("quantize", {"class_type": "QuantizeModelINT8", "inputs": {
+        "group_size": "256", "ignored_layers": "", "row_split": "auto"}})]
+    graph = wan_t2v(chain, loader, title_suffix=" A: sdpa", prefix="bigdit/attention_A_sdpa")
+    graph["attention_a"] = {"class_type": "SetAttentionBackend", "title": "A: sdpa (dense reference)", "inputs": {
+        "model": ["shift", 0], "backend": "sdpa", "dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0,
+        "dense_layers": ""}}
+    graph["attention_b"] = {"class_type": "SetAttentionBackend", "title": "B: sol (sparse), 3 dense steps", "inputs": {
+        "model": ["shift", 0], "backend": "sol", "dense_backend": "sdpa", "sol_tau": 1.0, "dense_steps": 3,
+        "dense_layers": ""}}
+    graph["sampler"]["inputs"]["model"] = ["attention_a", 0]
+    graph["sampler_b"] = {**graph["sampler"], "title": "KSampler B: sol",
+                          "inputs": {**graph["sampler"]["inputs"], "model": ["attention_b", 0]}}
+    graph["decode_b"] = {"class_type": "VAEDecode", "inputs": {"samples": ["sampler_b", 0], "vae": ["vae", 0]}}
+    graph["save_b"] = {"class_type": "SaveAnimatedWEBP", "inputs": {
+        **graph["save"]["inputs"], "images": ["decode_b", 0], "filename_prefix": "bigdit/attention_B_sol"}}
+    return graph
+
+
+def minimax_h3_24gb():
+    """MiniMax-H3 text-to-video+audio on a 24 GB GPU (upstream ComfyUI with native H3)."""
+    return {
+        "loader": {"class_type": "LoadH3Quantized", "inputs": {
+            "unet_name": "minimax_h3_t2va_pruned_bf16.safetensors", "quantization": "int8_convrot",
+            "offload": "auto", "group_size": "256", "ignored_layers": ""}},
+        "shift": {"class_type": "MiniMaxH3SigmaShift", "inputs": {
+            "model": ["loader", 0], "shift_video": 12.0, "shift_audio": 3.0}},
+        "attention": {"class_type": "SetAttentionBackend", "title": "Set Attention Backend (Sage -> Sol)", "inputs": {
+            "model": ["shift", 0], "backend": "sol", "dense_backend": "sage", "sol_tau": 1.0, "dense_steps": 3,
+            "dense_layers": ""}},
+        "clip": {"class_type": "QuantizedCLIPLoader", "inputs": {
+            "clip_name": "qwen3vl_32b_minimax_h3_quanto_qint8.safetensors", "type": "minimax",
+            "rename_prefixes": "", "nvfp4": "auto"}},
+        "positive": {"class_type": "CLIPTextEncode", "title": "Prompt (picture and sound)", "inputs": {
+            "text": PROMPT + " Snow crunches under its paws; wind in the pines.", "clip": ["clip", 0]}},
+        "negative": {"class_type": "ConditioningZeroOut", "title": "No negative prompt (H3 has none)",
+                     "inputs": {"conditioning": ["positive", 0]}},
+        "latent": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 1344, "height": 768, "length": 124}},
+        "sampler": {"class_type": "KSampler", "inputs": {
+            "model": ["attention", 0], "seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler",
+            "scheduler": "simple", "denoise": 1.0, "positive": ["positive", 0], "negative": ["negative", 0],
+            "latent_image": ["latent", 0]}},
+        "video_vae": {"class_type": "VAELoader", "title": "Load VAE (video)",
+                      "inputs": {"vae_name": "minimax_h3_video_vae_fp16.safetensors"}},
+        "audio_vae": {"class_type": "VAELoader", "title": "Load VAE (audio)",
+                      "inputs": {"vae_name": "minimax_h3_audio_vae_fp32.safetensors"}},
+        "decode": {"class_type": "VAEDecode", "inputs": {"samples": ["sampler", 0], "vae": ["video_vae", 0]}},
+        "decode_audio": {"class_type": "VAEDecodeAudio",
+                         "inputs": {"samples": ["sampler", 0], "vae": ["audio_vae", 0]}},
+        "video": {"class_type": "CreateVideo", "inputs": {
+            "images": ["decode", 0], "fps": 24.0, "audio": ["decode_audio", 0]}},
+        "save": {"class_type": "SaveVideo", "inputs": {
+            "video": ["video", 0], "filename_prefix": "bigdit/minimax_h3", "format": "auto", "codec": "auto"}},
+    }
+
+
+EXAMPLES = {
+    "bigdit-1-quantize-wan-int8-online": (quantize_online, """\
+Quantize a bf16 model to INT8 while the workflow runs (BigDiT).
+
+Wan 2.1 T2V 14B in bf16 is about 28 GB of weights; QuantizeModelINT8 turns its Linear
+layers into INT8 ConvRot (about half the bytes) on a clone, layer by layer.
+After the run the node shows its report: layers quantized, GiB saved, and every
+layer kept in full precision with the reason.
+
+Files: models/diffusion_models/wan2.1_t2v_14B_bf16.safetensors,
+models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors,
+models/vae/wan_2.1_vae.safetensors (Comfy-Org's Wan 2.1 repackage).
+Any other model ComfyUI loads works the same way.
+
+RAM: the original weights stay in RAM beside the quantized ones while both are
+referenced. To avoid that, load with "Load Diffusion Model Quantized (H3)"
+instead, which quantizes while loading."""),
+    "bigdit-2-load-mixed-quantized-checkpoint": (mixed_checkpoint, """\
+Load a checkpoint whose layers are stored quantized (BigDiT).
+
+"Load Quantized Checkpoint" reads ComfyUI per-layer markers (INT8 with or without
+ConvRot, FP8, NVFP4, MXFP8, mixed in one file) or a self-describing Quanto qint8
+file, checks the whole file first, and builds each layer in its format. The
+architecture is detected by ComfyUI, so this works for any model ComfyUI knows,
+also on ComfyUI versions without these formats.
+
+Put your quantized file in models/diffusion_models and pick it in the loader
+(the name here is a placeholder). The report lists layers per format and how
+block formats run on this GPU (native or dequantized).
+
+nvfp4 = requantize: on GPUs without an NVFP4 GEMM (before sm100), re-quantize
+NVFP4 layers to this GPU's fastest native format at load."""),
+    "bigdit-3-minimax-h3-24gb": (minimax_h3_24gb, """\
+MiniMax-H3 (33B video + audio) on one 24 GB GPU (BigDiT). Needs a ComfyUI with
+native MiniMax-H3 (the EmptyMiniMaxH3LatentAV and ModelSamplingMiniMaxH3 nodes).
+
+- Load Diffusion Model Quantized (H3): reads the bf16 file layer by layer and
+  quantizes each layer to INT8 ConvRot on the GPU (66 GB -> about 34 GB), so
+  the bf16 model is never resident; offload "auto" streams the transformer
+  blocks that do not fit in VRAM from RAM, one block ahead of the compute.
+  Its report shows the memory plan.
+- Load Quantized Text Encoder: the Quanto qint8 Qwen3-VL-32B encoder, type
+  "minimax". It runs once per prompt; ComfyUI unloads it before sampling.
+- Set Attention Backend: SageAttention for the first 3 steps, Sol sparse
+  attention after them (Sol measured 2.7x faster than cuDNN attention at
+  H3's 32k tokens on an H200).
+- H3 has no negative prompt: cfg 1 with a zeroed negative.
+
+Pick your files in the loaders (names here are placeholders)."""),
+    "bigdit-4-attention-a-b-sdpa-vs-sol": (attention_ab, """\
+Attention A/B: the same model, seed and prompt through two attention backends (BigDiT).
+
+A: PyTorch SDPA (dense, the reference). B: Sol sparse attention, with the first
+3 steps dense. Compare the two videos and the time each sampler takes (ComfyUI's
+log shows it, and Set Attention Backend logs which kernel ran how often).
+Sol pays off above about 12k tokens; at short lengths it falls back to dense.
+
+Change B's backend to sage, flash or kitchen_int8 to compare those. The model
+is quantized once and shared by both branches."""),
+}
+
+
+def preview_jpeg(browser, path: Path):
+    for quality in (80, 65, 50, 35):
+        screenshot_graph(browser, path, fmt="jpeg", quality=quality)
+        if path.stat().st_size <= PREVIEW_MAX_BYTES:
+            return
+    raise RuntimeError(f"{path} stays over {PREVIEW_MAX_BYTES} bytes")
+
+
+def main():
+    (OUT / "api").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bigdit-examples-") as base, ComfyServer(base) as server, \
+            Browser(width=1600, height=1000, timeout=60) as browser:
+        open_comfy(browser, server.url)
+        register_node_defs(browser, UPSTREAM_NODES)
+        for name, (make_graph, note) in EXAMPLES.items():
+            built = build_ui_workflow(browser, make_graph(), note)
+            workflow = {**built["workflow"], "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"bigdit/{name}"))}
+            (OUT / f"{name}.json").write_text(json.dumps(workflow, indent=1) + "\n")
+            (OUT / "api" / f"{name}.json").write_text(json.dumps(built["prompt"], indent=1) + "\n")
+            preview_jpeg(browser, OUT / f"{name}.jpg")
+            print(f"wrote {name}: {len(built['prompt'])} nodes")
+
+
+if __name__ == "__main__":
+    main()

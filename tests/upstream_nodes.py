@@ -1,0 +1,50 @@
+"""Node definitions of upstream ComfyUI that ComfyUI 0.3.75 lacks, for the MiniMax-H3 example workflow.
+
+Written in /object_info format from the source of Comfy-Org/ComfyUI (read, not run):
+- comfy_extras/nodes_minimax_h3.py @ 13a83ce7: EmptyMiniMaxH3LatentAV, MiniMaxH3SigmaShift
+  (V3 schema: io.Int.Input(name, default, min, max, step), io.Float.Input(...)).
+- nodes.py @ 02217e36: CLIPLoader lists the text-encoder type "minimax" ("MiniMax H3
+  Qwen3-VL"), i.e. comfy.sd.CLIPType.MINIMAX, which the pack's QuantizedCLIPLoader lists too
+  where ComfyUI has it (its types are CLIPType's names). VAEDecode takes the video part of
+  H3's nested video+audio latent, VAEDecodeAudio (comfy_extras/nodes_audio.py @ 3fa38fd9)
+  the audio part.
+
+The example-workflow test validates the H3 graph against these, and the workflow generator
+registers them in the 0.3.75 frontend so the graph is laid out with its real widgets.
+"""
+
+MAX_RESOLUTION = 16384  # nodes.MAX_RESOLUTION
+
+UPSTREAM_NODES = {
+    "EmptyMiniMaxH3LatentAV": {
+        "input": {"required": {
+            "width": ["INT", {"default": 1344, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
+            "height": ["INT", {"default": 768, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
+            "length": ["INT", {"default": 124, "min": 5, "max": 3600, "step": 17,
+                               "tooltip": "Frame count at 24 fps, snapped up to the model's 17k+5 grid"}],
+        }},
+        "input_order": {"required": ["width", "height", "length"]},
+        "output": ["LATENT"], "output_is_list": [False], "output_name": ["LATENT"],
+        "name": "EmptyMiniMaxH3LatentAV", "display_name": "Empty MiniMax H3 AV Latent",
+        "description": "Joint video+audio latent for MiniMax H3.", "category": "model/latent/minimax",
+        "python_module": "comfy_extras.nodes_minimax_h3", "output_node": False,
+    },
+    "MiniMaxH3SigmaShift": {
+        "input": {"required": {
+            "model": ["MODEL", {}],
+            "shift_video": ["FLOAT", {"default": 12.0, "min": 0.01, "max": 100.0, "step": 0.01}],
+            "shift_audio": ["FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01}],
+        }},
+        "input_order": {"required": ["model", "shift_video", "shift_audio"]},
+        "output": ["MODEL"], "output_is_list": [False], "output_name": ["MODEL"],
+        "name": "MiniMaxH3SigmaShift", "display_name": "ModelSamplingMiniMaxH3",
+        "description": "Set the video/audio flow shifts.", "category": "model/patch/minimax",
+        "python_module": "comfy_extras.nodes_minimax_h3", "output_node": False,
+    },
+}
+
+# Combo values that upstream accepts and 0.3.75 does not list: (node, input) -> values.
+UPSTREAM_COMBO_VALUES = {
+    ("CLIPLoader", "type"): {"minimax"},
+    ("QuantizedCLIPLoader", "type"): {"minimax"},
+}
