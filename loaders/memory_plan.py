@@ -281,11 +281,11 @@ class MemoryPlan:
             lines.append(f"run: {self.shape.describe()}")
         if self.streamed:
             lines.append(f"streamed from host memory: {size_text(self.streamed_bytes)}, "
-                         f"blocks {_ranges(self.streamed)}")
+                         f"blocks {block_ranges(self.streamed)}")
         return "\n".join(lines)
 
 
-def _ranges(indices: Sequence[int]) -> str:
+def block_ranges(indices: Sequence[int]) -> str:
     parts, start, prev = [], None, None
     for i in indices:
         if start is None:

@@ -1,6 +1,8 @@
 """Loaders for quantized checkpoints: per-layer markers and Quanto files, and online quantization while loading."""
 from __future__ import annotations
 
+import logging
+
 import folder_paths
 
 from ..loaders import LayerBuilder, inspect_checkpoint
@@ -10,6 +12,8 @@ from ..quant.patterns import parse_patterns
 from . import checkpoint_compat as compat
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload
+
+log = logging.getLogger(__name__)
 
 # Kept in full precision by LoadH3Quantized: H3's AdaLN projections, output head
 # and patch projections (its fp32 layers stay fp32 anyway), and their Wan
@@ -24,7 +28,11 @@ _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native t
 
 
 def _report(builder: LayerBuilder, *extra: str) -> str:
-    return "\n".join([builder.report.render(), *extra])
+    report = builder.report
+    # One INFO line per load; the whole report is on the node.
+    log.info("%s: %s, %.3f -> %.3f GiB", report.title, report.summary_line(),
+             report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
+    return "\n".join([report.render(), *extra])
 
 
 def _progress_total(plan) -> int:

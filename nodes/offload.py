@@ -34,7 +34,7 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..loaders.memory_plan import (CUDA_WORKSPACE_BYTES, GIB, BLOCK_LIST_NAMES, MemoryPlan, RunShape,
+from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, MemoryPlan, RunShape, block_ranges,
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
@@ -88,8 +88,8 @@ class _Session:
             return None
         self.streamer.detach()
         self.pins.release()
-        return (f"streamed {len(self.streamer.order)} of {self.plan.n_blocks} blocks; "
-                f"{self.streamer.stats.render()}")
+        return (f"streamed {len(self.streamer.order)} of {self.plan.n_blocks} blocks "
+                f"({block_ranges(self.streamer.order)}); {self.streamer.stats.render()}")
 
 
 class _Offload:
@@ -176,7 +176,8 @@ class _Offload:
     def outer_sample(self, executor, noise, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
         plan = self.plan(patcher, tuple(noise.shape))
-        log.info("bigdit offload (%s):\n%s", self.mode, plan.render())
+        log.info("bigdit offload (%s): %s", self.mode, plan.summary_line())
+        log.debug("bigdit offload plan:\n%s", plan.render())
         if self.mode == "none" and not plan.fits:
             raise OffloadError("offload 'none' needs every block resident, which does not fit; use 'auto' or "
                                "'layerwise'.\n" + plan.render())
