@@ -7,7 +7,8 @@ Written in /object_info format from the source of Comfy-Org/ComfyUI (read, not r
   Qwen3-VL"), i.e. comfy.sd.CLIPType.MINIMAX, which the pack's QuantizedCLIPLoader lists too
   where ComfyUI has it (its types are CLIPType's names). VAEDecode takes the video part of
   H3's nested video+audio latent, VAEDecodeAudio (comfy_extras/nodes_audio.py @ 3fa38fd9)
-  the audio part.
+  the audio part. ComfyUI 0.3.75 has VAEDecodeAudio too, but loads it only where torchaudio is
+installed (the test environment has none), so its definition is here as well.
 
 The example-workflow test validates the H3 graph against these, and the workflow generator
 registers them in the 0.3.75 frontend so the graph is laid out with its real widgets.
@@ -40,6 +41,14 @@ UPSTREAM_NODES = {
         "name": "MiniMaxH3SigmaShift", "display_name": "ModelSamplingMiniMaxH3",
         "description": "Set the video/audio flow shifts.", "category": "model/patch/minimax",
         "python_module": "comfy_extras.nodes_minimax_h3", "output_node": False,
+    },
+    "VAEDecodeAudio": {
+        "input": {"required": {"samples": ["LATENT", {}], "vae": ["VAE", {}]}},
+        "input_order": {"required": ["samples", "vae"]},
+        "output": ["AUDIO"], "output_is_list": [False], "output_name": ["AUDIO"],
+        "name": "VAEDecodeAudio", "display_name": "VAE Decode Audio",
+        "description": "", "category": "latent/audio",
+        "python_module": "comfy_extras.nodes_audio", "output_node": False,
     },
 }
 
