@@ -49,13 +49,20 @@ _compile_failed = False
 
 
 def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
-    """quantize_rows in as few memory passes as torch offers (eager if compiling is impossible here).
+    """quantize_rows in as few memory passes as this machine allows.
 
     The activation pass is what separates FP8's end-to-end speed from the raw
-    GEMM's. A plain input takes torch's row inf-norm, then one compiled
-    elementwise cast; an input activation is folded into one compiled kernel.
+    GEMM's. First choice: the one-pass Triton kernel (fp8_rows). Otherwise a
+    plain input takes torch's row inf-norm, then one compiled elementwise
+    cast, and an input activation is folded into one compiled kernel; without
+    a compiler, eager torch.
     """
     global _compile_failed
+    if input_act in (None, "swiglu"):
+        from . import fp8_rows
+        width = x.shape[1] // (2 if input_act == "swiglu" else 1)
+        if fp8_rows.available(x, width):
+            return fp8_rows.quantize_rows(x, input_act == "swiglu", FP8_MAX, _MIN_SCALE)
     if not _compile_failed:
         try:
             if not _compiled:
