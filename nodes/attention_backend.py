@@ -85,8 +85,9 @@ class SetAttentionBackend:
 
         composed = {"installed": "", "replaced": "; replaced an earlier Set Attention Backend",
                     "wrapped": f"; wrapping the existing override {override.previous!r}"}[how]
+        text = f"attention: {router.describe()}{composed}"
         log.info("Set Attention Backend: %s%s", router.describe(), composed)
-        return (patched,)
+        return {"ui": {"text": [text]}, "result": (patched,)}
 
 
 NODES = {"SetAttentionBackend": (SetAttentionBackend, "Set Attention Backend")}

@@ -121,3 +121,10 @@ def test_a_second_node_replaces_the_first(comfy_sdpa, tiny_wan, baseline):
 def test_bad_dense_layers_is_a_node_error(comfy_sdpa, tiny_wan):
     with pytest.raises(PromptError, match="dense_layers"):
         run(comfy_sdpa, tiny_wan, [node("sol", dense_layers="first")])
+
+
+def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
+                          model_chain=[node("sol", dense_backend="sdpa", dense_steps=1, dense_layers="0")])
+    text = comfy_sdpa.run(graph)["outputs"]["m0"]["text"][0]
+    assert text == "attention: backend sol, tau 1, dense sdpa, dense steps 0-0, dense blocks [0]"

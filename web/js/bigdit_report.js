@@ -1,8 +1,8 @@
 // Shows a node's report on the node itself after it runs.
 //
-// Applies to every node of this pack with a STRING output named "report": the
-// node returns {"ui": {"text": [report]}}, ComfyUI calls onExecuted with that
-// dict, and the text is rendered read-only below the node's widgets: the first
+// Applies to every node of this pack that returns {"ui": {"text": [report]}}
+// (the loaders and quantizers' reports, Set Attention Backend's choice):
+// ComfyUI calls onExecuted with that dict, and the text is rendered read-only below the node's widgets: the first
 // line as a headline, "key: value" lines with the key dimmed, and a line
 // ending in ":" followed by indented lines as a collapsible list.
 import { app } from "../../../scripts/app.js"; // served as /extensions/<pack>/js/…
@@ -40,12 +40,10 @@ function installStyle() {
   document.head.appendChild(style);
 }
 
-function isReportNode(nodeData) {
+function isPackNode(nodeData) {
+  // Only nodes that return {"ui": {"text": [...]}} ever get a report to show.
   const [root, folder] = (nodeData.python_module ?? "").split(".");
-  if (root !== "custom_nodes" || folder !== PACK_FOLDER) return false;
-  const types = nodeData.output ?? [];
-  const names = nodeData.output_name ?? [];
-  return types.some((type, i) => type === "STRING" && names[i] === "report");
+  return root === "custom_nodes" && folder === PACK_FOLDER;
 }
 
 function keyValueLine(line) {
@@ -146,7 +144,7 @@ function showReport(node, text) {
 app.registerExtension({
   name: "bigdit.report",
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!isReportNode(nodeData)) return;
+    if (!isPackNode(nodeData)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
