@@ -1,0 +1,57 @@
+"""Base for formats that comfy-kitchen holds as a QuantizedTensor layout (NVFP4, MXFP8).
+
+Where the GPU has the layout's native GEMM (its MIN_SM_VERSION), activations are
+quantized to the same layout and F.linear dispatches to kitchen's kernel;
+elsewhere, CPU included, kitchen dequantizes the weight and a plain matmul runs
+in the activations' dtype: correct, but it only saves memory.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .method import LinearMethod
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class KitchenLayoutMethod(LinearMethod):
+    #: comfy-kitchen layout name, e.g. "TensorCoreNVFP4Layout"
+    layout: str = ""
+
+    def layout_class(self):
+        from comfy_kitchen.tensor.base import get_layout_class
+        return get_layout_class(self.layout)
+
+    def native_supported(self, device: torch.device) -> bool:
+        return (device.type == "cuda"
+                and torch.cuda.get_device_capability(device) >= self.layout_class().MIN_SM_VERSION)
+
+    def layout_params(self, tensors: dict[str, torch.Tensor], layer):
+        """The layout's Params for this layer's stored tensors."""
+        raise NotImplementedError
+
+    def kitchen_tensor(self, tensors: dict[str, torch.Tensor], layer):
+        from comfy_kitchen.tensor import QuantizedTensor
+        return QuantizedTensor(tensors["weight"], self.layout, self.layout_params(tensors, layer))
+
+    def quantize_input(self, x2d: torch.Tensor, tensors: dict[str, torch.Tensor]):
+        from comfy_kitchen.tensor import QuantizedTensor
+        return QuantizedTensor.from_float(x2d, self.layout)
+
+    def dequantize(self, layer) -> torch.Tensor:
+        return self.kitchen_tensor(dict(layer.named_parameters()), layer).dequantize()
+
+    def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        from comfy_kitchen.backends._activations import apply_input_act
+        t = layer.tensors_for(x)
+        out_dtype = x.dtype if x.dtype in _FLOAT_DTYPES else layer.compute_dtype
+        x2d = apply_input_act(x.reshape(-1, x.shape[-1]), input_act).to(out_dtype)
+        bias = t.get("bias")
+        bias = None if bias is None else bias.to(out_dtype)
+        weight = self.kitchen_tensor(t, layer)
+        if self.native_supported(x.device):
+            out = F.linear(self.quantize_input(x2d, t), weight, bias)
+        else:
+            out = F.linear(x2d, weight.dequantize().to(out_dtype), bias)
+        return out.reshape(*x.shape[:-1], layer.out_features)
