@@ -9,12 +9,14 @@ whose formats are all slower than bf16 stays in bf16, so no layer gets slower.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .fp8 import Fp8Method
 from .int8_convrot import Int8ConvRotMethod
+from .kernel_select import _time_ms
 from .method import LinearMethod
 
 # Preference order by compute capability (first match from the top).
@@ -35,11 +37,21 @@ def preferred_formats(device: torch.device) -> tuple[str, ...]:
     return ()
 
 
-class AutoSelector:
-    """Picks a method per layer shape; `select` returns (method or None, reason)."""
+# Measured decisions for the process: (device, in, out, rows, group size, formats) ->
+# (format or None for bf16, reason, timings). Every load of the same model shares them.
+_MEASURED: dict[tuple, tuple[str | None, str, dict[str, float]]] = {}
 
-    def __init__(self, device: torch.device, group_size: int = 256, measure: bool | None = None):
+
+class AutoSelector:
+    """Picks a method per layer shape; `select` returns (method or None, reason).
+
+    `time_ms(fn)` times one call of `fn` (CUDA events by default; tests pass a clock).
+    """
+
+    def __init__(self, device: torch.device, group_size: int = 256, measure: bool | None = None,
+                 time_ms: Callable[[Callable[[], object]], float] | None = None):
         self.device = device
+        self.group_size = group_size
         self.methods: dict[str, LinearMethod] = {
             "fp8_e4m3fn": Fp8Method(),
             "int8_convrot": Int8ConvRotMethod(group_size),
@@ -47,42 +59,41 @@ class AutoSelector:
         self.order = preferred_formats(device)
         self.measure = device.type == "cuda" if measure is None else measure
         self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
-        self._cache: dict[tuple[int, int], tuple[LinearMethod | None, str]] = {}
-        self.timings: dict[tuple[int, int], dict[str, float]] = {}
+        self.time_ms = time_ms or (lambda fn: _time_ms(fn, iters=5))
+        self.timings: dict[tuple[int, int], dict[str, float]] = {}  # (in, out) -> ms, for measured shapes
 
     def select(self, in_features: int, out_features: int) -> tuple[LinearMethod | None, str]:
-        key = (in_features, out_features)
-        if key not in self._cache:
-            self._cache[key] = self._decide(in_features, out_features)
-        return self._cache[key]
-
-    def _decide(self, k: int, n: int) -> tuple[LinearMethod | None, str]:
-        usable = [f for f in self.order if self.methods[f].skip_reason(k, n) is None]
+        usable = tuple(f for f in self.order if self.methods[f].skip_reason(in_features, out_features) is None)
         if not usable:
             return None, "auto: no native format fits this shape" if self.order else "auto: no fast format on this GPU"
         if not self.measure:
             return self.methods[usable[0]], f"auto: {usable[0]} (table)"
-        times = self._time(k, n, usable)
-        self.timings[(k, n)] = times
+        key = (str(self.device), in_features, out_features, self.rows, self.group_size, usable)
+        if key not in _MEASURED:
+            _MEASURED[key] = self._decide(in_features, out_features, usable)
+        best, reason, self.timings[(in_features, out_features)] = _MEASURED[key]
+        return (None if best is None else self.methods[best]), reason
+
+    def _decide(self, k: int, n: int, formats: tuple[str, ...]) -> tuple[str | None, str, dict[str, float]]:
+        times = self._time(k, n, formats)
         best = min(times, key=times.get)
         if best == "bf16":
-            return None, f"auto: bf16 fastest at {k}->{n} ({_fmt(times)})"
-        return self.methods[best], f"auto: {best} ({_fmt(times)})"
+            return None, f"auto: bf16 fastest at {k}->{n} ({_fmt(times)})", times
+        return best, f"auto: {best} ({_fmt(times)})", times
 
-    def _time(self, k: int, n: int, formats: list[str]) -> dict[str, float]:
+    def _time(self, k: int, n: int, formats: tuple[str, ...]) -> dict[str, float]:
         from .dispatch import quantize_linear
-        from .kernel_select import _time_ms
 
         gen = torch.Generator(device=self.device).manual_seed(0)
         linear = torch.nn.Linear(k, n, bias=False, device=self.device, dtype=torch.bfloat16)
         with torch.no_grad():
             linear.weight.normal_(0, k ** -0.5, generator=gen)
         x = torch.randn(self.rows, k, device=self.device, dtype=torch.bfloat16, generator=gen)
-        times = {"bf16": _time_ms(lambda: F.linear(x, linear.weight), iters=5)}
+        times = {"bf16": self.time_ms(lambda: F.linear(x, linear.weight))}
         for fmt in formats:
             layer = quantize_linear(linear, self.methods[fmt], self.device)
             layer(x)  # first call runs any kernel measurement of the format itself
-            times[fmt] = _time_ms(lambda: layer(x), iters=5)
+            times[fmt] = self.time_ms(lambda: layer(x))
             del layer
         return times
 

@@ -46,6 +46,7 @@ def _cast_rows(x: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, tor
 
 _compiled: dict[str, object] = {}
 _compile_failed = False
+_triton_failed = False
 
 
 def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
@@ -57,12 +58,17 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
     cast, and an input activation is folded into one compiled kernel; without
     a compiler, eager torch.
     """
-    global _compile_failed
-    if input_act in (None, "swiglu"):
+    global _compile_failed, _triton_failed
+    if input_act in (None, "swiglu") and not _triton_failed:
         from . import fp8_rows
         width = x.shape[1] // (2 if input_act == "swiglu" else 1)
         if fp8_rows.available(x, width):
-            return fp8_rows.quantize_rows(x, input_act == "swiglu", FP8_MAX, _MIN_SCALE)
+            try:
+                return fp8_rows.quantize_rows(x, input_act == "swiglu", FP8_MAX, _MIN_SCALE)
+            except Exception as exc:  # a Triton that imports but cannot compile for this GPU
+                _triton_failed = True
+                log.warning("FP8: the Triton activation quantizer failed (%s); using torch.compile or eager "
+                            "torch instead (slower)", exc)
     if not _compile_failed:
         try:
             if not _compiled:

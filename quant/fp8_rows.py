@@ -12,7 +12,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the caller falls back to torch
+except Exception:  # missing or broken Triton: the caller falls back to torch
     triton = None
 
 MAX_WIDTH = 16384  # widest row held in registers (H3's fc2 input after SwiGLU: 14336)

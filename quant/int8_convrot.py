@@ -32,15 +32,16 @@ def _env_int(name: str) -> int | None:
 
 
 def forced_row_split(rows: int, out_features: int) -> int | None:
-    """Rows per call when the user forces the split with env vars, else None.
+    """The user's row split from env vars: rows per call, 0 for "never split", None when unset.
 
-    BIGDIT_INT8_MAX_ROWS (<= 0 disables) and BIGDIT_INT8_MIN_SPLIT_N.
+    BIGDIT_INT8_MAX_ROWS (<= 0: never split) and BIGDIT_INT8_MIN_SPLIT_N. When
+    MAX_ROWS is set it decides alone: the measured choice is off.
     """
     max_rows = _env_int("BIGDIT_INT8_MAX_ROWS")
-    if max_rows is None or max_rows <= 0 or rows <= max_rows:
+    if max_rows is None:
         return None
-    if out_features < (_env_int("BIGDIT_INT8_MIN_SPLIT_N") or 0):
-        return None
+    if max_rows <= 0 or rows <= max_rows or out_features < (_env_int("BIGDIT_INT8_MIN_SPLIT_N") or 0):
+        return 0
     return max_rows
 
 
@@ -121,19 +122,19 @@ class Int8ConvRotMethod(LinearMethod):
 
         rows, n_out = x2d.shape[0], weight.shape[0]
         forced_rows = forced_row_split(rows, n_out)
-        if forced_rows is not None:
-            out = split(forced_rows)
-        else:
-            candidates = {"kitchen": lambda: fused(x2d)}
-            if x.device.type == "cuda" and self.row_split == "auto" and rows > DEFAULT_SPLIT_ROWS:
-                candidates["kitchen_split"] = lambda: split(DEFAULT_SPLIT_ROWS)
-            # dequant runs only when forced: side by side on the H200 it never beat the fused
-            # kernel by more than noise, yet timed inside a forward it looked up to 30% faster
-            # than it is (allocator and clock effects) and got picked wrongly.
-            candidates["dequant"] = dequant_gemm
-            key = (str(x.device), rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act)
-            choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split"))
-            out = candidates[choice]()
+        if forced_rows:
+            return split(forced_rows).reshape(*lead, n_out)
+        candidates = {"kitchen": lambda: fused(x2d)}
+        if (forced_rows is None and x.device.type == "cuda" and self.row_split == "auto"
+                and rows > DEFAULT_SPLIT_ROWS):
+            candidates["kitchen_split"] = lambda: split(DEFAULT_SPLIT_ROWS)
+        # dequant runs only when forced: side by side on the H200 it never beat the fused
+        # kernel by more than noise, yet timed inside a forward it looked up to 30% faster
+        # than it is (allocator and clock effects) and got picked wrongly.
+        candidates["dequant"] = dequant_gemm
+        key = (str(x.device), rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
+        choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split"))
+        out = candidates[choice]()
         return out.reshape(*lead, n_out)
 
 

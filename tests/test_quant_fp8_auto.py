@@ -80,6 +80,36 @@ def test_auto_on_cpu_uses_table_without_timing():
     assert method is None and "no native format" in why
 
 
+class ScriptedClock:
+    """Runs each timed call for real and answers the next scripted time (bf16 is timed first)."""
+
+    def __init__(self, *ms):
+        self.ms, self.calls = list(ms), 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.ms.pop(0)
+
+
+def test_auto_measures_once_and_keeps_bf16_where_nothing_is_faster(monkeypatch):
+    from bigdit.quant import auto
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
+    fast = ScriptedClock(2.0, 1.0)
+    selector = AutoSelector(torch.device("cpu"), measure=True, time_ms=fast)
+    method, why = selector.select(256, 128)
+    assert method.name == "int8_convrot" and why.startswith("auto: int8_convrot (bf16 2.000 ms")
+    assert selector.timings[(256, 128)] == {"bf16": 2.0, "int8_convrot": 1.0}
+    assert fast.calls == 2
+    # a second selector (another load) reuses the measurement
+    again = AutoSelector(torch.device("cpu"), measure=True, time_ms=fast)
+    assert again.select(256, 128)[0].name == "int8_convrot" and fast.calls == 2
+    slow = ScriptedClock(1.0, 3.0)
+    method, why = AutoSelector(torch.device("cpu"), measure=True, time_ms=slow).select(512, 128)
+    assert method is None and why.startswith("auto: bf16 fastest at 512->128")
+
+
 def test_auto_through_the_dispatcher():
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(100, 256)).to(torch.bfloat16)
     replacements, report = quantize_layers(model, QuantConfig(method=get_method("auto", device="cpu")))

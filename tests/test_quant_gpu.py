@@ -1,5 +1,4 @@
 """INT8 ConvRot on CUDA: comfy-kitchen's compiled kernels against its eager reference."""
-import os
 
 import pytest
 import torch
@@ -61,12 +60,38 @@ def test_layerwise_quantization_peak_is_about_one_layer():
     assert peak < 4 * layer_bytes, peak
 
 
-def test_auto_choice_is_cached_per_shape(monkeypatch):
+def test_kitchen_cuda_backend_is_available():
+    """The other tests here would pass on the eager backend too; this one says which ran."""
+    import comfy_kitchen as ck
+    assert ck.registry.is_available("cuda")
+
+
+def test_auto_choice_is_measured_once_per_shape(monkeypatch):
     from bigdit.quant.int8_convrot import chooser
     monkeypatch.delenv("BIGDIT_INT8_KERNEL", raising=False)
+    monkeypatch.delenv("BIGDIT_INT8_MAX_ROWS", raising=False)
     _, q = quantized(1024, 1024)
-    x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(DEFAULT_SPLIT_ROWS + 100, 1024, device="cuda", dtype=torch.bfloat16)
+    before = dict(chooser().timings)
     q(x)
-    n = len(chooser().timings)
+    new = {k: v for k, v in chooser().timings.items() if k not in before}
+    assert len(new) == 1 and set(next(iter(new.values()))) == {"kitchen", "kitchen_split"}
     q(x)
-    assert len(chooser().timings) == n
+    assert len(chooser().timings) == len(before) + 1
+
+
+def test_row_split_off_is_its_own_choice(monkeypatch):
+    """A row_split="off" layer never runs the split, and its choice is cached apart from an "auto" layer's."""
+    from bigdit.quant.int8_convrot import chooser
+    from bigdit.quant.kernel_select import rows_bucket
+    monkeypatch.delenv("BIGDIT_INT8_KERNEL", raising=False)
+    monkeypatch.delenv("BIGDIT_INT8_MAX_ROWS", raising=False)
+    layer, auto = quantized(2048, 1024)
+    off, = quantize_layers(nn.Sequential(layer), QuantConfig(method=Int8ConvRotMethod(256, "off")))[0].values()
+    x = torch.randn(DEFAULT_SPLIT_ROWS + 100, 2048, device="cuda", dtype=torch.bfloat16)
+    auto(x)
+    off(x)
+    keys = {k[-1]: choice for k, choice in chooser().choices.items()
+            if k[1:4] == (rows_bucket(x.shape[0]), 2048, 1024)}
+    assert set(keys) == {("kitchen", "kitchen_split", "dequant"), ("kitchen", "dequant")}
+    assert keys[("kitchen", "dequant")] == "kitchen"

@@ -65,17 +65,45 @@ def test_convrot_tames_outlier_channels():
     assert convrot_err < 0.05
 
 
+def count_kitchen_calls(monkeypatch):
+    """Counts comfy-kitchen int8_linear calls (each still runs the real kernel)."""
+    import comfy_kitchen as ck
+    real, calls = ck.int8_linear, []
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(ck, "int8_linear", counted)
+    return calls
+
+
 def test_row_split_is_bit_exact(monkeypatch):
     layer = make_linear(256, 512)
     qlayer, _ = quantize_one(layer)
     x = torch.randn(2, 50, 256, dtype=torch.bfloat16)
+    calls = count_kitchen_calls(monkeypatch)
     whole = qlayer(x)
+    assert calls == [100]
     monkeypatch.setenv("BIGDIT_INT8_MAX_ROWS", "16")
     monkeypatch.setenv("BIGDIT_INT8_MIN_SPLIT_N", "512")
+    calls.clear()
     split = qlayer(x)
+    assert calls == [16] * 6 + [4]
     assert torch.equal(whole, split)
     monkeypatch.setenv("BIGDIT_INT8_MIN_SPLIT_N", "513")  # too narrow to split: same path as whole
+    calls.clear()
     assert torch.equal(whole, qlayer(x))
+    assert calls == [100]
+
+
+def test_max_rows_zero_never_splits(monkeypatch):
+    layer = make_linear(256, 512)
+    qlayer, _ = quantize_one(layer)
+    calls = count_kitchen_calls(monkeypatch)
+    monkeypatch.setenv("BIGDIT_INT8_MAX_ROWS", "0")
+    qlayer(torch.randn(40, 256, dtype=torch.bfloat16))
+    assert calls == [40]
 
 
 def test_forced_kernel_env_is_validated(monkeypatch):
