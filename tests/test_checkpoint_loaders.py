@@ -7,17 +7,16 @@ run inside `_load_from_state_dict`. Each layer's output is compared with the
 bf16 layer's in fp32.
 """
 import base64
-import json
 
 import pytest
 import torch
 from torch import nn
 
-from checkpoint_files import (edit_checkpoint, load, marker_tensor, quanto_map, save, truncate, write_markers,
+from bad_checkpoints import BAD_FILES
+from checkpoint_files import (edit_checkpoint, load, marker_tensor, save, write_markers,
                               write_quanto, write_quanto_reference)
 
 from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
-from bigdit.loaders.safetensors_header import MAX_METADATA_BYTES
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
 
 # (out, in) of the Linear layers, named as in ComfyUI's WanModel (dim 128, ffn 256).
@@ -271,112 +270,14 @@ def _int8_file(plain_file, tmp_path, layers=("blocks.0.ffn.0",)):
                           for name in layers})
 
 
-def _nvfp4_file(plain_file, tmp_path):
-    return write_markers(plain_file, tmp_path / "nvfp4.safetensors", {"blocks.0.ffn.0": {"format": "nvfp4"}})
-
-
 def _quanto_file(plain_file, tmp_path):
     return write_quanto(plain_file, tmp_path / "quanto.safetensors", ["blocks.0.ffn.0", "blocks.0.ffn.2"])
-
-
-def bad_truncated(plain_file, tmp_path):
-    return truncate(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors", 1000)
-
-
-def bad_marker_json(plain_file, tmp_path):
-    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           {"blocks.0.ffn.0.comfy_quant": torch.tensor(list(b'{"format": "int8_'), dtype=torch.uint8)})
-
-
-def bad_unknown_format(plain_file, tmp_path):
-    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           {"blocks.0.ffn.0.comfy_quant": marker_tensor({"format": "float3_e1m1"})})
-
-
-def bad_shape(plain_file, tmp_path):
-    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           {"blocks.0.ffn.0.weight_scale": torch.ones(257, 1)})
-
-
-def bad_dtype(plain_file, tmp_path):
-    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           {"blocks.0.ffn.0.weight": torch.zeros(256, 128, dtype=torch.bfloat16)})
-
-
-def bad_quanto_activations(plain_file, tmp_path):
-    return edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors", metadata={
-        "quantization_map_base64": quanto_map(["blocks.0.ffn.0", "blocks.0.ffn.2"], activations="qint8")})
-
-
-def bad_quanto_scale(plain_file, tmp_path):
-    return edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           {"blocks.0.ffn.0.input_scale": torch.tensor(0.5, dtype=torch.bfloat16)})
-
-
-def bad_prefix_set(plain_file, tmp_path):
-    return edit_checkpoint(_quanto_file(plain_file, tmp_path), tmp_path / "bad.safetensors", metadata={
-        "quantization_map_base64": quanto_map(["blocks.0.ffn.0"])})
-
-
-def bad_oversized_metadata(plain_file, tmp_path):
-    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           metadata={"notes": "x" * (MAX_METADATA_BYTES + 1)})
-
-
-def bad_nan_scale(plain_file, tmp_path):
-    path = _int8_file(plain_file, tmp_path)
-    scale = load(path)[0]["blocks.0.ffn.0.weight_scale"].clone()
-    scale[3] = float("nan")
-    return edit_checkpoint(path, tmp_path / "bad.safetensors", {"blocks.0.ffn.0.weight_scale": scale})
-
-
-def bad_nan_block_scale(plain_file, tmp_path):
-    path = _nvfp4_file(plain_file, tmp_path)
-    block = load(path)[0]["blocks.0.ffn.0.weight_scale"].clone()
-    block.view(torch.uint8)[5, 1] = 0x7F  # E4M3FN NaN
-    return edit_checkpoint(path, tmp_path / "bad.safetensors", {"blocks.0.ffn.0.weight_scale": block})
-
-
-def bad_missing_companion(plain_file, tmp_path):
-    return edit_checkpoint(_nvfp4_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           drop=["blocks.0.ffn.0.weight_scale_2"])
-
-
-def bad_unknown_companion(plain_file, tmp_path):
-    return edit_checkpoint(_nvfp4_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           {"blocks.0.ffn.0.pre_quant_scale": torch.ones(128)})
-
-
-def bad_conflicting_markers(plain_file, tmp_path):
-    meta = {"format_version": "1.0", "layers": {"blocks.0.ffn.0": {"format": "float8_e4m3fn"}}}
-    return edit_checkpoint(_int8_file(plain_file, tmp_path), tmp_path / "bad.safetensors",
-                           metadata={"_quantization_metadata": json.dumps(meta)})
-
-
-BAD_FILES = {
-    # name: (writer, expected words, layer named)
-    "truncated": (bad_truncated, "truncated file", "blocks.0"),
-    "bad marker JSON": (bad_marker_json, "bad marker JSON", "blocks.0.ffn.0"),
-    "unknown format": (bad_unknown_format, "unsupported quantization format 'float3_e1m1'", "blocks.0.ffn.0"),
-    "shape mismatch": (bad_shape, "shape mismatch: int8_tensorwise weight_scale", "blocks.0.ffn.0"),
-    "dtype mismatch": (bad_dtype, "dtype mismatch: int8_tensorwise weight must be I8, found BF16", "blocks.0.ffn.0"),
-    "activation-quantized Quanto": (bad_quanto_activations, "activation-quantized", "blocks.0.ffn.0"),
-    "non-unit Quanto scale": (bad_quanto_scale, "non-unit Quanto input_scale", "blocks.0.ffn.0"),
-    "prefix-set mismatch": (bad_prefix_set, "prefix-set mismatch", "blocks.0.ffn.2"),
-    "oversized metadata": (bad_oversized_metadata, "oversized metadata", "'notes'"),
-    "NaN scale": (bad_nan_scale, "non-finite (NaN/Inf) values in int8_tensorwise weight_scale", "blocks.0.ffn.0"),
-    "NaN block scale": (bad_nan_block_scale, "non-finite (NaN/Inf) values in nvfp4 weight_scale", "blocks.0.ffn.0"),
-    "missing companion": (bad_missing_companion, "missing tensor(s) weight_scale_2", "blocks.0.ffn.0"),
-    "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: pre_quant_scale",
-                          "blocks.0.ffn.0"),
-    "conflicting markers": (bad_conflicting_markers, "conflicting markers", "blocks.0.ffn.0"),
-}
 
 
 @pytest.mark.parametrize("case", list(BAD_FILES))
 def test_bad_file_is_refused_naming_file_and_layer(plain_file, tmp_path, case):
     writer, words, layer = BAD_FILES[case]
-    path = writer(plain_file, tmp_path)
+    path = writer(plain_file, tmp_path, tmp_path / "bad.safetensors")
     with pytest.raises(CheckpointError) as info:
         inspect_checkpoint(path)
     message = str(info.value)

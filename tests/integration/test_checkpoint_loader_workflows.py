@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_files import (edit_checkpoint, load, marker_tensor, truncate, write_markers, write_quanto,
-                              write_quanto_reference)
+from bad_checkpoints import BAD_FILES
+from checkpoint_files import edit_checkpoint, load, save, write_markers, write_quanto, write_quanto_reference
 from comfy_harness import PromptError
 from graphs import add_preview, wan_t2v_graph
 
@@ -54,9 +54,6 @@ def files(comfy, tiny_wan2):
         "mixed": mixed.name,
         "header": write_markers(src, folder / "wan2_header.safetensors", header, form="header").name,
         "quanto": write_quanto_reference(src, folder / "wan2_quanto.safetensors", BLOCK_LINEARS).name,
-        "truncated": truncate(mixed, folder / "bad_truncated.safetensors", 4096).name,
-        "unknown": edit_checkpoint(mixed, folder / "bad_unknown.safetensors", {
-            "blocks.1.ffn.0.comfy_quant": marker_tensor({"format": "int2_dream"})}).name,
         "unconsumed": edit_checkpoint(mixed, folder / "bad_unconsumed.safetensors", stray).name,
     }
 
@@ -117,22 +114,56 @@ def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
     assert rel(latent, baseline) < TOLERANCE["online_int8"]
 
 
-@pytest.mark.parametrize("case, words, layer", [
-    ("truncated", "truncated file", "blocks.1"),
-    ("unknown", "unsupported quantization format 'int2_dream'", "blocks.1.ffn.0"),
-    ("unconsumed", "unconsumed markers", "blocks.7.ffn.0"),
-])
-def test_bad_file_fails_clearly_and_the_server_keeps_serving(comfy, tiny_wan2, files, baseline, case, words, layer):
-    with pytest.raises(PromptError) as info:
-        run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": files[case]})
-    assert info.value.node_type == "MixedCheckpointLoader"
-    assert "CheckpointError" in info.value.message
-    assert f"{files[case]}: " in info.value.message and words in info.value.message
-    assert layer in info.value.message
-    # The next prompt runs normally.
+def bad_file_cases():
+    return [(case, *expected) for case, (_, *expected) in BAD_FILES.items()] + [
+        ("unconsumed", "unconsumed markers", "blocks.7.ffn.0")]  # found only once the model is built
+
+
+@pytest.fixture(scope="module")
+def bad_files(comfy, tiny_wan2, files, tmp_path_factory):
+    """Every bad file of tests/bad_checkpoints.py, written from the tiny Wan into diffusion_models/."""
+    folder, workdir = comfy.models_dir / "diffusion_models", tmp_path_factory.mktemp("bad")
+    written = {"unconsumed": files["unconsumed"]}
+    for i, (case, (writer, _, _)) in enumerate(BAD_FILES.items()):
+        written[case] = writer(tiny_wan2["path"], workdir, folder / f"bad_{i:02d}.safetensors").name
+    return written
+
+
+def assert_server_keeps_serving(comfy, tiny_wan2, baseline):
     assert comfy.alive()
     again = comfy.latent(comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"])), "save_latent")
     assert torch.equal(again, baseline)
+
+
+@pytest.mark.parametrize("case, words, layer", bad_file_cases(), ids=[c[0] for c in bad_file_cases()])
+def test_bad_file_fails_clearly_and_the_server_keeps_serving(comfy, tiny_wan2, bad_files, baseline, case, words,
+                                                             layer):
+    with pytest.raises(PromptError) as info:
+        run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": bad_files[case]})
+    assert info.value.node_type == "MixedCheckpointLoader"
+    assert "CheckpointError" in info.value.message
+    assert f"{bad_files[case]}: " in info.value.message and words in info.value.message, info.value.message
+    assert layer in info.value.message, info.value.message
+    assert_server_keeps_serving(comfy, tiny_wan2, baseline)
+
+
+def test_mapping_collision_fails_clearly_and_the_server_keeps_serving(comfy, tiny_wan2, baseline, tmp_path):
+    """Two Quanto prefixes that the loader's renaming maps onto one name: refused before anything loads."""
+    folder = comfy.models_dir / "text_encoders"
+    folder.mkdir(exist_ok=True)
+    sd, _ = load(tiny_wan2["path"])
+    layer = {k[len("blocks.0.ffn.0."):]: v for k, v in sd.items() if k.startswith("blocks.0.ffn.0.")}
+    save({f"{side}.ffn.{k}": v.clone() for side in ("a", "b") for k, v in layer.items()}, tmp_path / "two.safetensors")
+    bad = write_quanto(tmp_path / "two.safetensors", folder / "bad_collision.safetensors", ["a.ffn", "b.ffn"])
+    graph = {"clip": {"class_type": "QuantizedCLIPLoader", "inputs": {
+        "clip_name": bad.name, "type": "stable_diffusion", "rename_prefixes": "a. -> \nb. -> "}}}
+    graph["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["clip", 1]}}
+    with pytest.raises(PromptError) as info:
+        comfy.run(graph)
+    assert info.value.node_type == "QuantizedCLIPLoader"
+    assert (f"{bad.name}: mapping collision: 2 name(s) map onto another ('a.ffn' and 'b.ffn' both become "
+            f"'ffn.weight') (layers: a.ffn, b.ffn, a.ffn.bias, b.ffn.bias)") in info.value.message, info.value.message
+    assert_server_keeps_serving(comfy, tiny_wan2, baseline)
 
 
 # ---- text encoder --------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""Bad checkpoints, each written from a plain Wan-shaped file (any width), and what refusing it must say.
+
+`BAD_FILES[case] = (writer, words, layer)`: `writer(src, workdir, dst)` writes
+the bad file to `dst` (intermediate good files go to `workdir`); the loader's
+error must start with the file's name and contain `words` and `layer`. The
+unit tests inspect each file directly; the integration tests load each one
+through a real ComfyUI and check that the server keeps serving.
+"""
+import json
+
+import torch
+
+from checkpoint_files import edit_checkpoint, load, marker_tensor, quanto_map, truncate, write_markers, write_quanto
+
+from bigdit.loaders.safetensors_header import MAX_METADATA_BYTES
+
+LAYER = "blocks.0.ffn.0"
+QUANTO_LAYERS = ["blocks.0.ffn.0", "blocks.0.ffn.2"]
+
+
+def _int8_file(src, workdir):
+    return write_markers(src, workdir / "int8.safetensors",
+                         {LAYER: {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}})
+
+
+def _nvfp4_file(src, workdir):
+    return write_markers(src, workdir / "nvfp4.safetensors", {LAYER: {"format": "nvfp4"}})
+
+
+def _quanto_file(src, workdir):
+    return write_quanto(src, workdir / "quanto.safetensors", QUANTO_LAYERS)
+
+
+def _tensor(path, key):
+    return load(path)[0][key]
+
+
+def bad_truncated(src, workdir, dst):
+    return truncate(_int8_file(src, workdir), dst, 1000)
+
+
+def bad_marker_json(src, workdir, dst):
+    return edit_checkpoint(_int8_file(src, workdir), dst,
+                           {f"{LAYER}.comfy_quant": torch.tensor(list(b'{"format": "int8_'), dtype=torch.uint8)})
+
+
+def bad_unknown_format(src, workdir, dst):
+    return edit_checkpoint(_int8_file(src, workdir), dst,
+                           {f"{LAYER}.comfy_quant": marker_tensor({"format": "float3_e1m1"})})
+
+
+def bad_shape(src, workdir, dst):
+    path = _int8_file(src, workdir)
+    rows = _tensor(path, f"{LAYER}.weight").shape[0]
+    return edit_checkpoint(path, dst, {f"{LAYER}.weight_scale": torch.ones(rows + 1, 1)})
+
+
+def bad_dtype(src, workdir, dst):
+    path = _int8_file(src, workdir)
+    weight = _tensor(path, f"{LAYER}.weight")
+    return edit_checkpoint(path, dst, {f"{LAYER}.weight": torch.zeros(weight.shape, dtype=torch.bfloat16)})
+
+
+def bad_quanto_activations(src, workdir, dst):
+    return edit_checkpoint(_quanto_file(src, workdir), dst, metadata={
+        "quantization_map_base64": quanto_map(QUANTO_LAYERS, activations="qint8")})
+
+
+def bad_quanto_scale(src, workdir, dst):
+    return edit_checkpoint(_quanto_file(src, workdir), dst,
+                           {f"{LAYER}.input_scale": torch.tensor(0.5, dtype=torch.bfloat16)})
+
+
+def bad_prefix_set(src, workdir, dst):
+    return edit_checkpoint(_quanto_file(src, workdir), dst, metadata={"quantization_map_base64": quanto_map([LAYER])})
+
+
+def bad_oversized_metadata(src, workdir, dst):
+    return edit_checkpoint(_int8_file(src, workdir), dst, metadata={"notes": "x" * (MAX_METADATA_BYTES + 1)})
+
+
+def bad_nan_scale(src, workdir, dst):
+    path = _int8_file(src, workdir)
+    scale = _tensor(path, f"{LAYER}.weight_scale").clone()
+    scale[3] = float("nan")
+    return edit_checkpoint(path, dst, {f"{LAYER}.weight_scale": scale})
+
+
+def bad_nan_block_scale(src, workdir, dst):
+    path = _nvfp4_file(src, workdir)
+    block = _tensor(path, f"{LAYER}.weight_scale").clone()
+    block.view(torch.uint8)[5, 1] = 0x7F  # E4M3FN NaN
+    return edit_checkpoint(path, dst, {f"{LAYER}.weight_scale": block})
+
+
+def bad_missing_companion(src, workdir, dst):
+    return edit_checkpoint(_nvfp4_file(src, workdir), dst, drop=[f"{LAYER}.weight_scale_2"])
+
+
+def bad_unknown_companion(src, workdir, dst):
+    path = _nvfp4_file(src, workdir)
+    width = _tensor(src, f"{LAYER}.weight").shape[1]
+    return edit_checkpoint(path, dst, {f"{LAYER}.pre_quant_scale": torch.ones(width)})
+
+
+def bad_conflicting_markers(src, workdir, dst):
+    meta = {"format_version": "1.0", "layers": {LAYER: {"format": "float8_e4m3fn"}}}
+    return edit_checkpoint(_int8_file(src, workdir), dst, metadata={"_quantization_metadata": json.dumps(meta)})
+
+
+BAD_FILES = {
+    # name: (writer, expected words, layer named)
+    "truncated": (bad_truncated, "truncated file", f"{LAYER}.weight"),
+    "bad marker JSON": (bad_marker_json, "bad marker JSON", LAYER),
+    "unknown format": (bad_unknown_format, "unsupported quantization format 'float3_e1m1'", LAYER),
+    "shape mismatch": (bad_shape, "shape mismatch: int8_tensorwise weight_scale", LAYER),
+    "dtype mismatch": (bad_dtype, "dtype mismatch: int8_tensorwise weight must be I8, found BF16", LAYER),
+    "activation-quantized Quanto": (bad_quanto_activations, "activation-quantized", LAYER),
+    "non-unit Quanto scale": (bad_quanto_scale, "non-unit Quanto input_scale", LAYER),
+    "prefix-set mismatch": (bad_prefix_set, "prefix-set mismatch", "blocks.0.ffn.2"),
+    # the header is refused before any layer is read: the error names the oversized key
+    "oversized metadata": (bad_oversized_metadata, "oversized metadata", "'notes'"),
+    "NaN scale": (bad_nan_scale, "non-finite (NaN/Inf) values in int8_tensorwise weight_scale", LAYER),
+    "NaN block scale": (bad_nan_block_scale, "non-finite (NaN/Inf) values in nvfp4 weight_scale", LAYER),
+    "missing companion": (bad_missing_companion, "missing tensor(s) weight_scale_2", LAYER),
+    "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: pre_quant_scale", LAYER),
+    "conflicting markers": (bad_conflicting_markers, "conflicting markers", LAYER),
+}
