@@ -86,6 +86,7 @@ class Constraints:
     head_dims: frozenset | None = None  # exact set, when the kernel has one
     masks: bool = True
     cross: bool = True  # query and key lengths may differ
+    grouped_kv: bool = False  # fewer key/value heads than query heads (GQA/MQA)
 
     def check(self, q, k, v, layout, mask) -> None:
         dev = q.device
@@ -108,6 +109,8 @@ class Constraints:
             raise Unsupported(f"head dim {d} > {self.max_head_dim}")
         if mask is not None and not self.masks:
             raise Unsupported("takes no attention mask")
+        if not self.grouped_kv and dims(k, layout)[1] != dims(q, layout)[1]:
+            raise Unsupported("fewer key/value heads than query heads (grouped-query attention)")
         if not self.cross and dims(k, layout)[2] != dims(q, layout)[2]:
             raise Unsupported("query and key lengths differ (cross-attention)")
 

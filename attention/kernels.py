@@ -27,6 +27,8 @@ def _sdpa(q, k, v, layout, mask, scale):
     qh, kh, vh = (convert(t, layout, "BHSD") for t in (q, k, v))
     # scale passed only when given, so the call is the one ComfyUI makes
     extra = {} if scale is None else {"scale": scale}
+    if kh.shape[1] != qh.shape[1]:
+        extra["enable_gqa"] = True
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=0.0, is_causal=False, **extra)
     return convert(out, "BHSD", layout)
 
@@ -36,7 +38,7 @@ class Sdpa(Impl):
     the reference every other kernel is compared with and falls back to."""
 
     label = "sdpa"
-    constraints = Constraints(devices=None, dtypes=None)
+    constraints = Constraints(devices=None, dtypes=None, grouped_kv=True)
 
     def _run(self, q, k, v, layout, mask, scale):
         return _sdpa(q, k, v, layout, mask, scale)
@@ -63,7 +65,7 @@ class SdpaCudnn(Impl):
     on Hopper, so `auto` can pick it."""
 
     label = "sdpa_cudnn"
-    constraints = Constraints()
+    constraints = Constraints(grouped_kv=True)
 
     def unavailable(self):
         return None if _SDPA_PRIORITY else "this torch cannot set the SDPA kernel priority"

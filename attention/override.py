@@ -48,7 +48,8 @@ class AttentionOverride:
             b, _, inner = q.shape
             d = inner // heads
             layout = "BSHD"
-            q, k, v = (t.view(b, -1, heads, d) for t in (q, k, v))
+            # k/v may carry fewer heads than q (grouped-query attention): each keeps its own count
+            q, k, v = (t.view(b, t.shape[1], -1, d) for t in (q, k, v))
         if mask is not None:
             if mask.ndim == 2:  # (Sq, Sk): add the batch dimension
                 mask = mask.unsqueeze(0)

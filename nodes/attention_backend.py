@@ -1,14 +1,22 @@
 """SetAttentionBackend: choose the attention kernel of a model."""
 import logging
+import os
 
 import comfy.patcher_extension
 
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
+from ..attention.sol import MIN_TOKENS
 
 log = logging.getLogger(__name__)
 
 # key of our DIFFUSION_MODEL wrapper, ON_CLEANUP callback and attachment
 KEY = "bigdit_attention"
+
+
+def sol_min_tokens() -> int:
+    """Sol's minimum sequence length; below it the dense backend is faster. BIGDIT_SOL_MIN_TOKENS overrides."""
+    value = os.environ.get("BIGDIT_SOL_MIN_TOKENS", "").strip()
+    return int(value) if value else MIN_TOKENS
 
 
 class SetAttentionBackend:
@@ -60,7 +68,8 @@ class SetAttentionBackend:
         }
 
     def apply(self, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
-        router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers)
+        router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers,
+                        sol_min_tokens=sol_min_tokens())
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})
         override, how = install(options, router)

@@ -136,7 +136,7 @@ def _validation_message(body: dict) -> str:
 class ComfyServer:
     """A headless ComfyUI subprocess on a free local port; see the module docstring."""
 
-    def __init__(self, base_dir, comfyui=None, classic_cache=False, startup_timeout=120.0, extra_args=()):
+    def __init__(self, base_dir, comfyui=None, classic_cache=False, startup_timeout=120.0, extra_args=(), env=None):
         self.base_dir = Path(base_dir)
         self.comfyui = Path(comfyui) if comfyui else ensure_comfyui()
         self.models_dir = self.base_dir / "models"
@@ -162,7 +162,7 @@ class ComfyServer:
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             cmd, cwd=self.comfyui, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self._wait_ready(startup_timeout)
 
     def __enter__(self):

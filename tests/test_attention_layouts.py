@@ -100,3 +100,24 @@ def test_sol_layouts_on_cpu_eager():
     hook, _ = install({}, router)
     out_comfy = hook(never_called, *(to_comfy(t) for t in (q, k, v)), heads=2, transformer_options={})
     torch.testing.assert_close(out_comfy, to_comfy(out_bhsd), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("skip_reshape", [False, True])
+@pytest.mark.parametrize("backend", ["sdpa", "sol"])
+def test_grouped_query_attention(skip_reshape, backend):
+    """k/v with fewer heads than q (GQA): each keeps its own head count; a backend without GQA
+    (Sol here) declines it with a reason, and SDPA computes it with shared key/value heads."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, 4, 40, 128, generator=g)  # Sol's head dim, so GQA is what it declines
+    k, v = (torch.randn(B, 2, 40, 128, generator=g) for _ in range(2))
+    router = Router(backend, dense_backend="sdpa", sol_min_tokens=0)
+    hook, _ = install({}, router)
+    args = (q, k, v) if skip_reshape else tuple(to_comfy(t) for t in (q, k, v))
+    out = hook(never_called, *args, heads=4, skip_reshape=skip_reshape, skip_output_reshape=True,
+               transformer_options={})
+    expected = reference(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(out.double(), expected, atol=TOL, rtol=0)
+    stats = router.stats.snapshot()
+    assert stats["calls"] == {"sdpa": 1}
+    if backend == "sol":
+        assert any("grouped-query attention" in reason for reason in stats["fallbacks"]), stats

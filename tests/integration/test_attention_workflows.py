@@ -19,13 +19,17 @@ pytestmark = pytest.mark.integration
 NODE = "SetAttentionBackend"
 
 
-@pytest.fixture(scope="module")
-def comfy_sdpa(comfy, tiny_wan, tiny_wan2, tmp_path_factory):
-    server = ComfyServer(tmp_path_factory.mktemp("comfy_sdpa"), comfy.comfyui,
-                         extra_args=["--use-pytorch-cross-attention"])
+def sdpa_server(comfy, tiny_wan, tiny_wan2, folder, env=None):
+    server = ComfyServer(folder, comfy.comfyui, extra_args=["--use-pytorch-cross-attention"], env=env)
     for sub, name in (("diffusion_models", tiny_wan["unet_name"]), ("diffusion_models", tiny_wan2["unet_name"]),
                       ("vae", tiny_wan["vae_name"])):
         (server.models_dir / sub / name).symlink_to(comfy.models_dir / sub / name)
+    return server
+
+
+@pytest.fixture(scope="module")
+def comfy_sdpa(comfy, tiny_wan, tiny_wan2, tmp_path_factory):
+    server = sdpa_server(comfy, tiny_wan, tiny_wan2, tmp_path_factory.mktemp("comfy_sdpa"))
     yield server
     server.stop()
 
@@ -128,3 +132,20 @@ def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
                           model_chain=[node("sol", dense_backend="sdpa", dense_steps=1, dense_layers="0")])
     text = comfy_sdpa.run(graph)["outputs"]["m0"]["text"][0]
     assert text == "attention: backend sol, tau 1, dense sdpa, dense steps 0-0, dense blocks [0]"
+
+
+def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, tmp_path):
+    """With Sol's minimum length lowered, its self-attention runs on comfy-kitchen's eager reference
+    (dense on CPU: close to SDPA, not bit-identical); cross-attention, which Sol cannot take, falls back."""
+    server = sdpa_server(comfy, tiny_wan, tiny_wan2, tmp_path, env={"BIGDIT_SOL_MIN_TOKENS": "0"})
+    try:
+        latent, log = run(server, tiny_wan, [node("sol", dense_backend="sdpa")])
+    finally:
+        server.stop()
+    line = summary(log)
+    assert "ran sol x2, sdpa x2" in line, line
+    assert "fewer than" not in log
+    warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)
+    assert warnings == ["query and key lengths differ (cross-attention)"], warnings
+    assert not torch.equal(latent, baseline)
+    assert ((latent - baseline).norm() / baseline.norm()).item() < 1e-3
