@@ -34,10 +34,6 @@ class QuantLinear(nn.Module):
         self._unpatched_scales: dict[str, nn.Parameter] | None = None
         self._patched_weight: nn.Parameter | None = None
 
-    @property
-    def quant_format(self) -> str:
-        return self.method.name
-
     def tensors_for(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """This layer's parameters on x's device (a per-call copy when offloaded)."""
         out = {}

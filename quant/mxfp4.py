@@ -290,11 +290,6 @@ def execution_path(device: torch.device | str | None = None) -> ExecutionPath:
     return _DETECTED[key]
 
 
-def has_native_mxfp4(device: torch.device | str | None = None) -> bool:
-    """Whether MXFP4 runs on a native GEMM here (what `auto` may pick); False where only emulated."""
-    return execution_path(device).name != "emulated"
-
-
 # ---- the method -----------------------------------------------------------------
 
 class Mxfp4Method(LinearMethod):

@@ -32,10 +32,6 @@ class QuantoInt8Method(LinearMethod):
         data = torch.round(weight / scale).clamp_(QINT8_MIN, QINT8_MAX).to(torch.int8)
         return {"weight": data, "weight_scale": scale}
 
-    def requantize(self, layer, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        scale = layer.weight_scale.to(weight.device).float()
-        return {"weight": torch.round(weight.float() / scale).clamp_(QINT8_MIN, QINT8_MAX).to(torch.int8)}
-
     def dequantize(self, layer) -> torch.Tensor:
         dtype = layer.compute_dtype
         return layer.weight.to(dtype) * layer.weight_scale.to(dtype)

@@ -1,5 +1,6 @@
 """Shared bits of the GPU benchmarks: import the pack as `bigdit`, name the GPU, write JSON."""
 import datetime
+import importlib.metadata
 import json
 import re
 import sys
@@ -31,9 +32,8 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["capability"] = list(torch.cuda.get_device_capability())
     try:
-        import comfy_kitchen
-        env["comfy_kitchen"] = getattr(comfy_kitchen, "__version__", "?")
-    except ImportError:
+        env["comfy_kitchen"] = importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:
         env["comfy_kitchen"] = None
     return env
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from _pack import cuda_time_ms, default_out, environment, write_json
 
-from bigdit.quant import QuantConfig, get_method, quantize_layers
+from bigdit.quant import get_method
 from bigdit.quant.dispatch import quantize_linear
 
 SHAPES = {  # name: (K, N, input_act)

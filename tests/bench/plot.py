@@ -128,7 +128,9 @@ PLOTTERS = {"formats": plot_formats, "attention": plot_attention, "offload": plo
 def main(results: Path = RESULTS) -> list[Path]:
     written = []
     for path in sorted(results.glob("*.json")):
-        plotter = PLOTTERS.get(path.name.split("-", 1)[0])
+        # "formats-compiled-quant-*" holds an earlier variant's rows, not a chart of its own
+        bench = path.name.split("-", 1)[0] if not path.name.startswith("formats-compiled") else None
+        plotter = PLOTTERS.get(bench)
         out = plotter(path) if plotter else None
         if out:
             print(f"wrote {out}")
