@@ -38,8 +38,9 @@ if triton is not None:
         else:
             v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(v), axis=0) / fp8_max, min_scale)
-        # IEEE division (Triton's `/` is approximate), so the FP8 rounding matches torch's bit for bit
-        q = tl.clamp(tl.math.div_rn(v, scale), -fp8_max, fp8_max)
+        # Triton's `/` is approximate (within 2 ulp): a value on an FP8 rounding midpoint may round to
+        # its neighbour. tl.math.div_rn is exact but cost 0.05 ms per 59M values on the H200.
+        q = tl.clamp(v / scale, -fp8_max, fp8_max)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
 

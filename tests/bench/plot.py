@@ -10,6 +10,7 @@
 Needs matplotlib (not a test dependency: `pip install matplotlib`).
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -122,15 +123,23 @@ def save(fig, path: Path) -> Path:
     return out
 
 
+def main_bench(path: Path) -> str | None:
+    """The benchmark a results file is the main run of: "<bench>-<gpu>-<date>.json". Variant runs
+    ("formats-compiled-quant-<gpu>-<date>.json") carry extra words and get no chart of their own."""
+    bench, _, rest = path.stem.partition("-")
+    data = json.loads(path.read_text())
+    gpu = (data.get("env") or data.get("environment") or {}).get("gpu") or "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return bench if re.fullmatch(rf"{re.escape(slug)}-\d{{4}}-\d{{2}}-\d{{2}}", rest) else None
+
+
 PLOTTERS = {"formats": plot_formats, "attention": plot_attention, "offload": plot_offload}
 
 
 def main(results: Path = RESULTS) -> list[Path]:
     written = []
     for path in sorted(results.glob("*.json")):
-        # "formats-compiled-quant-*" holds an earlier variant's rows, not a chart of its own
-        bench = path.name.split("-", 1)[0] if not path.name.startswith("formats-compiled") else None
-        plotter = PLOTTERS.get(bench)
+        plotter = PLOTTERS.get(main_bench(path))
         out = plotter(path) if plotter else None
         if out:
             print(f"wrote {out}")
