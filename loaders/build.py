@@ -13,13 +13,12 @@ from typing import Callable
 
 import torch
 
-from ..quant.dispatch import FLOAT_DTYPES, QuantConfig
+from ..quant.dispatch import FLOAT_DTYPES, QuantConfig, choose_method
 from ..quant.linear import QuantLinear
 from ..quant.method import LinearMethod
 from ..quant.methods import available_methods, get_method
 from ..quant.mxfp8 import native_mxfp8_supported
 from ..quant.nvfp4 import native_nvfp4_supported
-from ..quant.patterns import first_match
 from ..quant.report import LayerRecord, QuantReport
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
@@ -165,32 +164,13 @@ class LayerBuilder:
         return built
 
     def _decide(self, name: str, dtype: torch.dtype, in_features: int, out_features: int):
-        """quant.dispatch.plan_layers' decision for one layer, made from the file's dtypes."""
+        """The decision quant.dispatch.plan_layers makes for a module, from the file's dtype and shape."""
         config = self.online
         if name in config.keep:
             return None, config.keep[name]
         if dtype not in FLOAT_DTYPES:
             return None, f"already quantized ({str(dtype).replace('torch.', '')})"
-        pattern = first_match(name, config.ignored)
-        if pattern is not None:
-            return None, f"ignored (matches {pattern!r})"
-        if dtype == torch.float32 and self._dominant != torch.float32 and not config.include_fp32:
-            return None, "stored in fp32 on purpose"
-        method = config.method
-        if hasattr(method, "select"):
-            method, why = method.select(in_features, out_features)
-            if method is None:
-                return None, why
-        for rule_pattern, rule_method in config.rules:
-            if first_match(name, (rule_pattern,)):
-                method = rule_method
-                break
-        if method is None:
-            return None, "kept by rule"
-        why_not = method.skip_reason(in_features, out_features)
-        if why_not is not None:
-            return None, why_not
-        return method, method.describe()
+        return choose_method(config, name, dtype, in_features, out_features, self._dominant)
 
     # -- after building ----------------------------------------------------------
     def finish(self) -> QuantReport:

@@ -113,6 +113,36 @@ def iter_weight_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
+                  dominant: torch.dtype | None) -> tuple[LinearMethod | None, str]:
+    """The method for a full-precision Linear, or None and why it stays as it is.
+
+    In order: ignored patterns, fp32 kept on purpose (in a model of another
+    dtype), the default method or the selector's choice (auto), the first
+    matching rule, then the method's own shape check.
+    """
+    pattern = first_match(name, config.ignored)
+    if pattern is not None:
+        return None, f"ignored (matches {pattern!r})"
+    if dtype == torch.float32 and dominant not in (None, torch.float32) and not config.include_fp32:
+        return None, "stored in fp32 on purpose"
+    method, reason = config.method, None
+    if hasattr(method, "select"):  # a selector (auto) chooses per shape
+        method, reason = method.select(in_features, out_features)
+        if method is None:
+            return None, reason
+    for rule_pattern, rule_method in config.rules:
+        if first_match(name, (rule_pattern,)):
+            method, reason = rule_method, None
+            break
+    if method is None:
+        return None, "kept by rule"
+    why_not = method.skip_reason(in_features, out_features)
+    if why_not is not None:
+        return None, why_not
+    return method, reason or method.describe()
+
+
 def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     """Decide, for every weight-bearing module, a method or a reason to keep it."""
     dominant = _dominant_dtype(model)
@@ -133,31 +163,8 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
             fmt = weight._layout_cls if is_kitchen_tensor(weight) else str(weight.dtype).replace("torch.", "")
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=fmt))
             continue
-        pattern = first_match(name, config.ignored)
-        if pattern is not None:
-            plans.append(LayerPlan(name, module, None, f"ignored (matches {pattern!r})"))
-            continue
-        if weight.dtype == torch.float32 and dominant not in (None, torch.float32) and not config.include_fp32:
-            plans.append(LayerPlan(name, module, None, "stored in fp32 on purpose"))
-            continue
-        method = config.method
-        if hasattr(method, "select"):  # a selector (auto) chooses per shape
-            method, why = method.select(module.in_features, module.out_features)
-            if method is None:
-                plans.append(LayerPlan(name, module, None, why))
-                continue
-        for rule_pattern, rule_method in config.rules:
-            if first_match(name, (rule_pattern,)):
-                method = rule_method
-                break
-        if method is None:
-            plans.append(LayerPlan(name, module, None, "kept by rule"))
-            continue
-        why_not = method.skip_reason(module.in_features, module.out_features)
-        if why_not is not None:
-            plans.append(LayerPlan(name, module, None, why_not))
-            continue
-        plans.append(LayerPlan(name, module, method, method.describe()))
+        method, reason = choose_method(config, name, weight.dtype, module.in_features, module.out_features, dominant)
+        plans.append(LayerPlan(name, module, method, reason))
     return plans
 
 

@@ -35,8 +35,10 @@ MIXED = {
 }
 
 # Relative L2 difference of the final latent from the bf16 baseline (measured on CPU:
-# mixed 0.0019, header int8 + requantized nvfp4 0.0013, Quanto 0.00017, LoadH3Quantized int8 0.0012).
-TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01}
+# mixed 0.0019, header int8 + requantized nvfp4 0.0013, Quanto 0.00017, LoadH3Quantized int8 0.0012,
+# fp8 0.0040, auto (INT8 on CPU) 0.0012).
+TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01, "fp8_e4m3fn": 0.05,
+             "auto": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +114,32 @@ def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
     assert "  text_embedding.0: ignored (matches 'text_embedding.*')" in lines
     assert any(line.startswith("offload: layerwise") for line in lines)
     assert rel(latent, baseline) < TOLERANCE["online_int8"]
+
+
+@pytest.mark.parametrize("quantization, formats, how", [
+    ("fp8_e4m3fn", "float8_e4m3fn x24", "float8_e4m3fn (per-channel weights, per-token activations) x24"),
+    # auto on CPU: the table's INT8 ConvRot (no fast format to measure here)
+    ("auto", "int8_convrot x24", "auto: int8_convrot (table) x24"),
+])
+def test_load_h3_quantized_other_formats(comfy, tiny_wan2, baseline, quantization, formats, how):
+    latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+        "unet_name": tiny_wan2["unet_name"], "quantization": quantization, "offload": "none"})
+    lines = report.splitlines()
+    assert lines[0] == "quantized 24/26 linear layers"
+    assert f"formats: {formats}" in lines, report
+    assert f"quantized while loading: {how}" in lines, report
+    assert 0 < rel(latent, baseline) < TOLERANCE[quantization], rel(latent, baseline)
+
+
+def test_load_h3_quantized_offload_modes_agree(comfy, tiny_wan2):
+    """offload=layerwise and auto run the same model as offload=none (on CPU nothing needs to stream)."""
+    latents = {}
+    for mode in ("none", "layerwise", "auto"):
+        latents[mode], report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+            "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": mode})
+        assert any(line.startswith(f"offload: {mode} on cpu") for line in report.splitlines()), report
+        assert "resident 2/2 blocks, streaming 0" in report, report
+    assert torch.equal(latents["none"], latents["layerwise"]) and torch.equal(latents["none"], latents["auto"])
 
 
 def bad_file_cases():
