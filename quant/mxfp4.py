@@ -204,6 +204,8 @@ def _gemm_needs_out_buffer(gemm) -> bool:
 def aiter_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x2d @ W.T through AITER (the seed's calls), W in AITER's pre-shuffled layout; bf16 out."""
     quantize, _, gemm = _aiter_kernels()
+    if x2d.dtype not in (torch.bfloat16, torch.float16):  # AITER's quantizer takes 16-bit activations
+        x2d = x2d.to(torch.bfloat16)
     x_fp4, x_scale = quantize(x2d.contiguous(), shuffle=True)
     rows, n_out = x2d.shape[0], weight.shape[0]
     if _gemm_needs_out_buffer(gemm):
@@ -343,7 +345,8 @@ class Mxfp4Method(LinearMethod):
 
     def dequantize(self, layer) -> torch.Tensor:
         if self.path.name == "aiter":
-            raise NotImplementedError("MXFP4 weights in AITER's pre-shuffled layout cannot be dequantized")
+            raise NotImplementedError("MXFP4 weights in AITER's pre-shuffled layout cannot be dequantized (a LoRA "
+                                      "cannot be applied to them); quantize with mxfp4 after applying the LoRA")
         return dequantize_mxfp4(layer.weight, layer.weight_scale, layer.compute_dtype)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
@@ -370,7 +373,7 @@ class Mxfp4Method(LinearMethod):
     def _native_or_none(self, x2d, weight, scale) -> torch.Tensor | None:
         try:
             return scaled_mm_mxfp4(x2d, weight, scale)
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 - cuBLAS and torch refuse a shape in many ways
             # The probe passed, so this shape is what the GEMM refuses; emulate it from now on.
             shape = (weight.shape[0], x2d.shape[1])
             self._native_refused.add(shape)
