@@ -214,9 +214,9 @@ def _floats(text: str) -> torch.Tensor:
     return torch.tensor([float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", text)])
 
 
-def test_quantized_clip_loader_quanto_clip_l(comfy, tmp_path):
-    """A random CLIP-L (ComfyUI 0.3.75's smallest text encoder, 123M parameters), all 73 Linear layers
-    Quanto qint8, against CLIPLoader on the bf16 file: the encoded prompt's printed values agree."""
+@pytest.fixture(scope="module")
+def clip_l(comfy):
+    """A random CLIP-L (ComfyUI 0.3.75's smallest text encoder, 123M parameters) in bf16: (file, Linear names)."""
     folder = comfy.models_dir / "text_encoders"
     folder.mkdir(exist_ok=True)
     plain = folder / "clip_l_random.safetensors"
@@ -225,20 +225,47 @@ def test_quantized_clip_loader_quanto_clip_l(comfy, tmp_path):
     sd, _ = load(plain)
     linears = [k[:-len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
                and "embedding" not in k]
-    quanto = write_quanto(plain, folder / "clip_l_quanto.safetensors", linears)
+    return plain, linears
 
-    def encode(class_type, name):
-        graph = {"clip": {"class_type": class_type, "inputs": {"clip_name": name, "type": "stable_diffusion"}},
-                 "encode": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["clip", 0]}},
-                 "cond": {"class_type": "PreviewAny", "inputs": {"source": ["encode", 0]}}}
-        if class_type == "QuantizedCLIPLoader":
-            graph["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["clip", 1]}}
-        return comfy.run(graph)["outputs"]
 
-    reference = encode("CLIPLoader", plain.name)
-    outputs = encode("QuantizedCLIPLoader", quanto.name)
-    assert outputs["report"]["text"][0].splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers"
+def encode(comfy, class_type, name):
+    graph = {"clip": {"class_type": class_type, "inputs": {"clip_name": name, "type": "stable_diffusion"}},
+             "encode": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["clip", 0]}},
+             "cond": {"class_type": "PreviewAny", "inputs": {"source": ["encode", 0]}}}
+    if class_type == "QuantizedCLIPLoader":
+        graph["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["clip", 1]}}
+    return comfy.run(graph)["outputs"]
+
+
+def encoded_difference(comfy, clip_l, quantized_name):
+    """(report, max |difference| of the printed conditioning values) against CLIPLoader on the bf16 file."""
+    reference = encode(comfy, "CLIPLoader", clip_l[0].name)
+    outputs = encode(comfy, "QuantizedCLIPLoader", quantized_name)
     expected, got = _floats(reference["cond"]["text"][0]), _floats(outputs["cond"]["text"][0])
     assert expected.numel() > 20 and got.shape == expected.shape
+    return outputs["report"]["text"][0], (got - expected).abs().max().item()
+
+
+def test_quantized_clip_loader_quanto_clip_l(comfy, clip_l):
+    """All 73 Linear layers of the CLIP-L Quanto qint8: the encoded prompt's printed values agree."""
+    plain, linears = clip_l
+    quanto = write_quanto(plain, plain.parent / "clip_l_quanto.safetensors", linears)
+    report, difference = encoded_difference(comfy, clip_l, quanto.name)
+    assert report.splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers"
     # Values of about 0.05 printed to 4 decimals; per-channel qint8 moves them by a few 1e-4.
-    assert (got - expected).abs().max() < 2e-3
+    assert 0 < difference < 2e-3
+
+
+def test_quantized_clip_loader_marker_clip_l(comfy, clip_l):
+    """The CLIP-L with comfy_quant markers, INT8 (ConvRot) and FP8 layers mixed."""
+    plain, linears = clip_l
+    markers = {name: ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256} if i % 2 else
+                      {"format": "float8_e4m3fn"}) for i, name in enumerate(linears)}
+    marked = write_markers(plain, plain.parent / "clip_l_markers.safetensors", markers)
+    report, difference = encoded_difference(comfy, clip_l, marked.name)
+    lines = report.splitlines()
+    assert lines[0] == f"quantized {len(linears)}/{len(linears)} linear layers"
+    n_fp8 = (len(linears) + 1) // 2
+    assert f"formats: float8_e4m3fn x{n_fp8}, int8_convrot x{len(linears) - n_fp8}" in lines, report
+    # measured 8e-4: W8A8 on every layer moves the printed values more than weight-only qint8
+    assert 0 < difference < 4e-3
