@@ -6,6 +6,7 @@ import comfy.patcher_extension
 
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.sol import MIN_TOKENS
+from .comfy_compat import show_on_node
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,20 @@ class SetAttentionBackend:
                     "tooltip": "Transformer blocks that always run the dense backend, e.g. '0,1' or '0, 47-49'.",
                 }),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def apply(self, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
+    def apply(self, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers="",
+              unique_id=None):
         router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers,
                         sol_min_tokens=sol_min_tokens())
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})
         override, how = install(options, router)
+
+        composed = {"installed": "", "replaced": "; replaced an earlier Set Attention Backend",
+                    "wrapped": f"; wrapping the existing override {override.previous!r}"}[how]
+        text = f"attention: {router.describe()}{composed}"
 
         # block counting restarts with every forward of the diffusion model
         def begin_forward(executor, *args, **kwargs):
@@ -83,6 +90,7 @@ class SetAttentionBackend:
             counts = router.stats.take_run()
             if counts["calls"]:
                 log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
+                show_on_node(unique_id, f"{text}\nlast run: {summary(counts)}")
 
         wrappers, callbacks = comfy.patcher_extension.WrappersMP, comfy.patcher_extension.CallbacksMP
         patched.remove_wrappers_with_key(wrappers.DIFFUSION_MODEL, KEY)
@@ -92,9 +100,6 @@ class SetAttentionBackend:
         # a later report reads the statistics here: model.get_attachment(KEY).stats
         patched.set_attachments(KEY, router)
 
-        composed = {"installed": "", "replaced": "; replaced an earlier Set Attention Backend",
-                    "wrapped": f"; wrapping the existing override {override.previous!r}"}[how]
-        text = f"attention: {router.describe()}{composed}"
         log.info("Set Attention Backend: %s%s", router.describe(), composed)
         return {"ui": {"text": [text]}, "result": (patched,)}
 

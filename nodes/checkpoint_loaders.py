@@ -10,6 +10,7 @@ from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.patterns import parse_patterns
 from . import checkpoint_compat as compat
+from .comfy_compat import show_on_node
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload
 
@@ -135,9 +136,10 @@ class LoadH3Quantized:
                     "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, comma "
                                f"or newline separated. Always kept: {', '.join(DEFAULT_KEEP)}."}),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def load(self, unet_name, quantization, offload, group_size="256", ignored_layers=""):
+    def load(self, unet_name, quantization, offload, group_size="256", ignored_layers="", unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         device = compat.compute_device()
         config = None
@@ -151,7 +153,8 @@ class LoadH3Quantized:
                                    progress=compat.progress_counter(_progress_total(plan)))
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        text = _report(builder, install_offload(model, offload))
+        text = _report(builder, install_offload(
+            model, offload, on_run=lambda line: show_on_node(unique_id, f"{text}\nlast run: {line}")))
         return {"ui": {"text": [text]}, "result": (model, text)}
 
 

@@ -10,6 +10,25 @@ from ..quant.report import QuantReport
 DIFFUSION_PREFIX = "diffusion_model."
 
 
+REPORT_EVENT = "bigdit.report"  # web/js/bigdit_report.js shows {"node", "text"} on that node
+
+
+def show_on_node(node_id, text: str) -> None:
+    """Replace the report shown on node `node_id` in the browser that queued the prompt.
+
+    For what is only known after the node ran (e.g. which attention kernels a
+    sampling really used). Without a server (scripts, tests) it does nothing.
+    """
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    instance = getattr(PromptServer, "instance", None)
+    if instance is None or node_id is None:
+        return
+    instance.send_sync(REPORT_EVENT, {"node": str(node_id), "text": text}, getattr(instance, "client_id", None))
+
+
 def compute_device():
     return comfy.model_management.get_torch_device()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -38,6 +39,7 @@ from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, 
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
+from .comfy_compat import show_on_node
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,10 @@ class _Session:
 
 
 class _Offload:
-    def __init__(self, mode: str, reserve_gib: float | None, vram_gib: float | None):
+    def __init__(self, mode: str, reserve_gib: float | None, vram_gib: float | None,
+                 on_run: Callable[[str], None] | None = None):
         self.mode = mode
+        self.on_run = on_run  # gets one line per sampling: the plan with activations, and what streamed
         self.reserve_bytes = None if reserve_gib is None else int(reserve_gib * GIB)
         self.vram_bytes = int(vram_gib * GIB) if vram_gib else None
         self.session: _Session | None = None
@@ -182,7 +186,10 @@ class _Offload:
             raise OffloadError("offload 'none' needs every block resident, which does not fit; use 'auto' or "
                                "'layerwise'.\n" + plan.render())
         if comfy_places_weights(patcher):
-            return executor(noise, *args, **kwargs)
+            try:
+                return executor(noise, *args, **kwargs)
+            finally:
+                self._ran(f"{plan.summary_line()}; ComfyUI's dynamic VRAM placed the weights")
         # auto and layerwise behave alike: the plan keeps resident what fits, so what streams is the rest.
         session = _Session(plan, normalize_device(patcher.load_device), streams=self.mode != "none")
         self.session = session
@@ -194,6 +201,11 @@ class _Offload:
             summary = session.close()
             if summary:
                 log.info("bigdit offload: %s", summary)
+            self._ran(f"{plan.summary_line()}; {summary or 'nothing streamed'}")
+
+    def _ran(self, line: str) -> None:
+        if self.on_run is not None:
+            self.on_run(line)
 
     def estimate(self, patcher, plan: MemoryPlan, session: _Session):
         """ComfyUI's memory_required(input_shape) as this plan sees it: what the weights must leave free."""
@@ -235,18 +247,19 @@ def _memory_estimate_at_least(base_model, estimate):
 
 
 def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, *,
-                    vram_gib: float | None = None) -> str:
+                    vram_gib: float | None = None, on_run: Callable[[str], None] | None = None) -> str:
     """Plan and install offload on `model_patcher` (the caller's clone); returns the report.
 
     mode "none": everything resident, OffloadError with the plan if it cannot fit;
     "layerwise": stream what does not fit; "auto": resident when it fits, else layerwise.
     reserve_gib: VRAM to leave free (None: ComfyUI's --reserve-vram). vram_gib:
-    plan as if the device had this much memory (None: what is free).
+    plan as if the device had this much memory (None: what is free). on_run: called
+    after each sampling with one line, the run's plan and what streamed.
     Installing again replaces the previous install.
     """
     if mode not in MODES:
         raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
-    offload = _Offload(mode, reserve_gib, vram_gib)
+    offload = _Offload(mode, reserve_gib, vram_gib, on_run)
     plan = offload.plan(model_patcher)
     report = offload.describe(model_patcher, plan)
     if mode == "none" and not plan.fits:
@@ -298,11 +311,13 @@ class SetOffload:
                                "24 GB plan on a bigger card. 0: the memory ComfyUI reports free.",
                 }),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def apply(self, model, mode, reserve_gib, vram_gib=0.0):
+    def apply(self, model, mode, reserve_gib, vram_gib=0.0, unique_id=None):
         patched = model.clone()
-        report = install_offload(patched, mode, None if reserve_gib < 0 else reserve_gib, vram_gib=vram_gib or None)
+        report = install_offload(patched, mode, None if reserve_gib < 0 else reserve_gib, vram_gib=vram_gib or None,
+                                 on_run=lambda line: show_on_node(unique_id, f"{report}\nlast run: {line}"))
         return {"ui": {"text": [report]}, "result": (patched, report)}
 
 

@@ -297,3 +297,45 @@ def test_report_appears_on_the_node(browser, comfy, tiny_wan):
         target = PACK_ROOT / "web" / "screenshots" / "report.png"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(picture, target)
+
+
+def node_report_js(node_type: str, must_contain: str) -> str:
+    """JS: the report text on the first node of `node_type` once it contains `must_contain`, else null."""
+    return r"""
+(() => {
+  const node = window.comfyAPI.app.app.graph.nodes.find((n) => n.type === %s);
+  const text = node?.widgets?.find((w) => w.name === "bigdit_report")?.element?.textContent ?? "";
+  return text.includes(%s) ? text : null;
+})()
+""" % (json.dumps(node_type), json.dumps(must_contain))
+
+
+@needs_chromium
+def test_attention_kernels_that_ran_appear_on_the_node_after_sampling(browser, comfy, tiny_wan):
+    """SetAttentionBackend's report shows its choice when it runs, then what the sampling really ran."""
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[
+        ("SetAttentionBackend", {"backend": "sage", "dense_backend": "sdpa", "sol_tau": 1.0, "dense_steps": 0,
+                                 "dense_layers": ""})])
+    build_ui_workflow(browser, graph)
+    browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
+    text = browser.wait_for(node_report_js("SetAttentionBackend", "last run:"), timeout=40)
+    assert text.startswith("attention: backend sage, dense sdpa")
+    # on CPU sage cannot run: 2 steps x (self + cross attention) ran SDPA instead
+    assert "last run: ran sdpa x4; fallbacks sage -> sdpa: needs cuda, got a cpu tensor x4" in text, text
+    screenshot_node(browser, "SetAttentionBackend", ARTIFACTS / "attention-report.png")
+
+
+@needs_chromium
+def test_loader_report_with_offload_plan_appears_on_the_node(browser, comfy, tiny_wan):
+    graph = wan_t2v_graph(None, tiny_wan["vae_name"], loader=("LoadH3Quantized", {
+        "unet_name": tiny_wan["unet_name"], "quantization": "int8_convrot", "offload": "auto",
+        "group_size": "64", "ignored_layers": ""}))
+    build_ui_workflow(browser, graph)
+    browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
+    text = browser.wait_for(node_report_js("LoadH3Quantized", "last run:"), timeout=40)
+    assert re.match(r"quantized \d+/\d+ linear layers", text)
+    assert "offload: auto on cpu" in text and "resident 1/1 blocks, streaming 0" in text, text
+    # after sampling: the plan with the run's activations, and what streamed
+    assert re.search(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
+                     r"nothing streamed", text), text
+    screenshot_node(browser, "LoadH3Quantized", ARTIFACTS / "loader-report.png")

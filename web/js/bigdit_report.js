@@ -5,7 +5,10 @@
 // ComfyUI calls onExecuted with that dict, and the text is rendered read-only below the node's widgets: the first
 // line as a headline, "key: value" lines with the key dimmed, and a line
 // ending in ":" followed by indented lines as a collapsible list.
+// What is known only after a run (the attention kernels a sampling used) comes
+// later as a "bigdit.report" server event {node, text} and replaces the report.
 import { app } from "../../../scripts/app.js"; // served as /extensions/<pack>/js/…
+import { api } from "../../../scripts/api.js";
 
 const WIDGET_NAME = "bigdit_report";
 const OPEN_LIST_MAX_LINES = 12; // longer lists start collapsed
@@ -143,6 +146,12 @@ function showReport(node, text) {
 
 app.registerExtension({
   name: "bigdit.report",
+  setup() {
+    api.addEventListener("bigdit.report", ({ detail }) => {
+      const node = app.graph?.getNodeById(detail?.node) ?? app.graph?.getNodeById(Number(detail?.node));
+      if (node && typeof detail.text === "string" && detail.text) showReport(node, detail.text);
+    });
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!isPackNode(nodeData)) return;
     const onExecuted = nodeType.prototype.onExecuted;
