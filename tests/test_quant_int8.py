@@ -284,3 +284,11 @@ def test_per_call_weight_functions_apply_on_dequantized_weight():
 def quantize_one_with(layer, method):
     replacements, report = quantize_layers(nn.Sequential(layer), QuantConfig(method=method))
     return replacements["0"], report
+
+
+def test_progress_reports_every_layer_in_order():
+    model = nn.Sequential(*[make_linear(256, 256) for _ in range(3)], nn.Linear(100, 256).to(torch.bfloat16))
+    seen = []
+    quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)),
+                    progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]  # the indivisible layer is not quantized, so not counted

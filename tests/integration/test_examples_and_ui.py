@@ -339,3 +339,24 @@ def test_loader_report_with_offload_plan_appears_on_the_node(browser, comfy, tin
     assert re.search(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
                      r"nothing streamed", text), text
     screenshot_node(browser, "LoadH3Quantized", ARTIFACTS / "loader-report.png")
+
+
+@needs_chromium
+def test_quantization_drives_comfyuis_progress_bar(browser, comfy, tiny_wan):
+    """The progress events the page gets while QuantizeModelINT8 runs: one per layer, up to all of them."""
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[
+        ("QuantizeModelINT8", {"group_size": "64", "ignored_layers": "", "row_split": "auto"})])
+    build_ui_workflow(browser, graph)
+    browser.evaluate("""(() => {
+      window.__bigditProgress = [];
+      window.comfyAPI.api.api.addEventListener("progress", ({ detail }) => window.__bigditProgress.push(detail));
+    })()""")
+    browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
+    text = browser.wait_for(node_report_js("QuantizeModelINT8", "quantized"), timeout=40)
+    quantized = int(re.match(r"quantized (\d+)/", text).group(1))
+    node_id = browser.evaluate(
+        'String(window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "QuantizeModelINT8").id)')
+    events = browser.evaluate("window.__bigditProgress")
+    ours = [(e["value"], e["max"]) for e in events if str(e.get("node")) == node_id]
+    assert ours and ours[-1] == (quantized, quantized), (ours, events[:5])
+    assert [v for v, _ in ours] == sorted(v for v, _ in ours)
