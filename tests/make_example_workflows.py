@@ -114,15 +114,17 @@ def minimax_h3_24gb():
         "clip": {"class_type": "QuantizedCLIPLoader", "inputs": {
             "clip_name": "qwen3vl_32b_minimax_h3_quanto_qint8.safetensors", "type": "minimax",
             "rename_prefixes": "", "nvfp4": "auto"}},
-        "positive": {"class_type": "CLIPTextEncode", "title": "Prompt (picture and sound)", "inputs": {
-            "text": PROMPT + " Snow crunches under its paws; wind in the pines.", "clip": ["clip", 0]}},
+        # H3's own text-to-video+audio conditioning: the prompt (picture and sound) and the AV latent
+        "conditioning": {"class_type": "MiniMaxH3ImageToVideo", "title": "MiniMax H3 (prompt, size, length)",
+                         "inputs": {"clip": ["clip", 0], "vae": ["video_vae", 0],
+                                    "prompt": PROMPT + " Snow crunches under its paws; wind in the pines.",
+                                    "width": 1344, "height": 768, "length": 124}},
         "negative": {"class_type": "ConditioningZeroOut", "title": "No negative prompt (H3 has none)",
-                     "inputs": {"conditioning": ["positive", 0]}},
-        "latent": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 1344, "height": 768, "length": 124}},
+                     "inputs": {"conditioning": ["conditioning", 0]}},
         "sampler": {"class_type": "KSampler", "inputs": {
             "model": ["attention", 0], "seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler",
-            "scheduler": "simple", "denoise": 1.0, "positive": ["positive", 0], "negative": ["negative", 0],
-            "latent_image": ["latent", 0]}},
+            "scheduler": "simple", "denoise": 1.0, "positive": ["conditioning", 0], "negative": ["negative", 0],
+            "latent_image": ["conditioning", 1]}},
         "video_vae": {"class_type": "VAELoader", "title": "Load VAE (video)",
                       "inputs": {"vae_name": "minimax_h3_video_vae_fp16.safetensors"}},
         "audio_vae": {"class_type": "VAELoader", "title": "Load VAE (audio)",
@@ -171,18 +173,21 @@ nvfp4 = requantize: on GPUs without an NVFP4 GEMM (before sm100), re-quantize
 NVFP4 layers to this GPU's fastest native format at load."""),
     "bigdit-3-minimax-h3-24gb": (minimax_h3_24gb, """\
 MiniMax-H3 (33B video + audio) on one 24 GB GPU (BigDiT). Needs a ComfyUI with
-native MiniMax-H3 (the EmptyMiniMaxH3LatentAV and ModelSamplingMiniMaxH3 nodes).
+native MiniMax-H3 (its MiniMax H3 Image to Video and ModelSamplingMiniMaxH3 nodes).
 
 - Load Diffusion Model Quantized (H3): reads the bf16 file layer by layer and
-  quantizes each layer to INT8 ConvRot on the GPU (66 GB -> about 34 GB), so
-  the bf16 model is never resident; offload "auto" streams the transformer
-  blocks that do not fit in VRAM from RAM, one block ahead of the compute.
-  Its report shows the memory plan.
+  quantizes each layer to INT8 ConvRot on the GPU (the pruned DiT: 40 GB in
+  bf16, about 21 GB in INT8), so the bf16 model is never resident twice;
+  offload "auto" streams the transformer blocks that do not fit in VRAM from
+  RAM, one block ahead of the compute. Its report shows the memory plan.
 - Load Quantized Text Encoder: the Quanto qint8 Qwen3-VL-32B encoder, type
   "minimax". It runs once per prompt; ComfyUI unloads it before sampling.
 - Set Attention Backend: SageAttention for the first 3 steps, Sol sparse
   attention after them (Sol measured 2.7x faster than cuDNN attention at
   H3's 32k tokens on an H200).
+- MiniMax H3 Image to Video: the prompt (picture and sound), size and length
+  give the conditioning and the video+audio latent; connect first_frame /
+  last_frame images for keyframes.
 - H3 has no negative prompt: cfg 1 with a zeroed negative.
 
 Pick your files in the loaders (names here are placeholders)."""),

@@ -1,8 +1,10 @@
 """Node definitions of upstream ComfyUI that ComfyUI 0.3.75 lacks, for the MiniMax-H3 example workflow.
 
 Written in /object_info format from the source of Comfy-Org/ComfyUI (read, not run):
-- comfy_extras/nodes_minimax_h3.py @ 13a83ce7: EmptyMiniMaxH3LatentAV, MiniMaxH3SigmaShift
-  (V3 schema: io.Int.Input(name, default, min, max, step), io.Float.Input(...)).
+- comfy_extras/nodes_minimax_h3.py @ 13a83ce7: MiniMaxH3SigmaShift (V3 schema:
+  io.Float.Input(name, default, min, max, step)); @ 003617c4: MiniMaxH3ImageToVideo (H3's
+  text-to-video+audio conditioning: clip, vae, prompt, size, length, optional first/last
+  frame -> positive, AV latent).
 - nodes.py @ 02217e36: CLIPLoader lists the text-encoder type "minimax" ("MiniMax H3
   Qwen3-VL"), i.e. comfy.sd.CLIPType.MINIMAX, which the pack's QuantizedCLIPLoader lists too
   where ComfyUI has it (its types are CLIPType's names). VAEDecode takes the video part of
@@ -17,17 +19,25 @@ registers them in the 0.3.75 frontend so the graph is laid out with its real wid
 MAX_RESOLUTION = 16384  # nodes.MAX_RESOLUTION
 
 UPSTREAM_NODES = {
-    "EmptyMiniMaxH3LatentAV": {
-        "input": {"required": {
-            "width": ["INT", {"default": 1344, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
-            "height": ["INT", {"default": 768, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
-            "length": ["INT", {"default": 124, "min": 5, "max": 3600, "step": 17,
-                               "tooltip": "Frame count at 24 fps, snapped up to the model's 17k+5 grid"}],
-        }},
-        "input_order": {"required": ["width", "height", "length"]},
-        "output": ["LATENT"], "output_is_list": [False], "output_name": ["LATENT"],
-        "name": "EmptyMiniMaxH3LatentAV", "display_name": "Empty MiniMax H3 AV Latent",
-        "description": "Joint video+audio latent for MiniMax H3.", "category": "model/latent/minimax",
+    "MiniMaxH3ImageToVideo": {
+        "input": {
+            "required": {
+                "clip": ["CLIP", {}],
+                "vae": ["VAE", {}],
+                "prompt": ["STRING", {"multiline": True, "dynamicPrompts": True}],
+                "width": ["INT", {"default": 1344, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
+                "height": ["INT", {"default": 768, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
+                "length": ["INT", {"default": 124, "min": 5, "max": 3600, "step": 17,
+                                   "tooltip": "Frame count at 24 fps, snapped up to the model's 17k+5 grid"}],
+            },
+            "optional": {"first_frame": ["IMAGE", {}], "last_frame": ["IMAGE", {}]},
+        },
+        "input_order": {"required": ["clip", "vae", "prompt", "width", "height", "length"],
+                        "optional": ["first_frame", "last_frame"]},
+        "output": ["CONDITIONING", "LATENT"], "output_is_list": [False, False],
+        "output_name": ["positive", "LATENT"],
+        "name": "MiniMaxH3ImageToVideo", "display_name": "MiniMax H3 Image to Video",
+        "description": "", "category": "model/conditioning/minimax",
         "python_module": "comfy_extras.nodes_minimax_h3", "output_node": False,
     },
     "MiniMaxH3SigmaShift": {
