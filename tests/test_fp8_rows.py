@@ -1,7 +1,8 @@
 """The one-pass Triton FP8 row quantizer against the torch reference (fp8.quantize_rows).
 
 On CPU it runs in Triton's interpreter (in a subprocess: the interpreter is
-chosen when the kernel is defined); the GPU test compares bit for bit.
+chosen when the kernel is defined); the GPU test compares bit for bit, except for values the
+kernel's approximate division may round across an FP8 rounding midpoint.
 """
 import os
 import subprocess
@@ -45,7 +46,7 @@ def test_kernel_in_the_triton_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("swiglu,width", [(False, 7168), (False, 14336), (True, 14336), (False, 300)])
-def test_kernel_matches_torch_bit_for_bit_on_cuda(swiglu, width):
+def test_kernel_matches_torch_on_cuda(swiglu, width):
     from bigdit.quant import fp8, fp8_rows
     x = torch.randn(257, width * (2 if swiglu else 1), device="cuda", dtype=torch.bfloat16)
     q, scale = fp8_rows.quantize_rows(x, swiglu, fp8.FP8_MAX, fp8._MIN_SCALE)
