@@ -18,9 +18,13 @@ if "bigdit" not in sys.modules:
     sys.modules["bigdit"] = _pkg
 
 
+def slug(gpu_name: str) -> str:
+    """A GPU's name as results files spell it: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
 def gpu_slug() -> str:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 
 
 def default_out(bench: str) -> Path:

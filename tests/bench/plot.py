@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+from _pack import slug
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -129,8 +130,7 @@ def main_bench(path: Path) -> str | None:
     bench, _, rest = path.stem.partition("-")
     data = json.loads(path.read_text())
     gpu = (data.get("env") or data.get("environment") or {}).get("gpu") or "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    return bench if re.fullmatch(rf"{re.escape(slug)}-\d{{4}}-\d{{2}}-\d{{2}}", rest) else None
+    return bench if re.fullmatch(rf"{re.escape(slug(gpu))}-\d{{4}}-\d{{2}}-\d{{2}}", rest) else None
 
 
 PLOTTERS = {"formats": plot_formats, "attention": plot_attention, "offload": plot_offload}
