@@ -33,22 +33,6 @@ def compute_device():
     return comfy.model_management.get_torch_device()
 
 
-def runs_kitchen_weights() -> bool:
-    """Whether this ComfyUI runs comfy-kitchen QuantizedTensor weights natively (upstream does).
-
-    Then quantized layers keep their ComfyUI class with a QuantizedTensor
-    weight, so ComfyUI's own LoRA, offload and fused `linear_input_act` paths
-    apply; otherwise layers become QuantLinear modules.
-    """
-    try:
-        import comfy.quant_ops as quant_ops
-        from comfy_kitchen.tensor import QuantizedTensor
-    except ImportError:
-        return False
-    return (getattr(quant_ops, "QuantizedTensor", None) is QuantizedTensor
-            and "int8_tensorwise" in getattr(quant_ops, "QUANT_ALGOS", {}))
-
-
 def _layers_with_weight_patches(model) -> dict[str, str]:
     """Layers with pending weight patches (LoRA...) stay as they are so the patches apply to real weights."""
     keep = {}
@@ -71,7 +55,6 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
         for key, obj in model.object_patches.items() if key.startswith(DIFFUSION_PREFIX)
     }
     config.keep.update(_layers_with_weight_patches(model))
-    config.representation = "kitchen" if runs_kitchen_weights() else "module"
     bar = comfy.utils.ProgressBar(1)
     replacements, report = quantize_layers(
         model.get_model_object("diffusion_model"), config,
