@@ -33,10 +33,10 @@ class QuantLinear(nn.Module):
         # (its cast layers apply it while copying the weight in); see _patches.
         self.weight_lowvram_function = None
         self.bias_lowvram_function = None
-        # While ComfyUI has a LoRA written into this layer: the scales it replaced,
-        # and the patched weight, whose replacement means the patch is gone (see set_weight).
-        self._unpatched_scales: dict[str, nn.Parameter] | None = None
-        self._patched_weight: nn.Parameter | None = None
+        # While ComfyUI has a LoRA written into this layer: (the patched weight, the
+        # scales it replaced); once `weight` is another tensor, ComfyUI restored it (see set_weight).
+        # A tuple, so that nn.Module does not register the weight as a second parameter.
+        self._patch: tuple[nn.Parameter, dict[str, nn.Parameter]] | None = None
 
     def tensors_on(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """This layer's parameters on `device` (default: the weight's); a per-call copy of those elsewhere.
@@ -44,6 +44,7 @@ class QuantLinear(nn.Module):
         ComfyUI's partial loading leaves whole layers in RAM; upstream's dynamic
         VRAM leaves the weight and bias there and moves the other tensors.
         """
+        self._drop_stale_patch()
         device = self.weight.device if device is None else device
         out = {}
         for key, param in self._parameters.items():
@@ -58,7 +59,6 @@ class QuantLinear(nn.Module):
         return self.tensors_on(x.device)
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        self._drop_stale_patch()
         weight_patches, bias_patches = self._patches("weight"), self._patches("bias")
         if weight_patches or bias_patches:
             return self._forward_patched(x, input_act, weight_patches, bias_patches)
@@ -104,22 +104,27 @@ class QuantLinear(nn.Module):
             # An in-place restore would bring back the weight but not the scales, unnoticed.
             raise RuntimeError("in-place weight patching (weight_inplace_update) of a quantized layer is not "
                                "supported; patch the model before quantizing it instead")
-        if self._unpatched_scales is None:
-            self._unpatched_scales = {k: getattr(self, k) for k in fresh if k != "weight"}
+        self._drop_stale_patch()
+        if self._patch is None:
+            unpatched_scales = {k: getattr(self, k) for k in fresh if k != "weight"}
+        else:  # patched again on top of a patch: the scales to restore are still the first ones
+            unpatched_scales = self._patch[1]
         for key, tensor in fresh.items():
             # New Parameters, never writes into the old storage: ComfyUI's backup may share it.
             setattr(self, key, nn.Parameter(tensor.to(getattr(self, key).device), requires_grad=False))
-        self._patched_weight = self.weight
+        self._patch = (self.weight, unpatched_scales)
 
     def _drop_stale_patch(self) -> None:
-        """Put the original scales back once ComfyUI has restored the unpatched weight."""
-        if self._unpatched_scales is None:
+        """Put the original scales back once ComfyUI has restored the unpatched weight.
+
+        Runs before anything reads the layer's tensors: a restored weight read
+        with the patched scales would be a wrong weight (e.g. the base of the next LoRA patch).
+        """
+        if self._patch is None or self.weight is self._patch[0]:
             return
-        if self.weight is self._patched_weight:
-            return
-        for key, param in self._unpatched_scales.items():
+        for key, param in self._patch[1].items():
             setattr(self, key, param)
-        self._unpatched_scales = self._patched_weight = None
+        self._patch = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -271,6 +271,24 @@ def test_weight_patch_protocol_applies_lora(method_name):
 
 
 @pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_restored_weight_is_read_with_its_own_scales(method_name):
+    """Patch, restore `weight` only (as ComfyUI's unpatch does), patch again: the second patch starts from the
+    original weight, and the layer holds no extra parameter (its size is what ComfyUI counts)."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    names = list(q.state_dict())  # what ComfyUI's module_size counts
+    original_weight, original = q.weight, q.method.dequantize(q).float()
+    delta = 0.5 * torch.randn(128, 256)
+    q.set_weight(q.convert_weight(q.weight.float()) + delta)
+    assert list(q.state_dict()) == names
+    q.weight = original_weight  # ComfyUI's restore, the scales untouched
+    assert torch.equal(q.convert_weight(q.weight.float()), original)
+    q.set_weight(q.convert_weight(q.weight.float()) + delta)
+    assert rel_err(q.method.dequantize(q), layer.weight.float() + delta) < 0.05
+
+
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
 def test_set_weight_can_return_instead_of_storing(method_name):
     """return_weight (0.3.75's partial loading calls set_weight so): the weight the layer would compute with."""
     from bigdit.quant import get_method
