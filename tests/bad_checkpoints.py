@@ -115,7 +115,7 @@ BAD_FILES = {
     "unknown format": (bad_unknown_format, "unsupported quantization format 'float3_e1m1'", LAYER),
     "shape mismatch": (bad_shape, "shape mismatch: int8_tensorwise weight_scale", LAYER),
     "dtype mismatch": (bad_dtype, "dtype mismatch: int8_tensorwise weight must be I8, found BF16", LAYER),
-    "activation-quantized Quanto": (bad_quanto_activations, "activation-quantized", LAYER),
+    "activation-quantized Quanto": (bad_quanto_activations, "activation quantization is not supported", LAYER),
     "non-unit Quanto scale": (bad_quanto_scale, "non-unit Quanto input_scale", LAYER),
     "prefix-set mismatch": (bad_prefix_set, "prefix-set mismatch", "blocks.0.ffn.2"),
     # the header is refused before any layer is read: the error names the oversized key
