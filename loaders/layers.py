@@ -12,9 +12,8 @@ from typing import Callable
 import torch
 
 from .errors import CheckpointError
-from .safetensors_header import FLOAT_DTYPES, TensorInfo
+from .safetensors_header import FLOAT_DTYPES, HeaderReader, TensorInfo
 
-TensorReader = Callable[[str], torch.Tensor]
 # Called now and then during long inspections; raising from it (e.g. on a user's interrupt) stops them.
 Check = Callable[[], None] | None
 
@@ -111,7 +110,7 @@ def _decoded(tensor: torch.Tensor, encoding: str) -> torch.Tensor:
     return tensor.double()
 
 
-def check_scales(layer: LayerFormat, read: TensorReader, encodings: dict[str, str], problems: Problems) -> None:
+def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, str], problems: Problems) -> None:
     """Refuse scales no quantizer writes: NaN/Inf, zero or negative per-tensor/channel scales,
     negative block scales, and scales so large that the dequantized weight leaves float16's range.
 
@@ -121,11 +120,9 @@ def check_scales(layer: LayerFormat, read: TensorReader, encodings: dict[str, st
     scales = {}
     for role, encoding in encodings.items():
         key = layer.tensors.get(role)
-        if key is None:
+        if key is None or read.header.tensors[key].nbytes == 0:
             continue
         tensor = read(key)
-        if tensor.numel() == 0:
-            continue
         if non_finite(tensor, encoding):
             problems.add(f"non-finite (NaN/Inf) values in {layer.format} {role}", layer.name)
             return

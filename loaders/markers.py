@@ -255,7 +255,7 @@ def _per_row_agrees(name, per_row, scale, rows, fmt, problems) -> bool:
     if not isinstance(per_row, bool):
         problems.add(f'bad marker: "per_row" must be true/false, found {short_repr(per_row)}', name)
         return False
-    if rows > 1 and per_row != (scale.numel() == rows):
+    if rows > 1 and per_row != (scale.numel == rows):
         problems.add(f'shape mismatch: the marker says "per_row": {str(per_row).lower()} but {fmt} weight_scale '
                      f"is {list(scale.shape)} for {rows} rows", name)
         return False

@@ -19,8 +19,8 @@ import base64
 import binascii
 
 from .errors import CheckpointError, name_list
-from .layers import Check, LayerFormat, Problems, TensorReader, check_scales, checked, expect_dtype, float_scale, is_scalar
-from .safetensors_header import SafetensorsHeader, parse_json, short_repr
+from .layers import Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale, is_scalar
+from .safetensors_header import HeaderReader, SafetensorsHeader, parse_json, short_repr
 
 FORMAT_KEY = "quantization_format"
 MAP_KEY = "quantization_map_base64"
@@ -48,7 +48,7 @@ def read_quantization_map(header: SafetensorsHeader) -> dict[str, dict]:
     return qmap
 
 
-def inspect_quanto(header: SafetensorsHeader, read: TensorReader, check: Check = None) -> dict[str, LayerFormat]:
+def inspect_quanto(header: SafetensorsHeader, read: HeaderReader, check: Check = None) -> dict[str, LayerFormat]:
     """Every declared layer, validated against the contract above. Raises CheckpointError.
     `check` is called now and then (e.g. to stop on an interrupt)."""
     path = header.path

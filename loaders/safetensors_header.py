@@ -206,8 +206,11 @@ def _tensor_info(path: str, name: str, entry) -> TensorInfo:
                 numel *= d
             else:
                 if 0 <= begin <= end and end - begin == numel * DTYPE_SIZES[dtype]:
-                    return TensorInfo(name, dtype, tuple(shape), begin, end)
+                    return _new_info(TensorInfo, (name, dtype, tuple(shape), begin, end))
     _refuse_entry(path, name, entry)
+
+
+_new_info = tuple.__new__     # TensorInfo's own __new__ adds a call per tensor
 
 
 def _refuse_entry(path: str, name: str, entry) -> None:
