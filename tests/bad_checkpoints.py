@@ -187,6 +187,27 @@ def bad_oversized_marker(src, workdir, dst):
                            {f"{LAYER}.comfy_quant": torch.frombuffer(bytearray(text), dtype=torch.uint8)})
 
 
+def many_markers_file(dst, n, form="tensor", scales=True):
+    """n int8 layers with zero-size weight (and, with `scales`, weight_scale) tensors, marked in `form`
+    ("tensor" or "header"): a valid file that is all header."""
+    marker = {"format": "int8_tensorwise"}
+    text = json.dumps(marker).encode()
+    header, data = {}, bytearray()
+    for i in range(n):
+        layer = f"blocks.{i}.linear"
+        if form == "tensor":
+            header[f"{layer}.comfy_quant"] = {"dtype": "U8", "shape": [len(text)],
+                                              "data_offsets": [len(data), len(data) + len(text)]}
+            data += text
+        header[f"{layer}.weight"] = {"dtype": "I8", "shape": [0, 0], "data_offsets": [len(data), len(data)]}
+        if scales:
+            header[f"{layer}.weight_scale"] = {"dtype": "F32", "shape": [0], "data_offsets": [len(data), len(data)]}
+    if form == "header":
+        layers = {f"blocks.{i}.linear": marker for i in range(n)}
+        header["__metadata__"] = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    return write_raw(dst, json.dumps(header).encode(), bytes(data))
+
+
 BAD_FILES = {
     # name: (writer, expected words, layer named)
     "truncated": (bad_truncated, "truncated file", f"{LAYER}.weight"),

@@ -122,6 +122,37 @@ def write_converted(src, files: dict):
     return {dst: Path(dst) for dst in files}
 
 
+def converter_dequantized(sd, name):
+    """The fp32 [out, in] weight a convert_to_quant layer stands for, decoded with the converter's own code
+    (NVFP4 through its PyTorch decoder, ConvRot undone with its Hadamard matrix)."""
+    from convert_to_quant.converters.nvfp4_converter import NVFP4Converter
+    from convert_to_quant.utils.convrot import build_hadamard
+    marker = json.loads(sd[f"{name}.comfy_quant"].numpy().tobytes())
+    q, scale = sd[f"{name}.weight"], sd[f"{name}.weight_scale"]
+    if marker["format"] == "nvfp4":
+        return NVFP4Converter(optimize=False)._dequantize_pytorch(q, sd[f"{name}.weight_scale_2"], scale,
+                                                                  torch.float32)
+    scale = scale.double()
+    weight = q.double() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
+    if marker.get("convrot"):
+        group = marker["convrot_groupsize"]
+        # the converter stores W @ H^T per group of inputs; H is orthogonal
+        weight = weight.reshape(weight.shape[0], -1, group) @ build_hadamard(group, dtype=torch.float64)
+    return weight.reshape(q.shape).float()
+
+
+def write_dequantized(converted, dst):
+    """A plain bf16 file of what a convert_to_quant file stands for: its layers dequantized, the rest as stored."""
+    sd, metadata = load(converted)
+    layers = [key[:-len(".comfy_quant")] for key in sd if key.endswith(".comfy_quant")]
+    plain = {key: value for key, value in sd.items()
+             if not any(key.startswith(f"{layer}.") and not key.endswith(".bias") for layer in layers)}
+    for layer in layers:
+        plain[f"{layer}.weight"] = converter_dequantized(sd, layer).to(torch.bfloat16)
+    save(plain, dst, {k: v for k, v in metadata.items() if k != "_quantization_metadata"})
+    return Path(dst)
+
+
 def _converter(job):
     import gc
     from convert_to_quant.cli.main import get_parser, run_conversion

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from bad_checkpoints import BAD_FILES
-from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, marker_tensor, save, write_converted,
-                              write_markers, write_quanto, write_quanto_reference)
+from bad_checkpoints import BAD_FILES, many_markers_file
+from checkpoint_files import (CONVERTER_MODES, converter_dequantized, edit_checkpoint, load, marker_tensor, save,
+                              write_converted, write_markers, write_quanto, write_quanto_reference)
 
 from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
@@ -355,23 +355,6 @@ CONVERTED_TOLERANCE = {"int8_row_convrot": 0.012, "int8_row": 0.012, "int8_tenso
                        "nvfp4": 1e-5}
 
 
-def converter_dequantized(sd, name, marker):
-    """The [out, in] fp32 weight a convert_to_quant layer stands for, decoded with the converter's own code."""
-    from convert_to_quant.converters.nvfp4_converter import NVFP4Converter
-    from convert_to_quant.utils.convrot import build_hadamard
-    q, scale = sd[f"{name}.weight"], sd[f"{name}.weight_scale"]
-    if marker["format"] == "nvfp4":
-        return NVFP4Converter(optimize=False)._dequantize_pytorch(q, sd[f"{name}.weight_scale_2"], scale,
-                                                                  torch.float32)
-    scale = scale.double()
-    weight = q.double() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
-    if marker.get("convrot"):
-        group = marker["convrot_groupsize"]
-        # the converter stores W @ H^T per group of inputs; H is orthogonal
-        weight = (weight.reshape(weight.shape[0], -1, group) @ build_hadamard(group, dtype=torch.float64))
-    return weight.reshape(q.shape).float()
-
-
 @pytest.fixture(scope="module")
 def converted(plain_file, tmp_path_factory):
     """{mode: path} of the plain file converted by convert_to_quant in every mode of CONVERTER_MODES."""
@@ -401,9 +384,8 @@ def test_convert_to_quant_files_load(converted, mode, methods):
     for name, method in methods.items():
         layer = model.get_submodule(name)
         assert layer.method.describe().split(" ")[0] == method, name
-        marker = json.loads(sd[f"{name}.comfy_quant"].numpy().tobytes())
         x = layer_input(name)
-        reference = nn.functional.linear(x, converter_dequantized(sd, name, marker), sd[f"{name}.bias"].float())
+        reference = nn.functional.linear(x, converter_dequantized(sd, name), sd[f"{name}.bias"].float())
         assert rel_err(layer(x), reference) < CONVERTED_TOLERANCE[mode], name
 
 
@@ -453,26 +435,6 @@ def test_quanto_activation_quantization_from_the_real_writer(plain_file, tmp_pat
 
 
 # ---- bounded work on hostile files ---------------------------------------------
-
-def many_markers_file(dst, n, form="tensor"):
-    """n int8 layers with zero-size weight and scale tensors, marked in `form` ("tensor" or "header")."""
-    from bad_checkpoints import write_raw
-    marker = {"format": "int8_tensorwise"}
-    text = json.dumps(marker).encode()
-    header, data = {}, bytearray()
-    for i in range(n):
-        layer = f"blocks.{i}.linear"
-        if form == "tensor":
-            header[f"{layer}.comfy_quant"] = {"dtype": "U8", "shape": [len(text)],
-                                              "data_offsets": [len(data), len(data) + len(text)]}
-            data += text
-        header[f"{layer}.weight"] = {"dtype": "I8", "shape": [0, 0], "data_offsets": [len(data), len(data)]}
-        header[f"{layer}.weight_scale"] = {"dtype": "F32", "shape": [0], "data_offsets": [len(data), len(data)]}
-    if form == "header":
-        layers = {f"blocks.{i}.linear": marker for i in range(n)}
-        header["__metadata__"] = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
-    return write_raw(dst, json.dumps(header).encode(), bytes(data))
-
 
 @pytest.mark.parametrize("form", ["tensor", "header"])
 def test_inspection_of_24000_markers_is_fast(tmp_path, form):
