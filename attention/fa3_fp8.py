@@ -7,8 +7,8 @@ scale, so the output differs from exact attention by about 0.03 (relative L2,
 locality-structured inputs) to 0.055 (unstructured random inputs);
 `auto` uses it only where it measured within MAX_REL_ERROR (auto.py). Chosen
 by name it always runs where it can. fp16 and bf16 inputs both work (the FP8
-kernel computes in FP8 and returns bf16, cast back to the input's dtype),
-although this fa3-fwd build has no fp16 kernel of its own.
+kernel returns bf16, cast back to the input's dtype), although fa3-fwd 0.0.3
+has no fp16 kernel of its own.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class FA3Fp8(Impl):
                               head_dims=FP8_HEAD_DIMS, masks=False)
 
     def unavailable(self):
-        why = load(self.module, self.attr, self.package)[1] or load("triton", None, "triton")[1]
+        why = load(self.module, self.attr, self.package)[1] or fp8_qkv.TRITON_MISSING
         if why:
             return why
         config, _ = load("fa3_fwd_config", "CONFIG", self.package)

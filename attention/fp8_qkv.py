@@ -2,7 +2,9 @@
 
 FA3 takes FP8 q/k/v in (B, S, H, D) with fp32 descales shaped (B, H) (one
 per key/value head), so one scale per (batch, head) is all its API can use:
-no per-block q scale, no per-channel v scale.
+no per-block q scale, no per-channel v scale. Finer scales would matter less
+than for integers anyway: FP8's error is relative to each value (3 mantissa
+bits), so a scale only decides which values fall into the subnormals.
 
 k is smoothed first: its mean over the sequence, per (batch, head, channel),
 is subtracted. Each query's scores then all shift by the same q.mean(k), which
@@ -34,8 +36,11 @@ from .base import convert, dims
 try:
     import triton
     import triton.language as tl
-except Exception:  # missing or broken Triton: the backend declines with this reason
+    TRITON_MISSING = None
+except Exception as e:  # missing or broken Triton: the backend declines with this reason
     triton = None
+    TRITON_MISSING = ("triton is not installed" if isinstance(e, ModuleNotFoundError)
+                      else f"triton failed to import ({type(e).__name__}: {e})")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

@@ -124,7 +124,7 @@ def test_fa3_fp8_declarations():
     assert c.head_dims == frozenset({64, 96, 128, 192, 256})
     fa3, why = base.load("fa3_fwd_interface", "flash_attn_func", "fa3-fwd")
     if fa3 is None:
-        assert FA3Fp8().unavailable() == why == "fa3-fwd is not installed"
+        assert FA3Fp8().unavailable() == why and why.startswith("fa3-fwd ")
     assert registry.create("fa3_fp8").name == registry.parse("Flash-FP8") == "fa3_fp8"
     assert "fa3_fp8" in registry.DENSE_BACKENDS
 

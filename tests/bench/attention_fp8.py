@@ -71,8 +71,8 @@ def rows():
         return fp8_qkv.reference_quantize(q, k, v, layout, fp8_qkv.reference_stats(q, k, v, layout))
 
     def quantize_fused(q, k, v, layout):
-        if fp8_qkv.triton is None:
-            raise Unsupported(load("triton", None, "triton")[1])
+        if fp8_qkv.TRITON_MISSING:
+            raise Unsupported(fp8_qkv.TRITON_MISSING)
         return fp8_qkv.quantize_qkv(q, k, v, layout)
 
     return [
