@@ -113,7 +113,9 @@ def test_auto_picks_the_first_measured_kernel_that_runs():
                 cls().plan(q, k, v, layout="BHSD", mask=None, scale=None, options={})
             except Unsupported:
                 continue
-            assert plan.label == f"auto:{cls.label}"
+            # an approximate kernel's first calls per shape are checked against an exact one
+            checked = f"auto:{cls.label} checked against "
+            assert plan.label == f"auto:{cls.label}" or (name in auto.CHECKED and plan.label.startswith(checked))
             return
     pytest.fail("not even SDPA accepted the call")
 

@@ -27,6 +27,7 @@ def fallback_warnings(caplog, name):
     ("fa", "flash"), ("flash_attn", "flash"), ("Flash", "flash"), ("flash-attn", "flash"),
     ("kitchen_int8", "kitchen_int8"), ("INT8", "kitchen_int8"), ("Kitchen-INT8", "kitchen_int8"),
     ("sol", "sol"), ("sol_attn", "sol"), ("Sol-Attn", "sol"), (" auto ", "auto"),
+    ("fa3_fp8", "fa3_fp8"), ("FA3-FP8", "fa3_fp8"), ("flash_fp8", "fa3_fp8"),
 ])
 def test_names_and_aliases(spelling, name):
     assert registry.parse(spelling) == name
@@ -50,7 +51,7 @@ def test_sol_is_no_dense_backend():
         Router("sage", dense_backend="sol")
 
 
-@pytest.mark.parametrize("name", ["flash", "sage", "kitchen_int8"])
+@pytest.mark.parametrize("name", ["flash", "fa3_fp8", "sage", "kitchen_int8"])
 def test_cuda_only_backend_falls_back_on_cpu_with_one_warning(name, caplog):
     router = Router(name)
     q, k, v = qkv()
@@ -165,7 +166,7 @@ def test_missing_package_is_a_reason_not_an_error():
 
 
 def test_auto_ranking_follows_the_measured_table():
-    assert auto.ranking((9, 0)) == ["fa3", "sdpa_cudnn", "kitchen_int8", "sage", "sdpa"]
+    assert auto.ranking((9, 0)) == ["fa3_fp8", "fa3", "sdpa_cudnn", "kitchen_int8", "sage", "sdpa"]
     assert auto.ranking((8, 6)) == ["sdpa"]  # unmeasured GPU
     assert auto.ranking(None) == ["sdpa"]  # CPU
     for times in auto.MEASURED_MS.values():

@@ -60,8 +60,8 @@ def test_object_info_lists_the_node(comfy):
     assert info["category"] == "attention" and info["output"] == ["MODEL"]
     assert info["description"]
     required, optional = info["input"]["required"], info["input"]["optional"]
-    assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "sol"]
-    assert optional["dense_backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash"]
+    assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol"]
+    assert optional["dense_backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8"]
     assert optional["sol_tau"][0] == "FLOAT" and optional["sol_tau"][1]["default"] == 1.0
     assert optional["dense_steps"][0] == "INT" and optional["dense_steps"][1]["default"] == 0
     assert optional["dense_layers"][0] == "STRING" and optional["dense_layers"][1]["default"] == ""
@@ -76,6 +76,7 @@ CPU_FALLBACKS = {
     "flash": ["needs cuda, got a cpu tensor"],
     "sage": ["needs cuda, got a cpu tensor"],
     "kitchen_int8": ["needs cuda, got a cpu tensor"],
+    "fa3_fp8": ["needs cuda, got a cpu tensor"],
     "sol": ["fewer than 12288 tokens", "query and key lengths differ (cross-attention)"],
 }
 
