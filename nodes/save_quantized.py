@@ -47,11 +47,8 @@ def target_path(folder: str, filename: str) -> tuple[str, str]:
         raise ValueError(f"filename {filename!r}: empty, '.', '..' and hidden path parts are not allowed")
     if not name.lower().endswith(SUFFIX):
         raise ValueError(f"filename {filename!r} must end in {SUFFIX}")
-    path = os.path.join(folder, *parts)
-    root = os.path.realpath(folder)
-    if os.path.commonpath([root, os.path.realpath(os.path.dirname(path))]) != root:
-        raise ValueError(f"filename {filename!r} leads outside models/diffusion_models")
-    return path, "/".join(parts)
+    # Checked on the name only: a sub-folder the user linked to another disk stays usable.
+    return os.path.join(folder, *parts), "/".join(parts)
 
 
 def _weights_written_in(patcher) -> bool:

@@ -89,6 +89,9 @@ def test_saved_file_loads_back_bit_identical(tmp_path):
     path = tmp_path / "saved.safetensors"
     plan = save(model, path)
     assert plan.markers() == MARKERS
+    # The plan holds the model's own tensors (the writer reads them one by one): no copy of the model.
+    own = {t.data_ptr() for t in model.state_dict(keep_vars=True).values()}
+    assert all(t.data_ptr() in own for key, t in plan.tensors if not key.endswith(".comfy_quant"))
     loaded, report, checkpoint = build(path)
     assert checkpoint.kind == "ComfyUI per-layer markers"
     assert {name: layer.format for name, layer in checkpoint.layers.items()} == \
