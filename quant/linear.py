@@ -43,6 +43,17 @@ class QuantLinear(nn.Module):
             out[key] = param if param.device == x.device else param.to(x.device, non_blocking=True)
         return out
 
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The method's tensors by role (bias excluded), as a checkpoint stores them.
+
+        Raises while ComfyUI has a weight patch (e.g. a LoRA) written into the
+        layer: the tensors would carry it.
+        """
+        self._drop_stale_patch()
+        if self._unpatched_scales is not None:
+            raise RuntimeError("a weight patch (e.g. a LoRA) is written into this layer")
+        return {key: param for key, param in self._parameters.items() if param is not None and key != "bias"}
+
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         self._drop_stale_patch()
         if self.weight_function or self.bias_function:
