@@ -5,8 +5,7 @@ FA3's FP8 kernel ran 1.62x cuDNN SDPA on the H200 (40 heads x 32,760 x 128).
 FP8 E4M3 keeps 3 mantissa bits, about 2.6% RMS error per element whatever the
 scale, so the output differs from exact attention by about 0.03 (relative L2,
 locality-structured inputs) to 0.055 (unstructured random inputs);
-`auto` uses it only where it measured within MAX_REL_ERROR (auto.py). Chosen
-by name it always runs where it can. fp16 and bf16 inputs both work (the FP8
+it runs only when chosen by name (`auto` keeps to exact kernels, auto.py). fp16 and bf16 inputs both work (the FP8
 kernel returns bf16, cast back to the input's dtype), although fa3-fwd 0.0.3
 has no fp16 kernel of its own.
 """

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 
 from bench.attention_inputs import cosine, random_qkv, structured_qkv
 from bigdit.attention import Router, auto, base, fp8_qkv, registry
-from bigdit.attention.auto import Checked, relative_error
-from bigdit.attention.base import Backend, Constraints, Impl
 from bigdit.attention.fa3_fp8 import FA3Fp8
-from bigdit.attention.kernels import Sdpa
+
+
+def relative_error(out, ref):
+    ref = ref.float()
+    return ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 FP8 = torch.float8_e4m3fn
@@ -112,7 +114,6 @@ def test_emulated_fp8_attention_error(kind, max_error, min_cosine):
     err = relative_error(out, ref)
     assert err <= max_error and cosine(out, ref) >= min_cosine
     assert err > 0.01  # it is FP8: an error this small would mean nothing was quantized
-    assert err < auto.MAX_REL_ERROR  # auto's check accepts FP8 attention on such inputs
 
 
 # ---- the backend's declarations and fallback -------------------------------
@@ -140,69 +141,10 @@ def test_fa3_fp8_falls_back_on_cpu_with_one_reason(caplog):
     assert router.stats.snapshot()["fallbacks"] == {"fa3_fp8 -> sdpa: needs cuda, got a cpu tensor": 2}
 
 
-def test_auto_ranks_fa3_fp8_first_on_hopper_only():
-    assert auto.ranking((9, 0))[0] == "fa3_fp8" and "fa3_fp8" in auto.CHECKED
-    assert "fa3_fp8" not in auto.EXACT
-    assert all("fa3_fp8" not in auto.ranking(cap) for cap in [(8, 0), (8, 9), (10, 0), None])
-
-
-# ---- auto's accuracy check ----------------------------------------------------
-
-class EmulatedFp8(Impl):
-    """Stands in for FA3's FP8 kernel, which cannot run on CPU: the same
-    quantization, then SDPA in fp32."""
-
-    label = "fa3_fp8"
-    constraints = Constraints(devices=None)
-
-    def _run(self, q, k, v, layout, mask, scale):
-        return emulated(q, k, v).to(q.dtype)
-
-
-def checked_auto(**kwargs):
-    return Backend("auto", [Checked(EmulatedFp8(), [Sdpa()], **kwargs), Sdpa()])
-
-
-def test_check_accepts_fp8_where_it_is_accurate(caplog):
-    backend = checked_auto()
-    q, k, v = structured_qkv(1, 2, (4, 8, 16), seed=4)
-    labels = []
-    with caplog.at_level(logging.INFO, logger="bigdit.attention.auto"):
-        for _ in range(auto.CHECKS + 2):
-            plan = backend.plan(q, k, v)
-            labels.append(plan.label)
-            out = plan.run()
-            assert torch.equal(out, emulated(q, k, v).to(q.dtype))  # the FP8 output, also while checking
-    assert labels == ["auto:fa3_fp8 checked against sdpa"] * auto.CHECKS + ["auto:fa3_fp8"] * 2
-    (info,) = [r.getMessage() for r in caplog.records]
-    assert f"fa3_fp8 within {auto.MAX_REL_ERROR:g} of sdpa" in info
-    # another shape is checked on its own
-    q2 = structured_qkv(1, 2, (4, 8, 8), seed=4)[0]
-    assert backend.plan(q2, q2, q2).label == "auto:fa3_fp8 checked against sdpa"
-
-
-def test_check_rejects_fp8_where_it_is_not(caplog):
-    backend = checked_auto(max_error=0.01)  # below FP8's error on any input
-    q, k, v = structured_qkv(1, 2, (4, 8, 16), seed=4)
-    with caplog.at_level(logging.WARNING, logger="bigdit.attention.auto"):
-        first = backend(q, k, v)
-        later = [backend.plan(q, k, v) for _ in range(2)]
-    expected = F.scaled_dot_product_attention(q, k, v)
-    assert torch.equal(first, expected)  # the checked call returns the exact output
-    assert [p.label for p in later] == ["auto:sdpa"] * 2 and torch.equal(later[0].run(), expected)
-    (warning,) = [r.getMessage() for r in caplog.records]
-    assert "fa3_fp8 measured relative error 0.0" in warning and "> 0.01 against sdpa" in warning
-
-
-def test_check_rejects_non_finite_output():
-    class Broken(EmulatedFp8):
-        def _run(self, q, k, v, layout, mask, scale):
-            return torch.full_like(q, float("nan"))
-
-    backend = Backend("auto", [Checked(Broken(), [Sdpa()]), Sdpa()])
-    q, k, v = random_qkv(1, 2, 64, 128)
-    assert torch.equal(backend(q, k, v), F.scaled_dot_product_attention(q, k, v))
-    assert backend.plan(q, k, v).label == "auto:sdpa"
+def test_auto_never_picks_fa3_fp8():
+    # not exact: the end-to-end run measured latent cosine 0.994 with it (auto.py)
+    assert all("fa3_fp8" not in auto.ranking(cap) and "fa3_fp8" not in auto.KERNELS
+               for cap in [(8, 0), (8, 9), (9, 0), (10, 0), None])
 
 
 # ---- the Triton kernels -------------------------------------------------------

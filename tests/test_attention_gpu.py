@@ -113,9 +113,7 @@ def test_auto_picks_the_first_measured_kernel_that_runs():
                 cls().plan(q, k, v, layout="BHSD", mask=None, scale=None, options={})
             except Unsupported:
                 continue
-            # an approximate kernel's first calls per shape are checked against an exact one
-            checked = f"auto:{cls.label} checked against "
-            assert plan.label == f"auto:{cls.label}" or (name in auto.CHECKED and plan.label.startswith(checked))
+            assert plan.label == f"auto:{cls.label}"
             return
     pytest.fail("not even SDPA accepted the call")
 

@@ -122,7 +122,7 @@ def test_backend_call_raises_unsupported_with_reason():
     q, k, v = qkv()
     with pytest.raises(Unsupported, match="needs cuda"):
         registry.create("sage")(q, k, v)
-    # flash has five kernels; identical reasons are reported once
+    # flash has four kernels; identical reasons are reported once
     with pytest.raises(Unsupported) as info:
         registry.create("flash").plan(q, k, v)
     assert str(info.value) == "needs cuda, got a cpu tensor"
@@ -166,7 +166,7 @@ def test_missing_package_is_a_reason_not_an_error():
 
 
 def test_auto_ranking_follows_the_measured_table():
-    assert auto.ranking((9, 0)) == ["fa3_fp8", "fa3", "sdpa_cudnn", "kitchen_int8", "sage", "sdpa"]
+    assert auto.ranking((9, 0)) == ["fa3", "sdpa_cudnn", "kitchen_int8", "sage", "sdpa"]
     assert auto.ranking((8, 6)) == ["sdpa"]  # unmeasured GPU
     assert auto.ranking(None) == ["sdpa"]  # CPU
     for times in auto.MEASURED_MS.values():

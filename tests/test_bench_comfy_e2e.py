@@ -99,9 +99,9 @@ def test_graph_check_names_the_missing_choice():
     assert comfy_e2e.unoffered_choice(graph, info) == "node BigditStepTimer is not installed"
 
 
-def _rec(config, step_s, family, capped=True, sol=False, tokens=32760, peak=None, model="wan14b"):
+def _rec(config, step_s, family, capped=True, sol=False, tokens=32760, peak=None, model="wan14b", cosine=0.9995):
     return {"config": config, "family": family, "capped": capped, "sol": sol, "tokens": tokens, "length": "x",
-            "model": model, "status": "ok", "step_s": step_s, "peak_gib": peak}
+            "model": model, "status": "ok", "step_s": step_s, "peak_gib": peak, "cosine": cosine}
 
 
 def test_summary_follows_issue_12():
@@ -112,6 +112,7 @@ def test_summary_follows_issue_12():
         _rec("pack_auto", 2.5, "pack", peak=16.8),
         _rec("pack_int8", 3.0, "pack", peak=17.0),
         _rec("pack_auto_sol", 1.5, "pack", sol=True, peak=16.9),
+        _rec("pack_auto_fp8attn", 2.0, "pack", peak=16.8, cosine=0.994),  # faster, below the cosine bar
         _rec("pack_auto", 0.5, "pack", tokens=7800, peak=18.5),  # shorter: only its peak counts
         {**_rec("pack_auto_flash", None, "pack"), "status": "error"},
         _rec("pack_auto", 0.1, "pack", model="other", peak=99.0),  # another model
@@ -124,6 +125,8 @@ def test_summary_follows_issue_12():
     assert summary["peak_gib_capped"] == 18.5
     assert detail["best_pack_dense"]["config"] == "pack_auto" and detail["best_comfy_capped"]["config"] == \
         "comfy_fp8_fast" and detail["tokens"] == 32760
+    assert detail["fastest_pack_dense"]["config"] == "pack_auto_fp8attn"
+    assert detail["fastest_pack_dense_speedup"] == pytest.approx(3.0 / 2.0)
     _, partial = comfy_e2e.summarize(results[3:4], {"wan14b": {}})
     assert partial == {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": 16.8}
 
