@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..quant.dispatch import is_kitchen_tensor
+from ..quant.kitchen_api import is_quantized_tensor
 from ..quant.linear import QuantLinear
 from .errors import name_list
 from .markers import MARKER_SUFFIX, METADATA_KEY
@@ -132,7 +132,7 @@ def quantized_layer(name: str, module: nn.Module) -> SavedLayer | None:
     """The quantized layer `module` holds, or None if it is not quantized. Raises _Unsupported."""
     if isinstance(module, QuantLinear):
         layer = _from_quant_linear(name, module)
-    elif is_kitchen_tensor(getattr(module, "weight", None)):
+    elif is_quantized_tensor(getattr(module, "weight", None)):
         layer = _from_kitchen_weight(name, module)
     else:
         return None

@@ -69,7 +69,7 @@ REGISTRY_VERSION = re.compile(r"^(?:(==|>=|<=|!=|~=|>|<|<>|=)\s*)?(\d+\.\d+\.\d+
 
 
 def test_registry_classifiers_and_comfyui_floor():
-    from comfy_harness import COMFYUI_VERSION
+    from comfy_harness import HOSTS
     classifiers = pyproject()["project"]["classifiers"]
     systems = [c.removeprefix("Operating System :: ") for c in classifiers if c.startswith("Operating System :: ")]
     accelerators = [c.removeprefix("Environment :: ") for c in classifiers if c.startswith("Environment ::")]
@@ -78,7 +78,8 @@ def test_registry_classifiers_and_comfyui_floor():
     floor = pyproject()["tool"]["comfy"]["requires-comfyui"]
     assert REGISTRY_VERSION.match(floor), floor
     # The floor is the oldest ComfyUI the integration tests run on.
-    assert floor == f">={COMFYUI_VERSION}"
+    oldest = min(HOSTS, key=lambda h: tuple(int(p) for p in h.version.split(".")))
+    assert floor == f">={oldest.version}"
 
 
 def published_files() -> set[str]:
