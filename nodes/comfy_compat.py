@@ -226,7 +226,7 @@ def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], 
                             "them%s.", title, count.claimed, count.ran, ", ".join(count.missing[:5]),
                             ", ..." if len(count.missing) > 5 else "",
                             "" if count.ran else ", or they ran under torch.compile, which is not counted")
-        log.info("%s: last run %s", title, part)
+        log.info("%s, last run: %s", title, part)
         run.add("layers", part)
 
     callbacks = comfy.patcher_extension.CallbacksMP
