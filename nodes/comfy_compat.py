@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import uuid
 
 from torch import nn
 
@@ -154,6 +155,12 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
     replacements, report = quantize_layers(
         root, config, progress=lambda done, total: bar.update_absolute(done, total), title=title)
     parents = dict(walk_modules(root, config.overrides)) if replacements else {}
+    if replacements and hasattr(patched, "patches_uuid"):
+        # ComfyUI re-patches weights on load only when patches_uuid changed, and its marks of patched
+        # weights stay on the modules an object patch swaps out: a LoRA clone loaded after this one
+        # would find the originals marked and skip them. A new uuid makes loading this clone start from
+        # unpatched modules, as ComfyUI's own set_model_compute_dtype does.
+        patched.patches_uuid = uuid.uuid4()
     for name, module in replacements.items():
         patched.add_object_patch(DIFFUSION_PREFIX + name, module)
         if not isinstance(module, QuantLinear):

@@ -112,8 +112,8 @@ def test_quantized_clone_after_quantized_clone(cached, comfy, tiny_wan2):
 def test_quantized_clone_after_a_lora_clone(cached, comfy, tiny_wan2, lora_name):
     """The LoRA clone's patched weights are live in the shared tree; quantization must read the originals."""
     check_sequence(cached, comfy, tiny_wan2, [
-        [lora(lora_name)], [quantize("16")], [lora(lora_name)], [quantize("16"), lora(lora_name)],
-        [quantize("64")], [lora(lora_name), quantize("64")]])
+        [], [quantize("16")], [lora(lora_name)], [quantize("16")], [lora(lora_name)],
+        [quantize("16"), lora(lora_name)], [quantize("64")], [lora(lora_name), quantize("64")]])
 
 
 def test_offload_plan_after_a_quantized_clone(cached, comfy, tiny_wan2):
