@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .method import LinearMethod
+from .witness import count_run
 
 
 class QuantLinear(nn.Module):
@@ -33,6 +34,7 @@ class QuantLinear(nn.Module):
         # and the patched weight, whose replacement means the patch is gone (see set_weight).
         self._unpatched_scales: dict[str, nn.Parameter] | None = None
         self._patched_weight: nn.Parameter | None = None
+        self.runs = 0  # calls, for the run-time witness (quant/witness.py)
 
     def tensors_for(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """This layer's parameters on x's device (a per-call copy when offloaded)."""
@@ -55,6 +57,7 @@ class QuantLinear(nn.Module):
         return {key: param for key, param in self._parameters.items() if param is not None and key != "bias"}
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        count_run(self)
         self._drop_stale_patch()
         if self.weight_function or self.bias_function:
             return self._forward_patched(x, input_act)

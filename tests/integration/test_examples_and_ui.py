@@ -318,6 +318,10 @@ def test_report_appears_on_the_node(browser, comfy, tiny_wan):
         target = PACK_ROOT / "web" / "screenshots" / "report.png"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(picture, target)
+    # after the sampling, the same report with the count of the quantized layers that ran
+    quantized = re.fullmatch(r"quantized (\d+)/\d+ linear layers", shown["headline"]).group(1)
+    text = browser.wait_for(node_report_js("QuantizeModelINT8", "last run:"), timeout=40)
+    assert text.endswith(f"last run: ran {quantized}/{quantized} quantized layers"), text
 
 
 def node_report_js(node_type: str, must_contain: str) -> str:
@@ -353,12 +357,13 @@ def test_loader_report_with_offload_plan_appears_on_the_node(browser, comfy, tin
         "group_size": "64", "ignored_layers": ""}))
     build_ui_workflow(browser, graph)
     browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
-    text = browser.wait_for(node_report_js("LoadH3Quantized", "last run:"), timeout=40)
-    assert re.match(r"quantized \d+/\d+ linear layers", text)
+    # the line's last part (the offload plan's) arrives after the count of the layers that ran
+    text = browser.wait_for(node_report_js("LoadH3Quantized", "nothing streamed"), timeout=40)
+    quantized = re.match(r"quantized (\d+)/\d+ linear layers", text).group(1)
     assert "offload: auto on cpu" in text and "resident 1/1 blocks, streaming 0" in text, text
-    # after sampling: the plan with the run's activations, and what streamed
+    # after sampling: the plan with the run's activations, what streamed, and how many quantized layers ran
     assert re.search(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
-                     r"nothing streamed", text), text
+                     rf"nothing streamed; ran {quantized}/{quantized} quantized layers", text), text
     screenshot_node(browser, "LoadH3Quantized", ARTIFACTS / "loader-report.png")
 
 
@@ -373,7 +378,7 @@ def test_quantization_drives_comfyuis_progress_bar(browser, comfy, tiny_wan):
       window.comfyAPI.api.api.addEventListener("progress", ({ detail }) => window.__bigditProgress.push(detail));
     })()""")
     browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
-    text = browser.wait_for(node_report_js("QuantizeModelINT8", "quantized"), timeout=40)
+    text = browser.wait_for(node_report_js("QuantizeModelINT8", "last run:"), timeout=40)  # the prompt is done
     quantized = int(re.match(r"quantized (\d+)/", text).group(1))
     node_id = browser.evaluate(
         'String(window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "QuantizeModelINT8").id)')
