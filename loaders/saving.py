@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..quant.kitchen_api import is_quantized_tensor
+from ..quant.kitchen_api import is_quantized_tensor, layout_name, storage
 from ..quant.linear import QuantLinear
 from .errors import name_list
 from .markers import MARKER_SUFFIX, METADATA_KEY
@@ -105,14 +105,14 @@ def _from_quant_linear(name: str, module: QuantLinear) -> SavedLayer:
 
 def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     weight = module.weight
-    layout = weight._layout_cls
+    layout = layout_name(weight)
     fmt = KITCHEN_FORMATS.get(layout)
-    if fmt == "float8_e4m3fn" and weight._qdata.dtype != torch.float8_e4m3fn:
+    if fmt == "float8_e4m3fn" and storage(weight).dtype != torch.float8_e4m3fn:
         fmt = None
     if fmt is None:
-        raise _Unsupported(f"comfy-kitchen layout {layout} ({weight._qdata.dtype}) has no marker format the "
+        raise _Unsupported(f"comfy-kitchen layout {layout} ({storage(weight).dtype}) has no marker format the "
                            f"pack's loaders read")
-    params = weight._params
+    params = weight.params
     if getattr(params, "transposed", False):
         raise _Unsupported(f"comfy-kitchen {layout} weight is held transposed; files store it untransposed")
     marker = (_int8_marker(getattr(params, "convrot", False), getattr(params, "convrot_groupsize", 256))
