@@ -11,6 +11,7 @@ from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.patterns import parse_patterns
 from . import checkpoint_compat as compat
 from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
+from .kitchen import require_kitchen
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload
 
@@ -74,7 +75,9 @@ class MixedCheckpointLoader:
 
     def load(self, unet_name, nvfp4="auto", unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        plan = compat.diffusion_namespace(inspect_checkpoint(path))
+        plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
+        if plan.layers:
+            require_kitchen("MixedCheckpointLoader")
         with plan.open() as source:
             builder = LayerBuilder(plan, source, compat.compute_device(), nvfp4=nvfp4, title="MixedCheckpointLoader",
                                    progress=compat.progress_counter(_progress_total(plan)))
@@ -146,9 +149,12 @@ class LoadH3Quantized:
         device = compat.compute_device()
         config = None
         if quantization != "none":
+            require_kitchen("LoadH3Quantized")
             config = QuantConfig(method=online_method(quantization, int(group_size), device),
                                  ignored=DEFAULT_KEEP + parse_patterns(ignored_layers), compute_device=device)
-        plan = compat.diffusion_namespace(inspect_checkpoint(path))
+        plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
+        if plan.layers:
+            require_kitchen("LoadH3Quantized")
         with plan.open() as source:
             builder = LayerBuilder(plan, source, device, online=config,
                                    nvfp4="auto" if config is None else "requantize", title="LoadH3Quantized",
@@ -205,7 +211,9 @@ class QuantizedCLIPLoader:
 
     def load(self, clip_name, type, rename_prefixes="", nvfp4="auto"):
         path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
-        plan = inspect_checkpoint(path)
+        plan = inspect_checkpoint(path, compat.interrupt_check())
+        if plan.layers:
+            require_kitchen("QuantizedCLIPLoader")
         rules = parse_prefix_rules(rename_prefixes)
         if rules:
             plan = plan.renamed(rules)

@@ -313,7 +313,27 @@ class SetOffload:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    # Naming an input here replaces ComfyUI's own min/max check of it, so the ranges are checked here too.
+    # NaN passes every comparison: without this it would plan with a NaN reserve.
+    _RANGES = {"reserve_gib": (-1.0, 1024.0), "vram_gib": (0.0, 1024.0)}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, reserve_gib=-1.0, vram_gib=0.0):
+        problems = [problem for problem in (cls._out_of_range("reserve_gib", reserve_gib),
+                                            cls._out_of_range("vram_gib", vram_gib)) if problem]
+        return "; ".join(problems) or True
+
+    @classmethod
+    def _out_of_range(cls, name, value):
+        low, high = cls._RANGES[name]
+        if not isinstance(value, (int, float)) or not low <= value <= high:  # False for NaN
+            return f"{name} must be a number from {low:g} to {high:g}, got {value!r}"
+        return None
+
     def apply(self, model, mode, reserve_gib, vram_gib=0.0, unique_id=None):
+        problem = self._out_of_range("reserve_gib", reserve_gib) or self._out_of_range("vram_gib", vram_gib)
+        if problem:  # a value linked from another node is only known here
+            raise ValueError(f"SetOffload: {problem}")
         patched = model.clone()
         report = install_offload(patched, mode, None if reserve_gib < 0 else reserve_gib, vram_gib=vram_gib or None,
                                  on_run=lambda line: show_on_node(unique_id, f"{report}\nlast run: {line}"))

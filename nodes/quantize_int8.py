@@ -5,6 +5,7 @@ from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
 from ..quant.patterns import parse_patterns
 from . import comfy_compat
+from .kitchen import require_kitchen
 
 
 class QuantizeModelINT8:
@@ -46,6 +47,7 @@ class QuantizeModelINT8:
         }
 
     def quantize(self, model, group_size, ignored_layers, row_split="auto", unique_id=None):
+        require_kitchen("QuantizeModelINT8")
         config = QuantConfig(
             method=Int8ConvRotMethod(int(group_size), row_split),
             ignored=parse_patterns(ignored_layers),

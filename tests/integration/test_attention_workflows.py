@@ -138,6 +138,15 @@ def test_bad_dense_layers_is_a_node_error(comfy_sdpa, tiny_wan):
         run(comfy_sdpa, tiny_wan, [node("sol", dense_layers="first")])
 
 
+def test_huge_dense_layers_range_is_kept_as_a_range(comfy_sdpa, tiny_wan, baseline):
+    """'0-1000000000000' costs two numbers, not 10^12 indices; every block of the model is dense."""
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], seed=5,
+                          model_chain=[node("sage", dense_backend="sdpa", dense_layers="0-1000000000000")])
+    history = comfy_sdpa.run(graph, timeout=60)
+    assert history["outputs"]["m0"]["text"][0].endswith("dense blocks [0-1000000000000]")
+    assert torch.equal(comfy_sdpa.latent(history, "save_latent"), baseline)
+
+
 def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
     graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
                           model_chain=[node("sol", dense_backend="sdpa", dense_steps=1, dense_layers="0")])
