@@ -12,7 +12,7 @@ softmax ignores, so the attention is unchanged, while the keys' shared offset
 no longer spends FP8 range and precision.
 
     amax   = max |x| over (sequence, head dim), k after smoothing
-    scale  = max(amax / 448, MIN_SCALE)      (FA3's descale)
+    scale  = max(amax * fp32(1/448), MIN_SCALE)      (FA3's descale)
     x_fp8  = fp8(clamp(x * (1 / scale), -448, 448))
 
 Two Triton kernels, reading q, k and v in the layout they come in: partial
@@ -44,6 +44,7 @@ except Exception as e:  # missing or broken Triton: the backend declines with th
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
 MIN_SCALE = 1e-12  # an all-zero head would otherwise divide by zero
 
 CHUNK = 1024  # tokens per program of the statistics kernel
@@ -69,8 +70,13 @@ class Quantized:
 
 
 def scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(descale, 1 / descale) from amax; shared by the kernel path and the reference."""
-    descale = (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
+    """(descale, 1 / descale) from amax; shared by the kernel path and the reference.
+
+    A product with fp32(1/448), not a division by 448: torch's CUDA division by
+    a scalar is itself such a product, its CPU division is exact, and the two
+    differ in the last bit, which moved FP8 codes between a GPU run and its
+    CPU reference."""
+    descale = (amax.float() * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return descale, torch.reciprocal(descale)
 
 

@@ -21,14 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.attention_inputs import cosine, random_qkv, structured_qkv
+from bench.attention_inputs import cosine, random_qkv, relative_error, structured_qkv
 from bigdit.attention import Router, auto, base, fp8_qkv, registry
 from bigdit.attention.fa3_fp8 import FA3Fp8
 
-
-def relative_error(out, ref):
-    ref = ref.float()
-    return ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 FP8 = torch.float8_e4m3fn
@@ -63,7 +59,7 @@ def test_reference_scales_and_rounding():
     smoothed = k.float() - st.k_mean[:, :, None]
     for i, src in enumerate((q.float(), smoothed, v.float())):
         amax = src.abs().amax(dim=(2, 3))
-        expected = torch.where(amax > 0, amax / fp8_qkv.FP8_MAX, torch.tensor(fp8_qkv.MIN_SCALE))
+        expected = torch.where(amax > 0, amax * fp8_qkv.INV_FP8_MAX, torch.tensor(fp8_qkv.MIN_SCALE))
         assert torch.equal(x.descale[i], expected)
         out = (x.q, x.k, x.v)[i]
         back = fp8_qkv.dequantize(out, x.descale[i]).transpose(1, 2)

@@ -28,10 +28,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from _pack import cuda_time_ms, default_out, environment, write_json
 from attention import package_versions
-from attention_inputs import GRIDS, cosine, random_qkv, structured_qkv
+from attention_inputs import GRIDS, cosine, random_qkv, relative_error, structured_qkv
 
 from bigdit.attention import Unsupported, fp8_qkv, kernels, registry
-from bigdit.attention.auto import relative_error
 from bigdit.attention.base import Backend, convert, load
 from bigdit.attention.kernels import _first
 
