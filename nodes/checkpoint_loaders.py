@@ -10,7 +10,7 @@ from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.patterns import parse_patterns
 from . import checkpoint_compat as compat
-from .comfy_compat import show_on_node
+from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
 from .kitchen import require_kitchen
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload
@@ -70,9 +70,10 @@ class MixedCheckpointLoader:
             "optional": {
                 "nvfp4": (["auto", "requantize"], {"default": "auto", "tooltip": _NVFP4_TOOLTIP}),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def load(self, unet_name, nvfp4="auto"):
+    def load(self, unet_name, nvfp4="auto", unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
         if plan.layers:
@@ -83,6 +84,7 @@ class MixedCheckpointLoader:
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
         text = _report(builder)
+        watch_quantized_layers(model, NodeRun(unique_id, text), quantized_layers(model), "MixedCheckpointLoader")
         return {"ui": {"text": [text]}, "result": (model, text)}
 
 
@@ -159,8 +161,9 @@ class LoadH3Quantized:
                                    progress=compat.progress_counter(_progress_total(plan)))
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        text = _report(builder, install_offload(
-            model, offload, on_run=lambda line: show_on_node(unique_id, f"{text}\nlast run: {line}")))
+        run = NodeRun(unique_id)
+        run.text = text = _report(builder, install_offload(model, offload, on_run=lambda line: run.add("offload", line)))
+        watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
         return {"ui": {"text": [text]}, "result": (model, text)}
 
 

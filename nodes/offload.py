@@ -39,13 +39,12 @@ from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, 
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
-from .comfy_compat import show_on_node
+from .comfy_compat import module_view, show_on_node
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "layerwise", "none")
 WRAPPER_KEY = "bigdit_offload"
-DIFFUSION_PREFIX = "diffusion_model."
 
 
 class OffloadError(RuntimeError):
@@ -129,10 +128,10 @@ class _Offload:
     # -- the plan ------------------------------------------------------------
     @staticmethod
     def model_parts(patcher):
-        diffusion = patcher.get_model_object("diffusion_model")
-        overrides = {k[len(DIFFUSION_PREFIX):]: v for k, v in patcher.object_patches.items()
-                     if k.startswith(DIFFUSION_PREFIX)}
-        return diffusion, overrides, find_blocks(diffusion)
+        """The diffusion model as this patcher defines it (whichever clone is loaded), and its blocks."""
+        diffusion, overrides = module_view(patcher)
+        blocks = [(path, overrides.get(path, block)) for path, block in find_blocks(diffusion)]
+        return diffusion, overrides, blocks
 
     @staticmethod
     def run_shape(patcher, diffusion, blocks, latent_shape) -> RunShape | None:

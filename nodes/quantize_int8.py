@@ -43,17 +43,21 @@ class QuantizeModelINT8:
                                "per shape, and used only if faster. off: never split.",
                 }),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def quantize(self, model, group_size, ignored_layers, row_split="auto"):
+    def quantize(self, model, group_size, ignored_layers, row_split="auto", unique_id=None):
         require_kitchen("QuantizeModelINT8")
         config = QuantConfig(
             method=Int8ConvRotMethod(int(group_size), row_split),
             ignored=parse_patterns(ignored_layers),
             compute_device=comfy_compat.compute_device(),
         )
-        patched, report = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
+        patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
         text = report.render()
+        # after each sampling: how many of these layers ran
+        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, text), layers,
+                                            "QuantizeModelINT8")
         return {"ui": {"text": [text]}, "result": (patched, text)}
 
 

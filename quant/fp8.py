@@ -5,6 +5,7 @@ per tensor (ComfyUI's scaled-fp8 checkpoints). Activations are quantized per
 token at run time, or with the checkpoint's static `input_scale`. On sm89+
 the GEMM is `torch._scaled_mm` with row-wise scales; elsewhere the same
 quantize-dequantize arithmetic runs in fp32, so CPU results track the GPU's.
+Every path quantizes rows by one formula (`quantize_rows`), bit for bit.
 """
 from __future__ import annotations
 
@@ -14,24 +15,37 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod
+from .method import LinearMethod, output_dtype
 
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-_MIN_SCALE = 1e-12  # an all-zero row would otherwise divide by zero
+# 1/448 as the nearest fp32: the scale is a product, so torch (CPU, CUDA) and Triton compute it alike
+# (torch's CUDA division by a scalar is itself a product with a reciprocal).
+INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
+_MIN_SCALE = 1e-12  # an all-zero row would otherwise get a zero scale
 
 
 def _input_act(x: torch.Tensor, input_act: str | None) -> torch.Tensor:
-    from comfy_kitchen.backends._activations import apply_input_act
+    if input_act is None:
+        return x
+    from .kitchen_api import apply_input_act
     return apply_input_act(x, input_act)
 
 
 def quantize_rows(x: torch.Tensor, input_act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 rows, fp32 [M, 1] scales) for a 2-D activation, the input activation folded in."""
+    """(fp8 rows, fp32 [M, 1] scales) for a 2-D activation, the input activation folded in.
+
+    The definition every path computes bit for bit (fp8_rows' Triton kernel
+    included), in fp32: scale = max(absmax * fp32(1/448), 1e-12), then
+    q = fp8(clamp(x * (1 / scale), -448, 448)), the reciprocal correctly
+    rounded once per row. Per-element products round the same everywhere;
+    per-element divisions do not (Triton's is approximate, IEEE division is slow).
+    """
     x = _input_act(x, input_act)
-    return _cast_rows(x, _row_absmax(x))
+    scale, inv_scale = row_scales(_row_absmax(x))
+    return _cast_rows(x, inv_scale), scale
 
 
 def _row_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +53,14 @@ def _row_absmax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)
 
 
-def _cast_rows(x: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (absmax.float() / FP8_MAX).clamp_(min=_MIN_SCALE)
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+def row_scales(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1 / scale), fp32: a row's absmax maps to FP8's largest value."""
+    scale = (absmax.float() * INV_FP8_MAX).clamp_(min=_MIN_SCALE)
+    return scale, torch.reciprocal(scale)
+
+
+def _cast_rows(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() * inv_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 _compiled: dict[str, object] = {}
@@ -50,13 +69,13 @@ _triton_failed = False
 
 
 def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
-    """quantize_rows in as few memory passes as this machine allows.
+    """quantize_rows in as few memory passes as this machine allows, with the same result.
 
     The activation pass is what separates FP8's end-to-end speed from the raw
-    GEMM's. First choice: the one-pass Triton kernel (fp8_rows). Otherwise a
-    plain input takes torch's row inf-norm, then one compiled elementwise
-    cast, and an input activation is folded into one compiled kernel; without
-    a compiler, eager torch.
+    GEMM's. First choice: the one-pass Triton kernel (fp8_rows). Otherwise the
+    input activation runs eagerly, torch's row inf-norm and the per-row
+    scales follow, and one compiled elementwise kernel casts; without a
+    compiler, eager torch.
     """
     global _compile_failed, _triton_failed
     if input_act in (None, "swiglu") and not _triton_failed:
@@ -64,7 +83,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
         width = x.shape[1] // (2 if input_act == "swiglu" else 1)
         if fp8_rows.available(x, width):
             try:
-                return fp8_rows.quantize_rows(x, input_act == "swiglu", FP8_MAX, _MIN_SCALE)
+                return fp8_rows.quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
             except Exception as exc:  # a Triton that imports but cannot compile for this GPU
                 _triton_failed = True
                 log.warning("FP8: the Triton activation quantizer failed (%s); using torch.compile or eager "
@@ -73,13 +92,11 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
         try:
             if not _compiled:
                 _compiled["cast"] = torch.compile(_cast_rows)
-                _compiled["act"] = torch.compile(quantize_rows)
+            x = _input_act(x, input_act)
+            scale, inv_scale = row_scales(_row_absmax(x))
             torch._dynamo.mark_dynamic(x, 0)  # token counts vary; widths do not
-            if input_act is None:
-                absmax = _row_absmax(x)
-                torch._dynamo.mark_dynamic(absmax, 0)
-                return _compiled["cast"](x, absmax)
-            return _compiled["act"](x, input_act)
+            torch._dynamo.mark_dynamic(inv_scale, 0)
+            return _compiled["cast"](x, inv_scale), scale
         except Exception as exc:  # no Triton / no compiler on this machine
             _compile_failed = True
             log.warning("FP8: torch.compile unavailable (%s); activation quantization runs eagerly (slower)", exc)
@@ -108,9 +125,9 @@ class Fp8Method(LinearMethod):
         return "float8_e4m3fn (per-channel weights, per-token activations)"
 
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        w = weight.float()
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=_MIN_SCALE)
-        return {"weight": (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), "weight_scale": scale}
+        # A weight's output channels are rows: the same quantizer as the activations'.
+        q, scale = quantize_rows(weight)
+        return {"weight": q, "weight_scale": scale}
 
     @staticmethod
     def _row_scales(weight_scale: torch.Tensor, n_out: int) -> torch.Tensor:
@@ -127,15 +144,14 @@ class Fp8Method(LinearMethod):
         t = layer.tensors_for(x)
         weight, bias = t["weight"], t.get("bias")
         n_out = weight.shape[0]
-        out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else layer.compute_dtype
+        out_dtype = output_dtype(x, layer.compute_dtype)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
         input_scale = t.get("input_scale")
         native = native_fp8_supported(x.device)
         if input_scale is not None:
             # Static activation scale from the checkpoint.
-            xa = _input_act(x2d, input_act).float()
-            xq = (xa / input_scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+            xq = _cast_rows(_input_act(x2d, input_act), torch.reciprocal(input_scale.float()).reshape(1, 1))
             x_scale = input_scale.float().reshape(1, 1).expand(xq.shape[0], 1).contiguous()
         elif native:
             xq, x_scale = _fast_quantize_rows(x2d, input_act)
@@ -143,14 +159,20 @@ class Fp8Method(LinearMethod):
             xq, x_scale = quantize_rows(x2d, input_act)
         w_scale = self._row_scales(t["weight_scale"], n_out)
         if native:
-            # cuBLASLt fuses a bias only into 16-bit outputs.
-            fused_bias = bias is not None and out_dtype != torch.float32
+            # Row-wise scaled GEMMs write 16-bit outputs (fp32 only on some torch versions); an fp32
+            # input gets the 16-bit result widened. cuBLASLt fuses a bias only into 16-bit outputs.
+            gemm_dtype = out_dtype if out_dtype != torch.float32 else _sixteen_bit(layer.compute_dtype)
+            fused_bias = bias is not None and gemm_dtype == out_dtype
             out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
                                    bias=bias.to(out_dtype) if fused_bias else None,
-                                   out_dtype=out_dtype, use_fast_accum=True)
+                                   out_dtype=gemm_dtype, use_fast_accum=True).to(out_dtype)
             if bias is not None and not fused_bias:
                 out += bias.to(out_dtype)
         else:
             out = F.linear(xq.float() * x_scale, weight.float() * w_scale.reshape(-1, 1),
                            None if bias is None else bias.float()).to(out_dtype)
         return out.reshape(*lead, n_out)
+
+
+def _sixteen_bit(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

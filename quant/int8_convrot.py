@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernel_select import KernelChooser, rows_bucket
-from .method import LinearMethod
+from .method import LinearMethod, output_dtype
 
 GROUP_SIZES = (16, 64, 256)
 
@@ -104,7 +104,7 @@ class Int8ConvRotMethod(LinearMethod):
         weight, scale, bias = t["weight"], t["weight_scale"], t.get("bias")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
-        out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else layer.compute_dtype
+        out_dtype = output_dtype(x, layer.compute_dtype)
 
         def fused(rows: torch.Tensor) -> torch.Tensor:
             return ck.int8_linear(rows, weight, scale, bias, out_dtype, convrot=self.convrot,
@@ -115,7 +115,7 @@ class Int8ConvRotMethod(LinearMethod):
             return torch.cat(parts)
 
         def dequant_gemm() -> torch.Tensor:
-            from comfy_kitchen.backends._activations import apply_input_act
+            from .kitchen_api import apply_input_act
             w = self.dequantize(layer).to(device=x.device, dtype=out_dtype)
             return F.linear(apply_input_act(x2d, input_act).to(out_dtype), w,
                             None if bias is None else bias.to(out_dtype))

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .method import LinearMethod, output_dtype
 
 
 class KitchenLayoutMethod(LinearMethod):
@@ -43,9 +41,9 @@ class KitchenLayoutMethod(LinearMethod):
         return self.kitchen_tensor(dict(layer.named_parameters()), layer).dequantize()
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         t = layer.tensors_for(x)
-        out_dtype = x.dtype if x.dtype in _FLOAT_DTYPES else layer.compute_dtype
+        out_dtype = output_dtype(x, layer.compute_dtype)
         x2d = apply_input_act(x.reshape(-1, x.shape[-1]), input_act).to(out_dtype)
         bias = t.get("bias")
         bias = None if bias is None else bias.to(out_dtype)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .method import LinearMethod
+from .witness import count_run
 
 
 class QuantLinear(nn.Module):
@@ -33,6 +34,7 @@ class QuantLinear(nn.Module):
         # and the patched weight, whose replacement means the patch is gone (see set_weight).
         self._unpatched_scales: dict[str, nn.Parameter] | None = None
         self._patched_weight: nn.Parameter | None = None
+        self.runs = 0  # calls, for the run-time witness (quant/witness.py)
 
     def tensors_for(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """This layer's parameters on x's device (a per-call copy when offloaded)."""
@@ -43,7 +45,19 @@ class QuantLinear(nn.Module):
             out[key] = param if param.device == x.device else param.to(x.device, non_blocking=True)
         return out
 
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The method's tensors by role (bias excluded), as a checkpoint stores them.
+
+        Raises while ComfyUI has a weight patch (e.g. a LoRA) written into the
+        layer: the tensors would carry it.
+        """
+        self._drop_stale_patch()
+        if self._unpatched_scales is not None:
+            raise RuntimeError("a weight patch (e.g. a LoRA) is written into this layer")
+        return {key: param for key, param in self._parameters.items() if param is not None and key != "bias"}
+
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        count_run(self)
         self._drop_stale_patch()
         if self.weight_function or self.bias_function:
             return self._forward_patched(x, input_act)
@@ -51,7 +65,7 @@ class QuantLinear(nn.Module):
 
     def _forward_patched(self, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
         """ComfyUI's per-call weight patches (LoRA under partial loading) act on the dequantized weight."""
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         weight = self.method.dequantize(self).to(x.device, x.dtype)
         for patch in self.weight_function:
             weight = patch(weight)

@@ -4,6 +4,13 @@ Modelled on sglang's/vLLM's LinearMethod: a method decides whether it can take
 a layer, turns a full-precision weight into its stored tensors once
 (`quantize_weight`, run on the compute device one layer at a time), and runs
 the layer's forward from those tensors (`apply`).
+
+The output dtype rule, the same for every method: `apply` returns the input's
+dtype (float16, bfloat16 or float32), as torch.nn.Linear does and as
+ComfyUI's cast layers do (they cast the weight to the input's dtype); only an
+input in any other dtype gets the layer's compute dtype (`output_dtype`).
+So layers of different formats side by side (an attention's q, k and v)
+always agree. Where a kernel cannot write that dtype, the method converts.
 """
 from __future__ import annotations
 
@@ -14,6 +21,14 @@ import torch
 
 if TYPE_CHECKING:
     from .linear import QuantLinear
+
+
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def output_dtype(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype `apply` returns for input `x` (see the module docstring)."""
+    return x.dtype if x.dtype in OUTPUT_DTYPES else compute_dtype
 
 
 class LinearMethod(ABC):
@@ -30,7 +45,7 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: "QuantLinear", x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        """The layer's output for `x` (and the optional fused input activation)."""
+        """The layer's output for `x` (and the optional fused input activation), in `output_dtype(x, ...)`."""
 
     def dequantize(self, layer: "QuantLinear") -> torch.Tensor:
         """The full-precision weight this layer represents (for LoRA, tests and fallbacks)."""
@@ -39,7 +54,8 @@ class LinearMethod(ABC):
     def kitchen_weight(self, tensors: dict[str, torch.Tensor], compute_dtype: torch.dtype):
         """The stored tensors as one comfy-kitchen QuantizedTensor weight, or None if kitchen has no such layout.
 
-        Upstream ComfyUI runs, offloads and LoRA-patches such weights natively.
+        Upstream ComfyUI runs, offloads and LoRA-patches such weights natively; its layers cast the
+        weight to the input's dtype, so they keep the output dtype rule too.
         """
         return None
 

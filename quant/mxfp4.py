@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod
+from .method import LinearMethod, output_dtype
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ EMULATED_DETAIL = "emulated: dequantize + matmul in the model's dtype"
 # decoding one (few chunks, so few kernel launches per forward).
 _ENCODE_CHUNK_ELEMENTS = 1 << 22
 _DECODE_CHUNK_ELEMENTS = 1 << 24
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ---- the encoder and decoder ------------------------------------------------
@@ -352,10 +350,10 @@ class Mxfp4Method(LinearMethod):
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         t = layer.tensors_for(x)
         weight, scale, bias = t["weight"], t["weight_scale"], t.get("bias")
-        out_dtype = x.dtype if x.dtype in _FLOAT_DTYPES else layer.compute_dtype
+        out_dtype = output_dtype(x, layer.compute_dtype)
         x2d = x.reshape(-1, x.shape[-1])
         if input_act is not None:
-            from comfy_kitchen.backends._activations import apply_input_act
+            from .kitchen_api import apply_input_act
             x2d = apply_input_act(x2d, input_act)
         out = None
         if self.path.name == "aiter":

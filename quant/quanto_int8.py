@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod
+from .method import LinearMethod, output_dtype
 
 QINT8_MIN, QINT8_MAX = -128, 127
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class QuantoInt8Method(LinearMethod):
@@ -37,9 +36,9 @@ class QuantoInt8Method(LinearMethod):
         return layer.weight.to(dtype) * layer.weight_scale.to(dtype)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         t = layer.tensors_for(x)
-        dtype = x.dtype if x.dtype in _FLOAT_DTYPES else layer.compute_dtype
+        dtype = output_dtype(x, layer.compute_dtype)
         weight = t["weight"].to(dtype) * t["weight_scale"].to(dtype)
         bias = t.get("bias")
         return F.linear(apply_input_act(x, input_act).to(dtype), weight, None if bias is None else bias.to(dtype))

@@ -17,7 +17,7 @@ import torch
 from bad_checkpoints import BAD_FILES, many_markers_file
 from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, write_converted, write_dequantized,
                               write_markers, write_quanto, write_quanto_reference)
-from comfy_harness import PromptError
+from comfy_harness import ComfyServer, PromptError
 from graphs import add_preview, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
@@ -327,7 +327,7 @@ def clip_l(comfy):
     folder.mkdir(exist_ok=True)
     plain = folder / "clip_l_random.safetensors"
     tests_dir = str(Path(__file__).resolve().parent.parent)
-    subprocess.run([sys.executable, "-c", _CLIP_L, str(plain), tests_dir], cwd=comfy.comfyui, check=True)
+    subprocess.run([str(comfy.python), "-c", _CLIP_L, str(plain), tests_dir], cwd=comfy.comfyui, check=True)
     sd, _ = load(plain)
     linears = [k[:-len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
                and "embedding" not in k]
@@ -374,4 +374,31 @@ def test_quantized_clip_loader_marker_clip_l(comfy, clip_l):
     n_fp8 = (len(linears) + 1) // 2
     assert f"formats: float8_e4m3fn x{n_fp8}, int8_convrot x{len(linears) - n_fp8}" in lines, report
     # measured 8e-4: W8A8 on every layer moves the printed values more than weight-only qint8
+    assert 0 < difference < 4e-3
+
+
+@pytest.fixture(scope="module")
+def comfy_sdpa(comfy, clip_l, tmp_path_factory):
+    """A second server with --use-pytorch-cross-attention: on CPU ComfyUI's default attention is not SDPA."""
+    server = ComfyServer(tmp_path_factory.mktemp("comfy_sdpa"), comfy.comfyui,
+                         extra_args=["--use-pytorch-cross-attention"])
+    (server.models_dir / "text_encoders").mkdir(exist_ok=True)
+    (server.models_dir / "text_encoders" / clip_l[0].name).symlink_to(clip_l[0])
+    yield server
+    server.stop()
+
+
+def test_quantized_clip_loader_fp8_qk_int8_v_under_sdpa(comfy_sdpa, clip_l):
+    """FP8 q and k with INT8 v in every attention, into SDPA: all three projections return one dtype."""
+    plain, linears = clip_l
+    int8 = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
+    markers = {name: int8 if name.endswith(("v_proj", "fc1")) else {"format": "float8_e4m3fn"}
+               for name in linears if ".layers." in name}
+    assert sum(name.endswith("q_proj") for name in markers) == 12
+    marked = write_markers(plain, comfy_sdpa.models_dir / "text_encoders" / "clip_l_fp8_qk_int8_v.safetensors",
+                           markers)
+    report, difference = encoded_difference(comfy_sdpa, clip_l, marked.name)
+    assert report.splitlines()[0] == f"quantized {len(markers)}/{len(linears)} linear layers", report
+    assert f"formats: float8_e4m3fn x{len(markers) - 24}, int8_convrot x24" in report.splitlines(), report
+    # as the alternating marker file above (measured 7e-4)
     assert 0 < difference < 4e-3

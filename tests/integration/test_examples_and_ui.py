@@ -25,7 +25,7 @@ import pytest
 
 from browser import CHROMIUM, Browser
 from checkpoint_files import write_markers
-from comfy_harness import COMFYUI_VERSION, PromptError
+from comfy_harness import PromptError
 from graphs import wan_t2v_graph
 from upstream_nodes import UPSTREAM_COMBO_VALUES, UPSTREAM_NODES
 from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, register_node_defs, screenshot_node
@@ -128,8 +128,8 @@ def test_comfyui_accepts_example_but_for_model_files(comfy, path):
     graph = load_json(path)
     missing = sorted({n["class_type"] for n in graph.values()} - set(comfy.object_info()))
     if missing:
-        pytest.skip(f"ComfyUI {COMFYUI_VERSION} has no {', '.join(missing)} (native MiniMax-H3 is upstream "
-                    "only): this graph is checked against upstream's definitions in tests/upstream_nodes.py")
+        pytest.skip(f"ComfyUI {comfy.host.version} lacks the nodes {', '.join(missing)}: this graph is checked "
+                    "against upstream's definitions in tests/upstream_nodes.py")
     with pytest.raises(PromptError) as info:
         comfy.run(graph)
     errors = [(node_id, error) for node_id, node in info.value.node_errors.items() for error in node["errors"]]
@@ -257,6 +257,24 @@ FITS_JS = r"""
 """
 
 
+def as_this_host_queues(api, workflow, specs, default_titles):
+    """The stored API graph as a host's front end queues the UI workflow: a node the workflow gives no title
+    has the front end's default title for its type (`default_titles`; older front ends title some nodes by
+    type, newer ones by display name), and widgets a host's node has beyond the stored inputs (newer hosts
+    add some, e.g. CreateVideo's bit_depth) take their defaults."""
+    titled = {str(n["id"]): n["title"] for n in workflow["nodes"] if n.get("title")}
+    expected = copy.deepcopy(api)
+    for node_id, node in expected.items():
+        spec = specs[node["class_type"]]
+        node["_meta"]["title"] = titled.get(node_id, default_titles[node["class_type"]])
+        declared = {**spec["input"].get("required", {}), **spec["input"].get("optional", {})}
+        for name, declaration in declared.items():
+            options = declaration[1] if len(declaration) > 1 else {}
+            if name not in node["inputs"] and "default" in options:
+                node["inputs"][name] = options["default"]
+    return expected
+
+
 @pytest.fixture(scope="module")
 def browser(comfy):
     with Browser(width=1400, height=900, timeout=30) as chromium:
@@ -267,9 +285,12 @@ def browser(comfy):
 
 @needs_chromium
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_ui_workflow_loads_to_the_api_workflow(browser, path):
+def test_ui_workflow_loads_to_the_api_workflow(browser, comfy, path):
     api = load_json(EXAMPLES / "api" / path.name)
-    assert load_ui_workflow(browser, load_json(path)) == api
+    titles = browser.evaluate("Object.fromEntries(%s.map((t) => [t, LiteGraph.createNode(t).title]))"
+                              % json.dumps(sorted({n["class_type"] for n in api.values()})))
+    expected = as_this_host_queues(api, load_json(path), node_specs(comfy.object_info()), titles)
+    assert load_ui_workflow(browser, load_json(path)) == expected
     nodes = [n for n in load_json(path)["nodes"] if n["type"] != "Note"]
     assert Counter(n["type"] for n in nodes) == Counter(n["class_type"] for n in api.values())
 
@@ -297,6 +318,10 @@ def test_report_appears_on_the_node(browser, comfy, tiny_wan):
         target = PACK_ROOT / "web" / "screenshots" / "report.png"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(picture, target)
+    # after the sampling, the same report with the count of the quantized layers that ran
+    quantized = re.fullmatch(r"quantized (\d+)/\d+ linear layers", shown["headline"]).group(1)
+    text = browser.wait_for(node_report_js("QuantizeModelINT8", "last run:"), timeout=40)
+    assert text.endswith(f"last run: ran {quantized}/{quantized} quantized layers"), text
 
 
 def node_report_js(node_type: str, must_contain: str) -> str:
@@ -332,12 +357,13 @@ def test_loader_report_with_offload_plan_appears_on_the_node(browser, comfy, tin
         "group_size": "64", "ignored_layers": ""}))
     build_ui_workflow(browser, graph)
     browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
-    text = browser.wait_for(node_report_js("LoadH3Quantized", "last run:"), timeout=40)
-    assert re.match(r"quantized \d+/\d+ linear layers", text)
+    # the line's last part (the offload plan's) arrives after the count of the layers that ran
+    text = browser.wait_for(node_report_js("LoadH3Quantized", "nothing streamed"), timeout=40)
+    quantized = re.match(r"quantized (\d+)/\d+ linear layers", text).group(1)
     assert "offload: auto on cpu" in text and "resident 1/1 blocks, streaming 0" in text, text
-    # after sampling: the plan with the run's activations, and what streamed
+    # after sampling: the plan with the run's activations, what streamed, and how many quantized layers ran
     assert re.search(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
-                     r"nothing streamed", text), text
+                     rf"nothing streamed; ran {quantized}/{quantized} quantized layers", text), text
     screenshot_node(browser, "LoadH3Quantized", ARTIFACTS / "loader-report.png")
 
 
@@ -352,7 +378,7 @@ def test_quantization_drives_comfyuis_progress_bar(browser, comfy, tiny_wan):
       window.comfyAPI.api.api.addEventListener("progress", ({ detail }) => window.__bigditProgress.push(detail));
     })()""")
     browser.evaluate("window.comfyAPI.app.app.queuePrompt(0, 1)")
-    text = browser.wait_for(node_report_js("QuantizeModelINT8", "quantized"), timeout=40)
+    text = browser.wait_for(node_report_js("QuantizeModelINT8", "last run:"), timeout=40)  # the prompt is done
     quantized = int(re.match(r"quantized (\d+)/", text).group(1))
     node_id = browser.evaluate(
         'String(window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "QuantizeModelINT8").id)')
