@@ -23,7 +23,7 @@ SHIM = TESTS_DIR / "fixtures" / "without_kitchen"
 def bare(comfy, tiny_wan, tmp_path_factory):
     """The server, with the tiny Wan, its VAE and an FP8 marker file of it."""
     pythonpath = os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH")]))
-    server = ComfyServer(tmp_path_factory.mktemp("comfy_without_kitchen"), comfy.comfyui,
+    server = ComfyServer(tmp_path_factory.mktemp("comfy_without_kitchen"), comfy.host,
                          env={"PYTHONPATH": pythonpath})
     for sub, name in (("diffusion_models", tiny_wan["unet_name"]), ("vae", tiny_wan["vae_name"])):
         (server.models_dir / sub / name).symlink_to(comfy.models_dir / sub / name)
