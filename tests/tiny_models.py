@@ -1,8 +1,8 @@
-"""Tiny random Wan 2.1 T2V models that ComfyUI 0.3.75 detects and runs on CPU.
+"""Tiny random Wan 2.1 T2V models that ComfyUI (0.3.75 and 0.33.0) detects and runs on CPU.
 
 The files are built from ComfyUI's own classes (`comfy.ldm.wan.model.WanModel`,
-`comfy.ldm.wan.vae.WanVAE`) in a subprocess: importing comfy is slow and changes
-global state, so the pytest process never does. Weights come from a seeded
+`comfy.ldm.wan.vae.WanVAE`) in a subprocess run by the host's own venv python:
+importing comfy is slow and changes global state, so the pytest process never does. Weights come from a seeded
 generator and are saved in bf16, so the same arguments give the same bytes.
 
 Key names are the module's state_dict names without prefix, which is what
@@ -22,30 +22,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-from comfy_harness import ensure_comfyui
+from comfy_harness import host_of
 
 
-def make_tiny_wan(path, num_layers=1, num_heads=1, dim=128, ffn_dim=256, seed=0, comfyui=None) -> Path:
-    """Write a random Wan 2.1 T2V diffusion model (16 latent channels, text_dim 4096)."""
+def make_tiny_wan(path, num_layers=1, num_heads=1, dim=128, ffn_dim=256, seed=0, host=None) -> Path:
+    """Write a random Wan 2.1 T2V diffusion model (16 latent channels, text_dim 4096).
+
+    host: the comfy_harness.Host whose classes build it (or its ComfyUI folder; default DEFAULT_HOST).
+    """
     if dim != 128 * num_heads:
         raise ValueError(f"ComfyUI detects num_heads as dim // 128: dim={dim} needs num_heads={dim // 128}")
     if dim % 16 or ffn_dim % 16:
         raise ValueError("dim and ffn_dim must be multiples of 16")
-    return _generate("wan", path, comfyui, num_layers=num_layers, num_heads=num_heads,
+    return _generate("wan", path, host, num_layers=num_layers, num_heads=num_heads,
                      dim=dim, ffn_dim=ffn_dim, seed=seed)
 
 
-def make_tiny_wan_vae(path, dim=8, seed=0, comfyui=None) -> Path:
+def make_tiny_wan_vae(path, dim=8, seed=0, host=None) -> Path:
     """Write a random Wan 2.1 VAE (z_dim 16, 8x spatial and 4x temporal compression)."""
-    return _generate("wan_vae", path, comfyui, dim=dim, seed=seed)
+    return _generate("wan_vae", path, host, dim=dim, seed=seed)
 
 
-def _generate(kind, path, comfyui, **params) -> Path:
-    comfyui = Path(comfyui) if comfyui else ensure_comfyui()
+def _generate(kind, path, host, **params) -> Path:
+    host = host_of(host)
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    job = {"kind": kind, "path": str(path), "comfyui": str(comfyui), **params}
-    result = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=comfyui,
+    job = {"kind": kind, "path": str(path), "comfyui": str(host.comfyui), **params}
+    result = subprocess.run([str(host.python), __file__, json.dumps(job)], cwd=host.comfyui,
                             capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"generating {path.name} failed:\n{result.stdout}{result.stderr}")

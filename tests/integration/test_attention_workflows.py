@@ -20,7 +20,7 @@ NODE = "SetAttentionBackend"
 
 
 def sdpa_server(comfy, tiny_wan, tiny_wan2, folder, env=None):
-    server = ComfyServer(folder, comfy.comfyui, extra_args=["--use-pytorch-cross-attention"], env=env)
+    server = ComfyServer(folder, comfy.host, extra_args=["--use-pytorch-cross-attention"], env=env)
     for sub, name in (("diffusion_models", tiny_wan["unet_name"]), ("diffusion_models", tiny_wan2["unet_name"]),
                       ("vae", tiny_wan["vae_name"])):
         (server.models_dir / sub / name).symlink_to(comfy.models_dir / sub / name)

@@ -221,7 +221,7 @@ def clip_l(comfy):
     folder.mkdir(exist_ok=True)
     plain = folder / "clip_l_random.safetensors"
     tests_dir = str(Path(__file__).resolve().parent.parent)
-    subprocess.run([sys.executable, "-c", _CLIP_L, str(plain), tests_dir], cwd=comfy.comfyui, check=True)
+    subprocess.run([str(comfy.python), "-c", _CLIP_L, str(plain), tests_dir], cwd=comfy.comfyui, check=True)
     sd, _ = load(plain)
     linears = [k[:-len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
                and "embedding" not in k]

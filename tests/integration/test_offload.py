@@ -22,7 +22,7 @@ UNITS = {"MiB": 2 ** 20, "GiB": 2 ** 30}
 @pytest.fixture(scope="module")
 def tiny_wan4(comfy, tiny_vae):
     name = "tiny_wan4.safetensors"
-    make_tiny_wan(comfy.models_dir / "diffusion_models" / name, num_layers=4, comfyui=comfy.comfyui)
+    make_tiny_wan(comfy.models_dir / "diffusion_models" / name, num_layers=4, host=comfy.host)
     return {"unet_name": name, "vae_name": tiny_vae}
 
 
