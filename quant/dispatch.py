@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
+from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod
 from .patterns import first_match
@@ -71,20 +72,6 @@ class LayerPlan:
     existing_format: str | None = None  # a layer someone else already quantized
 
 
-def is_kitchen_tensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "QuantizedTensor"
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """True storage bytes; a QuantizedTensor reports its original dtype's size otherwise."""
-    if is_kitchen_tensor(t):
-        params = t._params
-        extra = sum(getattr(params, f).nbytes for f in params._tensor_fields()
-                    if isinstance(getattr(params, f), torch.Tensor))
-        return t._qdata.nbytes + extra
-    return t.numel() * t.element_size()
-
-
 def _weight_bytes(module: nn.Module) -> int:
     return sum(tensor_bytes(p) for p in module.parameters(recurse=False))
 
@@ -92,7 +79,7 @@ def _weight_bytes(module: nn.Module) -> int:
 def _is_quantized_weight(weight: torch.Tensor) -> bool:
     # Upstream ComfyUI loads quantized checkpoints as QuantizedTensor weights;
     # any non-float storage is already someone's quantized format.
-    return is_kitchen_tensor(weight) or weight.dtype not in FLOAT_DTYPES
+    return is_quantized_tensor(weight) or weight.dtype not in FLOAT_DTYPES
 
 
 def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
@@ -160,7 +147,7 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
             continue
         weight = module.weight
         if _is_quantized_weight(weight):
-            fmt = weight._layout_cls if is_kitchen_tensor(weight) else str(weight.dtype).replace("torch.", "")
+            fmt = layout_name(weight) if is_quantized_tensor(weight) else str(weight.dtype).replace("torch.", "")
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=fmt))
             continue
         method, reason = choose_method(config, name, weight.dtype, module.in_features, module.out_features, dominant)

@@ -51,7 +51,7 @@ class QuantLinear(nn.Module):
 
     def _forward_patched(self, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
         """ComfyUI's per-call weight patches (LoRA under partial loading) act on the dequantized weight."""
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         weight = self.method.dequantize(self).to(x.device, x.dtype)
         for patch in self.weight_function:
             weight = patch(weight)

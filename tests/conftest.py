@@ -9,9 +9,13 @@ picks hosts. A test that needs a host feature says so with
 `@pytest.mark.host_feature("minimax_h3", ...)` (names: comfy_harness.FEATURES)
 and is skipped on a host that lacks it, with the reason "ComfyUI <v> lacks ...";
 inside a test, `if reason := comfy.host.lacks(...): pytest.skip(reason)`.
+Unit tests run in each host's venv (.ci/run); one that needs a comfy-kitchen API
+that the venv's (pinned) comfy-kitchen may lack says
+`@pytest.mark.kitchen_feature("sol_attn")` and is skipped where it is missing.
 """
 import sys
 import types
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "host_feature(*names): needs these host features (comfy_harness.FEATURES); "
                                        "skipped on a host that lacks one")
+    config.addinivalue_line("markers", "kitchen_feature(*names): needs these comfy_kitchen attributes; "
+                                       "skipped where this venv's comfy-kitchen lacks one")
 
 
 def pytest_generate_tests(metafunc):
@@ -47,6 +53,12 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_runtest_setup(item):
+    needed = [name for mark in item.iter_markers("kitchen_feature") for name in mark.args]
+    if needed:
+        import comfy_kitchen
+        missing = [name for name in needed if not hasattr(comfy_kitchen, name)]
+        if missing:
+            pytest.skip(f"comfy-kitchen {version('comfy-kitchen')} lacks {', '.join(missing)}")
     marks = list(item.iter_markers("host_feature"))
     if not marks:
         return

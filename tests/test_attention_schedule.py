@@ -55,6 +55,7 @@ def sample(router, steps=4, blocks=3, cross=False):
     return ran_dense
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_dense_steps_and_layers_route_to_the_dense_backend():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_steps=2, dense_layers="1",
                     sol_min_tokens=0)
@@ -69,6 +70,7 @@ def test_dense_steps_and_layers_route_to_the_dense_backend():
     assert sum(stats["fallbacks"].values()) == 4
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_block_counting_restarts_with_each_forward():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="1", sol_min_tokens=0)
     ran_dense = sample(router, steps=2, cross=True)
@@ -79,6 +81,7 @@ def test_block_counting_restarts_with_each_forward():
     assert [ran_dense[s, b, "self"] for s in range(2) for b in range(3)] == [False, True] + [False] * 4
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_block_index_reported_by_the_model_wins():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="7", sol_min_tokens=0)
     q, k, v = qkv()
@@ -88,6 +91,7 @@ def test_block_index_reported_by_the_model_wins():
     assert router.stats.snapshot()["scheduled_dense"] == {"layer": 1}
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_no_step_information_warns_once_and_runs_sol(caplog):
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_steps=3, sol_min_tokens=0)
     q, k, v = qkv()

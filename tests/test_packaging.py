@@ -1,6 +1,7 @@
 """What the Comfy registry and ComfyUI Manager read: pyproject.toml, requirements.txt, the web folder."""
 import re
 import tomllib
+from importlib.metadata import version
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -42,6 +43,14 @@ def test_requirements_txt_matches_pyproject_dependencies():
     assert from_txt == from_toml
     # torch comes with ComfyUI; a requirement on it would let pip replace ComfyUI's CUDA build.
     assert "torch" not in from_txt
+
+
+def test_comfy_kitchen_requirement_admits_the_tested_version():
+    # .ci/run runs these tests in each host's venv: 0.2.40 beside ComfyUI 0.3.75, and upstream
+    # ComfyUI 0.33.0's pin 0.2.31. Admitting the host's pin keeps Manager from upgrading it.
+    (kitchen,) = [Requirement(dep) for dep in pyproject()["project"]["dependencies"]
+                  if Requirement(dep).name == "comfy-kitchen"]
+    assert kitchen.specifier.contains(version("comfy-kitchen")), (str(kitchen), version("comfy-kitchen"))
 
 
 def test_web_directory_holds_the_extension_and_docs():

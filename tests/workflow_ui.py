@@ -12,8 +12,11 @@ each other and with the front end's widget order.
 import json
 import urllib.request
 
+# Node definitions and the pack's extension registered, and the first visit's default workflow
+# loaded (newer front ends load it after registering the nodes; loaded later, it would replace ours).
 READY = ("window.comfyAPI?.app?.app?.graph && window.LiteGraph?.registered_node_types?.KSampler"
-         " && window.comfyAPI.app.app.extensions.some(e => e.name === 'bigdit.report')")
+         " && window.comfyAPI.app.app.extensions.some(e => e.name === 'bigdit.report')"
+         " && window.comfyAPI.app.app.graph.nodes.length > 0")
 
 # Argument: {name: definition in /object_info format}; registers those the front end lacks.
 REGISTER_JS = r"""

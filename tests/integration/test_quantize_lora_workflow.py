@@ -39,7 +39,12 @@ def latent(comfy, tiny, chain):
     return history, comfy.latent(history, "save_latent")
 
 
-def test_lora_after_quantization_applies(comfy, tiny_wan2, lora_name):
+def test_lora_after_quantization_applies(comfy, tiny_wan2, lora_name, request):
+    if comfy.host.features()["kitchen_weights"]:
+        # Owned elsewhere: on kitchen weights ComfyUI's patcher finds no set_weight on the layer.
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "known defect: a LoRA after QuantizeModelINT8 is silently dropped where the quantized layers keep "
+            "ComfyUI's class with a comfy-kitchen QuantizedTensor weight")))
     _, plain = latent(comfy, tiny_wan2, [])
     _, with_lora = latent(comfy, tiny_wan2, [lora(lora_name)])
     _, quantized = latent(comfy, tiny_wan2, [QUANTIZE])
