@@ -172,7 +172,7 @@ class Backend:
             except Unsupported as e:
                 reasons.append((impl.label, str(e)))
                 continue
-            label = self.name if impl.label == self.name else f"{self.name}:{impl.label}"
+            label = self.name if plan.label == self.name else f"{self.name}:{plan.label}"
             return Plan(label, plan.run)
         unique = list(dict.fromkeys(r for _, r in reasons))
         raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))

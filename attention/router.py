@@ -74,7 +74,7 @@ class Router:
         if self.schedule.dense_steps:
             parts.append(f"dense steps 0-{self.schedule.dense_steps - 1}")
         if self.schedule.dense_layers:
-            parts.append(f"dense blocks {sorted(self.schedule.dense_layers)}")
+            parts.append(f"dense blocks {self.schedule.dense_layers}")
         return ", ".join(parts)
 
     def begin_forward(self) -> None:

@@ -18,32 +18,64 @@ wrapper at the start of every forward.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 
 log = logging.getLogger(__name__)
 
+# A block list is typed by hand: a few ranges. Bounds keep parsing a hostile string cheap.
+MAX_PARTS = 1024
+MAX_DIGITS = 18
 
-def parse_layers(text: str) -> frozenset[int]:
-    """'0, 1, 47-49' -> {0, 1, 47, 48, 49}; ValueError on anything else."""
-    blocks = set()
-    for part in re.split(r"[,\s]+", (text or "").strip()):
-        if not part:
-            continue
+
+class BlockRanges:
+    """A set of block indices held as sorted, merged closed ranges, so '0-1000000000000' is one pair."""
+
+    def __init__(self, ranges=()):
+        merged: list[list[int]] = []
+        for a, b in sorted(ranges):
+            if merged and a <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.ranges = tuple((a, b) for a, b in merged)
+        self._starts = [a for a, _ in self.ranges]
+
+    def __contains__(self, block: int) -> bool:
+        i = bisect.bisect_right(self._starts, block) - 1
+        return i >= 0 and block <= self.ranges[i][1]
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges) + "]"
+
+
+def parse_layers(text: str) -> BlockRanges:
+    """'0, 1, 47-49' -> blocks 0, 1 and 47 to 49; ValueError on anything else."""
+    parts = [part for part in re.split(r"[,\s]+", (text or "").strip()) if part]
+    if len(parts) > MAX_PARTS:
+        raise ValueError(f"dense_layers: {len(parts)} entries, more than {MAX_PARTS}; use ranges like 3-5")
+    ranges = []
+    for part in parts:
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if m is None:
-            raise ValueError(f"dense_layers: {part!r} is not a block index or a range like 3-5")
+            raise ValueError(f"dense_layers: {part[:40]!r} is not a block index or a range like 3-5")
+        if max(len(m.group(1)), len(m.group(2) or "")) > MAX_DIGITS:
+            raise ValueError(f"dense_layers: {part[:40]!r} has a block index of more than {MAX_DIGITS} digits")
         a, b = int(m.group(1)), int(m.group(2) or m.group(1))
-        blocks.update(range(min(a, b), max(a, b) + 1))
-    return frozenset(blocks)
+        ranges.append((min(a, b), max(a, b)))
+    return BlockRanges(ranges)
 
 
 class DenseSchedule:
-    def __init__(self, dense_steps: int = 0, dense_layers: frozenset[int] = frozenset()):
+    def __init__(self, dense_steps: int = 0, dense_layers: BlockRanges = BlockRanges()):
         if dense_steps < 0:
             raise ValueError(f"dense_steps must be >= 0, got {dense_steps}")
         self.dense_steps = int(dense_steps)
-        self.dense_layers = frozenset(dense_layers)
+        self.dense_layers = dense_layers
         self._counts = {}
         self._step_key = None
         self._step = None

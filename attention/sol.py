@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from importlib.metadata import version as _version
 
 import torch
 
@@ -90,6 +91,9 @@ class Sol(Impl):
         if k.shape != q.shape or v.shape != q.shape:
             raise Unsupported("q, k and v differ in shape")
         ck = kitchen()
+        if not hasattr(ck, "sol_attn"):
+            raise Unsupported(f"comfy-kitchen {_version('comfy-kitchen')} has no sol_attn "
+                              "(a newer comfy-kitchen has it, 0.2.40 does)")
         b, h, t, _ = dims(q, layout)
         if q.device.type == "cuda" and not ck.sol_attn_is_available(q.device):
             raise Unsupported("comfy-kitchen has no compiled sol_attn kernel for this GPU (needs sm80+)")

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import CheckpointError
-from .layers import LayerFormat, method_tensors
+from .layers import Check, LayerFormat, method_tensors
 from .markers import MARKER_SUFFIX, has_markers, inspect_markers
 from .quanto import FORMAT_KEY, inspect_quanto, is_quanto
-from .safetensors_header import SafetensorsHeader, read_header
+from .safetensors_header import HeaderReader, SafetensorsHeader, read_header
 
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 _LEGACY_SCALED_FP8 = "scaled_fp8"
@@ -156,11 +156,14 @@ def _rename(name: str, rules: list[tuple[str, str]], only_matching: bool) -> str
     return None if only_matching else name
 
 
-def inspect_checkpoint(path) -> CheckpointPlan:
-    """Read and validate `path`; raises CheckpointError naming the file and layers."""
+def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
+    """Read and validate `path`; raises CheckpointError naming the file and layers.
+
+    The work is linear in the number of tensors; `check` is called now and then,
+    so a caller can stop a long inspection (ComfyUI's interrupt) by raising from it."""
     path = os.fspath(path)
     header = read_header(path)
-    with TensorSource(path) as source:
+    with HeaderReader(header) as source:
         quanto, marked = is_quanto(header), has_markers(header)
         if quanto and marked:
             raise CheckpointError(path, "the file has both a Quanto quantization map and ComfyUI markers")
@@ -168,11 +171,11 @@ def inspect_checkpoint(path) -> CheckpointPlan:
         if legacy:
             raise CheckpointError(path, "legacy scaled_fp8 checkpoint: load it with ComfyUI's own loader", legacy)
         if quanto:
-            kind, layers = "Quanto qint8", inspect_quanto(header, source)
+            kind, layers = "Quanto qint8", inspect_quanto(header, source, check)
             notes = ["Quanto qint8 is a resident-memory format, not a speed format: each layer's weight is "
                      "dequantized just before its matmul"]
         elif marked:
-            kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source)
+            kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source, check)
             notes = []
         elif FORMAT_KEY in header.metadata:
             raise CheckpointError(path, f"unsupported {FORMAT_KEY} {header.metadata[FORMAT_KEY]!r} (supported: quanto)")

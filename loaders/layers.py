@@ -12,9 +12,18 @@ from typing import Callable
 import torch
 
 from .errors import CheckpointError
-from .safetensors_header import FLOAT_DTYPES, SafetensorsHeader, TensorInfo
+from .safetensors_header import FLOAT_DTYPES, HeaderReader, TensorInfo
 
-TensorReader = Callable[[str], torch.Tensor]
+# Called now and then during long inspections; raising from it (e.g. on a user's interrupt) stops them.
+Check = Callable[[], None] | None
+
+
+def checked(items, check: Check, every: int = 256):
+    """`items`, calling `check()` before the first and then every `every` items."""
+    for i, item in enumerate(items):
+        if check is not None and i % every == 0:
+            check()
+        yield item
 
 
 def roundup(value: int, multiple: int) -> int:
@@ -88,19 +97,53 @@ def non_finite(tensor: torch.Tensor, encoding: str) -> bool:
     return not bool(torch.isfinite(tensor.float()).all())
 
 
-def check_scales(layer: LayerFormat, read: TensorReader, encodings: dict[str, str], problems: Problems) -> None:
-    """NaN/Inf scales are refused: they would silently turn the layer's output into NaN."""
+# Largest magnitude a stored weight value of each format can have (int8: -128).
+STORED_MAX = {"int8_tensorwise": 128.0, "quanto_qint8": 128.0, "float8_e4m3fn": 448.0, "nvfp4": 6.0, "mxfp8": 448.0}
+# A dequantized weight must stay finite in every compute dtype ComfyUI may choose; float16 is the narrowest.
+WEIGHT_LIMIT = torch.finfo(torch.float16).max
+_BLOCK_VIEWS = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+
+
+def _decoded(tensor: torch.Tensor, encoding: str) -> torch.Tensor:
+    if encoding in _BLOCK_VIEWS:
+        return tensor.view(torch.uint8).view(_BLOCK_VIEWS[encoding]).float()
+    return tensor.double()
+
+
+def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, str], problems: Problems) -> None:
+    """Refuse scales no quantizer writes: NaN/Inf, zero or negative per-tensor/channel scales,
+    negative block scales, and scales so large that the dequantized weight leaves float16's range.
+
+    Only the scale tensors are read (they are small), except for a weight whose scale fails the
+    cheap bound STORED_MAX x max(scale): then its real max |q| decides.
+    """
+    scales = {}
     for role, encoding in encodings.items():
         key = layer.tensors.get(role)
-        if key is not None and non_finite(read(key), encoding):
+        if key is None or read.header.tensors[key].nbytes == 0:
+            continue
+        tensor = read(key)
+        if non_finite(tensor, encoding):
             problems.add(f"non-finite (NaN/Inf) values in {layer.format} {role}", layer.name)
-
-
-def companion_keys(header: SafetensorsHeader, name: str) -> dict[str, str]:
-    """{suffix: key} of the tensors stored directly under module `name` (e.g. weight, weight_scale)."""
-    prefix = name + "."
-    return {key[len(prefix):]: key for key in header.tensors
-            if key.startswith(prefix) and "." not in key[len(prefix):]}
+            return
+        values = _decoded(tensor, encoding)
+        smallest = float(values.min())
+        if smallest < 0 or (smallest == 0 and encoding == "float"):
+            problems.add(f"{'negative' if smallest < 0 else 'zero'} values in {layer.format} {role} "
+                         f"(min {smallest:g}): no quantizer writes them", layer.name)
+            return
+        scales[role] = float(values.max())
+    if "weight_scale" not in scales:
+        return
+    largest = scales["weight_scale"] * scales.get("weight_scale_2", 1.0)
+    bound = STORED_MAX[layer.format] * largest
+    if bound > WEIGHT_LIMIT and layer.format in ("int8_tensorwise", "quanto_qint8", "float8_e4m3fn"):
+        weight = read(layer.tensors["weight"])
+        stored = weight.to(torch.int16) if weight.dtype == torch.int8 else weight.float()
+        bound = float(stored.abs().max()) * largest if weight.numel() else 0.0
+    if bound > WEIGHT_LIMIT:
+        problems.add(f"{layer.format} weight_scale too large (max {largest:.3g}): the dequantized weight reaches "
+                     f"{bound:.3g}, beyond float16's range ({WEIGHT_LIMIT:g})", layer.name)
 
 
 def expect_dtype(info: TensorInfo, allowed: tuple[str, ...], what: str, layer: str, problems: Problems) -> bool:

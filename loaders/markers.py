@@ -14,20 +14,27 @@ Formats and their companion tensors (`<layer>.<role>`):
   mxfp8            weight F8_E4M3 [N32, K32]; weight_scale F8_E8M0 (or U8) blocked
                    [roundup(N32, 128), roundup(K32/32, 4)]; input_scale optional
 The block-scale layouts are comfy-kitchen's (its layouts read them as stored).
+
+A layer marked in both forms must agree: the two are merged when every key
+they share has one value and they mean the same format and parameters (one
+form may add keys, e.g. convert_to_quant's tensors add "per_row"); anything
+else is a conflict naming both.
 """
 from __future__ import annotations
 
-import json
-
 from ..quant.int8_convrot import GROUP_SIZES
 from .errors import CheckpointError
-from .layers import (LayerFormat, Problems, TensorReader, check_scales, companion_keys, expect_dtype,
+from .layers import (Check, LayerFormat, Problems, check_scales, checked, expect_dtype,
                      float_scale, is_scalar, per_tensor_or_channel, roundup)
-from .safetensors_header import SafetensorsHeader
+from .safetensors_header import MAX_METADATA_BYTES, HeaderReader, SafetensorsHeader, parse_json, short_repr
 
 MARKER_SUFFIX = ".comfy_quant"
 METADATA_KEY = "_quantization_metadata"
 SUPPORTED_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "nvfp4", "mxfp8")
+# A real marker is about a hundred bytes of flat JSON; the tensors' total is bounded like the metadata.
+MAX_MARKER_BYTES = 4096
+MAX_MARKERS_BYTES = MAX_METADATA_BYTES
+MAX_MARKER_DEPTH = 4
 
 
 def has_markers(header: SafetensorsHeader) -> bool:
@@ -38,50 +45,96 @@ def marker_keys(header: SafetensorsHeader) -> list[str]:
     return [k for k in header.tensors if k.endswith(MARKER_SUFFIX)]
 
 
-def read_markers(header: SafetensorsHeader, read: TensorReader) -> dict[str, tuple[dict, str]]:
-    """{layer: (marker dict, source)} from both forms; conflicting duplicates are an error."""
+def read_markers(header: SafetensorsHeader, read: HeaderReader,
+                 check: Check = None) -> dict[str, tuple[dict, str]]:
+    """{layer: (marker dict, source)} from both forms, merged per layer; conflicts are an error."""
     path = header.path
+    keys = marker_keys(header)
+    oversized = [key for key in keys if header.tensors[key].nbytes > MAX_MARKER_BYTES]
+    if oversized:
+        raise CheckpointError(path, f"oversized marker: {oversized[0]} holds {header.tensors[oversized[0]].nbytes} "
+                                    f"bytes, over the {MAX_MARKER_BYTES}-byte bound",
+                              [key[:-len(MARKER_SUFFIX)] for key in oversized])
+    total = sum(header.tensors[key].nbytes for key in keys)
+    if total > MAX_MARKERS_BYTES:
+        raise CheckpointError(path, f"oversized markers: {total} bytes of {MARKER_SUFFIX[1:]} tensors, over the "
+                                    f"{MAX_MARKERS_BYTES}-byte bound")
     markers: dict[str, tuple[dict, str]] = {}
-    for key in marker_keys(header):
+    parsed: dict[bytes, dict] = {}      # a file's markers repeat a few texts: each is parsed and checked once
+    for key in checked(keys, check):
         layer = key[:-len(MARKER_SUFFIX)]
         if header.tensors[key].dtype != "U8":
             raise CheckpointError(path, f"bad marker: {key} must be a U8 tensor of JSON bytes, "
                                         f"found {header.tensors[key].dtype}", [layer])
-        try:
-            marker = json.loads(read(key).numpy().tobytes().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointError(path, f"bad marker JSON in {key} ({exc})", [layer]) from exc
-        markers[layer] = (_marker_dict(path, layer, marker, key), "comfy_quant tensor")
+        raw = read.raw(key)
+        if raw not in parsed:
+            parsed[raw] = _marker_dict(path, layer, parse_json(path, raw, f"bad marker JSON in {key}", [layer]), key)
+        markers[layer] = (parsed[raw], "comfy_quant tensor")
 
     text = header.metadata.get(METADATA_KEY)
     if text is not None:
-        try:
-            meta = json.loads(text)
-        except ValueError as exc:
-            raise CheckpointError(path, f"bad marker JSON in metadata {METADATA_KEY} ({exc})") from exc
+        meta = parse_json(path, text, f"bad marker JSON in metadata {METADATA_KEY}")
         layers = meta.get("layers") if isinstance(meta, dict) else None
         if not isinstance(layers, dict):
             raise CheckpointError(path, f'bad marker JSON: metadata {METADATA_KEY} has no "layers" object')
-        for layer, marker in layers.items():
+        for layer, marker in checked(layers.items(), check):
             marker = _marker_dict(path, layer, marker, METADATA_KEY)
-            if layer in markers and markers[layer][0] != marker:
-                raise CheckpointError(path, f"conflicting markers: {MARKER_SUFFIX[1:]} tensor says "
-                                            f"{markers[layer][0]}, {METADATA_KEY} says {marker}", [layer])
-            markers.setdefault(layer, (marker, METADATA_KEY))
+            if layer in markers:
+                markers[layer] = (_merged(path, layer, markers[layer][0], marker), "both forms")
+            else:
+                markers[layer] = (marker, METADATA_KEY)
     return markers
 
 
 def _marker_dict(path: str, layer: str, marker, where: str) -> dict:
     if not isinstance(marker, dict) or not isinstance(marker.get("format"), str):
         raise CheckpointError(path, f'bad marker JSON in {where}: expected an object with a "format" string, '
-                                    f"found {marker!r:.80}", [layer])
+                                    f"found {short_repr(marker)}", [layer])
+    if _deeper_than(marker, MAX_MARKER_DEPTH):
+        raise CheckpointError(path, f"bad marker JSON in {where}: nested more than {MAX_MARKER_DEPTH} levels deep",
+                              [layer])
     return marker
 
 
-def inspect_markers(header: SafetensorsHeader, read: TensorReader) -> dict[str, LayerFormat]:
+def _deeper_than(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def _meaning(marker: dict) -> dict:
+    """What a marker makes the loader do: its format and, for INT8, the ConvRot flags (defaults filled in)."""
+    if marker["format"] != "int8_tensorwise":
+        return {"format": marker["format"]}
+    params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
+    convrot = marker.get("convrot", params.get("convrot", False))
+    meaning = {"format": marker["format"], "convrot": convrot}
+    if convrot:
+        meaning["convrot_groupsize"] = marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))
+    return meaning
+
+
+def _merged(path: str, layer: str, tensor_form: dict, header_form: dict) -> dict:
+    differ = sorted(k for k in tensor_form.keys() & header_form.keys() if tensor_form[k] != header_form[k])
+    a, b = _meaning(tensor_form), _meaning(header_form)
+    differ += sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in differ)
+    if differ:
+        raise CheckpointError(path, f"conflicting markers: {MARKER_SUFFIX[1:]} tensor says {short_repr(tensor_form, 200)}, "
+                                    f"{METADATA_KEY} says {short_repr(header_form, 200)} (they differ in "
+                                    f"{', '.join(differ)})", [layer])
+    return {**header_form, **tensor_form}
+
+
+def inspect_markers(header: SafetensorsHeader, read: HeaderReader, check: Check = None) -> dict[str, LayerFormat]:
     """Every marked layer, validated: format supported, companions present with the right
-    dtypes and shapes, no unknown companions, finite scales. Raises CheckpointError."""
-    markers = read_markers(header, read)
+    dtypes and shapes, no unknown companions, scales a quantizer could have written (see
+    check_scales). Raises CheckpointError. `check` is called now and then (e.g. to stop on an interrupt)."""
+    markers = read_markers(header, read, check)
     unknown: dict[str, list[str]] = {}
     for layer, (marker, _) in markers.items():
         if marker["format"] not in SUPPORTED_FORMATS:
@@ -93,12 +146,12 @@ def inspect_markers(header: SafetensorsHeader, read: TensorReader) -> dict[str, 
                               [layer for layers in unknown.values() for layer in layers])
     problems = Problems(header.path)
     layers = {}
-    for name, (marker, source) in markers.items():
+    for name, (marker, source) in checked(markers.items(), check):
         layer = _check_layer(header, name, marker, source, problems)
         if layer is not None:
             layers[name] = layer
     problems.raise_if_any()
-    for layer in layers.values():
+    for layer in checked(layers.values(), check):
         check_scales(layer, read, _SCALE_ENCODINGS[layer.format], problems)
     problems.raise_if_any()
     return layers
@@ -122,7 +175,7 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str
                  problems: Problems) -> LayerFormat | None:
     fmt = marker["format"]
     required, optional = _ROLES[fmt]
-    present = companion_keys(header, name)
+    present = header.companions(name)
     missing = sorted(required - set(present))
     if missing:
         problems.add(f"{fmt} layer is missing tensor(s) {', '.join(missing)}", name)
@@ -139,6 +192,8 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str
         return None
     rows, cols = weight.shape
     ok = _FORMAT_CHECKS[fmt](name, info, rows, cols, problems)
+    if ok and "per_row" in marker and fmt in _CHANNEL_SCALED:
+        ok = _per_row_agrees(name, marker["per_row"], info["weight_scale"], rows, fmt, problems)
     for role in ("input_scale", "weight_scale_2"):
         if role in info and ok:
             ok = float_scale(info[role], role, name, problems)
@@ -193,6 +248,21 @@ def _channel_scale(name, info, rows, fmt, problems) -> bool:
                      f"found {list(info.shape)}", name)
         return False
     return True
+
+
+def _per_row_agrees(name, per_row, scale, rows, fmt, problems) -> bool:
+    """A marker's "per_row" must describe the stored weight_scale (per output row, or one per tensor)."""
+    if not isinstance(per_row, bool):
+        problems.add(f'bad marker: "per_row" must be true/false, found {short_repr(per_row)}', name)
+        return False
+    if rows > 1 and per_row != (scale.numel == rows):
+        problems.add(f'shape mismatch: the marker says "per_row": {str(per_row).lower()} but {fmt} weight_scale '
+                     f"is {list(scale.shape)} for {rows} rows", name)
+        return False
+    return True
+
+
+_CHANNEL_SCALED = ("int8_tensorwise", "float8_e4m3fn")
 
 
 def _block_scale(name, info, rows, blocks_per_row, fmt, problems) -> bool:

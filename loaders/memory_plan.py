@@ -50,6 +50,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from ..quant.kitchen_api import tensor_bytes
+
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 # cuBLAS keeps a workspace per handle and stream, cuDNN attention a little more.
@@ -63,17 +65,6 @@ def size_text(n_bytes: float) -> str:
 
 
 # ---- weights ---------------------------------------------------------------
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor really occupies."""
-    qdata = getattr(tensor, "_qdata", None)
-    if isinstance(qdata, torch.Tensor):
-        params = getattr(tensor, "_params", None)
-        extra = sum(v.numel() * v.element_size() for v in getattr(params, "__dict__", {}).values()
-                    if isinstance(v, torch.Tensor))
-        return qdata.numel() * qdata.element_size() + extra
-    return tensor.numel() * tensor.element_size()
-
 
 def module_bytes(module: nn.Module, overrides: Mapping[str, nn.Module] | None = None, prefix: str = "") -> int:
     """True bytes of a module's parameters and buffers.

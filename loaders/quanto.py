@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 
 from .errors import CheckpointError, name_list
-from .layers import (LayerFormat, Problems, TensorReader, check_scales, companion_keys, expect_dtype, float_scale,
-                     is_scalar)
-from .safetensors_header import SafetensorsHeader
+from .layers import Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale, is_scalar
+from .safetensors_header import HeaderReader, SafetensorsHeader, parse_json, short_repr
 
 FORMAT_KEY = "quantization_format"
 MAP_KEY = "quantization_map_base64"
@@ -41,20 +39,35 @@ def read_quantization_map(header: SafetensorsHeader) -> dict[str, dict]:
     if encoded is None:
         raise CheckpointError(path, f'{FORMAT_KEY} is "quanto" but the metadata has no {MAP_KEY}')
     try:
-        qmap = json.loads(base64.b64decode(encoded, validate=True).decode("utf-8"))
-    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        decoded = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
         raise CheckpointError(path, f"{MAP_KEY} is not base64-encoded JSON ({exc})") from exc
+    qmap = parse_json(path, decoded, f"{MAP_KEY} is not base64-encoded JSON")
     if not isinstance(qmap, dict) or not all(isinstance(v, dict) for v in qmap.values()):
         raise CheckpointError(path, f"{MAP_KEY} must be a JSON object of {{prefix: {{weights, activations}}}}")
     return qmap
 
 
-def inspect_quanto(header: SafetensorsHeader, read: TensorReader) -> dict[str, LayerFormat]:
-    """Every declared layer, validated against the contract above. Raises CheckpointError."""
+def inspect_quanto(header: SafetensorsHeader, read: HeaderReader, check: Check = None) -> dict[str, LayerFormat]:
+    """Every declared layer, validated against the contract above. Raises CheckpointError.
+    `check` is called now and then (e.g. to stop on an interrupt)."""
     path = header.path
     qmap = read_quantization_map(header)
+    # What the map declares is checked first: a file of another kind fails with its reason.
+    activated = [p for p, entry in qmap.items() if entry.get("activations") != "none"]
+    if activated:
+        kinds = sorted({short_repr(qmap[p].get("activations")) for p in activated})
+        raise CheckpointError(path, f"activation quantization is not supported: Quanto layers with activations "
+                                    f"{', '.join(kinds)}; only weight-only qint8 (activations 'none') loads", activated)
+    not_qint8 = [p for p, entry in qmap.items() if entry.get("weights") != "qint8"]
+    if not_qint8:
+        kinds = sorted({short_repr(qmap[p].get("weights")) for p in not_qint8})
+        raise CheckpointError(path, f"Quanto weights of type {', '.join(kinds)} are not supported: only qint8 is",
+                              not_qint8)
+
     data_prefixes = [k[:-len(DATA_SUFFIX)] for k in header.tensors if k.endswith(DATA_SUFFIX)]
-    only_map = [p for p in qmap if p not in set(data_prefixes)]
+    with_data = set(data_prefixes)
+    only_map = [p for p in qmap if p not in with_data]
     only_data = [p for p in data_prefixes if p not in qmap]
     if only_map or only_data:
         parts = []
@@ -64,25 +77,14 @@ def inspect_quanto(header: SafetensorsHeader, read: TensorReader) -> dict[str, L
             parts.append(f"{DATA_SUFFIX} tensors missing from the quantization map: {name_list(only_data)}")
         raise CheckpointError(path, "prefix-set mismatch: " + "; ".join(parts), only_map + only_data)
 
-    activated = [p for p, entry in qmap.items() if entry.get("activations") not in ("none",)]
-    if activated:
-        kinds = sorted({str(qmap[p].get("activations")) for p in activated})
-        raise CheckpointError(path, f"activation-quantized Quanto layers ({', '.join(kinds)}) are not supported: "
-                                    f"only weight-only qint8 (activations 'none') is", activated)
-    not_qint8 = [p for p, entry in qmap.items() if entry.get("weights") != "qint8"]
-    if not_qint8:
-        kinds = sorted({str(qmap[p].get("weights")) for p in not_qint8})
-        raise CheckpointError(path, f"Quanto weights of type {', '.join(kinds)} are not supported: only qint8 is",
-                              not_qint8)
-
     problems = Problems(path)
     layers = {}
-    for prefix in qmap:
+    for prefix in checked(qmap, check):
         layer = _check_prefix(header, prefix, problems)
         if layer is not None:
             layers[prefix] = layer
     problems.raise_if_any()
-    for layer in layers.values():
+    for layer in checked(layers.values(), check):
         check_scales(layer, read, {"weight_scale": "float"}, problems)
         for role in AUXILIARY_SCALES:
             key = f"{layer.name}.{role}"
@@ -101,9 +103,9 @@ def _check_prefix(header: SafetensorsHeader, prefix: str, problems: Problems) ->
     if scale_key not in header.tensors:
         problems.add(f"Quanto layer is missing {SCALE_SUFFIX}", prefix)
         return None
-    extra = sorted(set(companion_keys(header, prefix)) - {"bias", *AUXILIARY_SCALES})
-    extra += sorted(k[len(prefix) + 1:] for k in header.tensors
-                    if k.startswith(prefix + ".weight.") and k not in (data_key, scale_key))
+    extra = sorted(set(header.companions(prefix)) - {"bias", *AUXILIARY_SCALES})
+    extra += sorted(f"weight.{suffix}" for suffix, key in header.companions(prefix + ".weight").items()
+                    if key not in (data_key, scale_key))
     if extra:
         problems.add(f"unsupported companion tensor(s) for a Quanto qint8 layer: {', '.join(extra)}", prefix)
         return None

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
+import reprlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import CheckpointError
 
@@ -29,8 +32,7 @@ DTYPE_SIZES = {
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):     # a tuple: a header holds one per tensor, tens of thousands
     name: str
     dtype: str                  # safetensors dtype name, e.g. "BF16", "I8", "F8_E4M3"
     shape: tuple[int, ...]
@@ -53,6 +55,86 @@ class SafetensorsHeader:
     tensors: dict[str, TensorInfo]
     data_start: int             # file offset of the data section
     file_size: int
+    # module name -> {suffix: key} of the tensors directly under it, built once (lookups stay linear overall)
+    children: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
+
+    def companions(self, name: str) -> dict[str, str]:
+        """{suffix: key} of the tensors stored directly under module `name` (e.g. weight, weight_scale)."""
+        return self.children.get(name, {})
+
+
+class HeaderReader:
+    """Reads single tensors of a checked header straight from the file's mapped bytes (a copy each).
+
+    Inspection reads many tiny tensors (markers, scales); this costs a slice per tensor, where a
+    general reader costs far more per call. Use as a context manager; tensors stay valid after it.
+    """
+
+    def __init__(self, header: "SafetensorsHeader"):
+        import torch
+        self.header = header
+        self._dtypes = {name: getattr(torch, attr) for name, attr in _TORCH_DTYPE_NAMES.items()}
+        try:
+            with open(header.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(header.path, f"cannot read the file ({exc})") from exc
+
+    def raw(self, key: str) -> bytes:
+        """The tensor's stored bytes."""
+        info = self.header.tensors[key]
+        start = self.header.data_start + info.begin
+        data = self._map[start:start + info.nbytes] if info.nbytes else b""
+        if len(data) != info.nbytes:    # the file shrank since its header was read
+            raise CheckpointError(self.header.path, f"truncated file: tensor {key!r} ends past the file's end", [key])
+        return data
+
+    def __call__(self, key: str):
+        import torch
+        info = self.header.tensors[key]
+        dtype = self._dtypes[info.dtype]
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.raw(key)), dtype=dtype).reshape(info.shape)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def __enter__(self) -> "HeaderReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_TORCH_DTYPE_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
+    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+}
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """A bounded repr of parsed JSON for error messages (depth and length capped, never recursive)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def parse_json(path: str, text, problem: str, layers=()):
+    """json.loads that turns every failure, nesting past Python's recursion limit included, into
+    CheckpointError(path, f"{problem} (why)", layers)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise CheckpointError(path, f"{problem} (nested too deeply)", layers) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(path, f"{problem} ({exc})", layers) from exc
 
 
 def read_header(path, max_header_bytes: int = MAX_HEADER_BYTES,
@@ -80,10 +162,7 @@ def read_header(path, max_header_bytes: int = MAX_HEADER_BYTES,
             raw = f.read(header_len)
     except OSError as exc:
         raise CheckpointError(path, f"cannot read the file ({exc.strerror or exc})") from exc
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(path, f"the safetensors header is not valid JSON ({exc})") from exc
+    header = parse_json(path, raw, "the safetensors header is not valid JSON")
     if not isinstance(header, dict):
         raise CheckpointError(path, "the safetensors header is not a JSON object")
 
@@ -98,31 +177,53 @@ def read_header(path, max_header_bytes: int = MAX_HEADER_BYTES,
 
     data_start = 8 + header_len
     data_size = file_size - data_start
-    tensors, beyond_end = {}, []
+    tensors, beyond_end, children = {}, [], {}
     for name, entry in header.items():
         info = _tensor_info(path, name, entry)
         if info.end > data_size:
             beyond_end.append(name)
         tensors[name] = info
+        parent, dot, suffix = name.rpartition(".")
+        if dot:
+            children.setdefault(parent, {})[suffix] = name
     if beyond_end:
         raise CheckpointError(path, f"truncated file: {len(beyond_end)} tensor(s) end past the file's last byte "
                                     f"({file_size} bytes)", beyond_end)
-    return SafetensorsHeader(path, metadata, tensors, data_start, file_size)
+    return SafetensorsHeader(path, metadata, tensors, data_start, file_size, children)
 
 
 def _tensor_info(path: str, name: str, entry) -> TensorInfo:
+    # The common case in one pass (a header may list tens of thousands of tensors); else find the fault.
+    if type(entry) is dict:
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if type(dtype) is str and dtype in DTYPE_SIZES and type(shape) is list and type(offsets) is list \
+                and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int:
+            begin, end = offsets
+            numel = 1
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    break
+                numel *= d
+            else:
+                if 0 <= begin <= end and end - begin == numel * DTYPE_SIZES[dtype]:
+                    return _new_info(TensorInfo, (name, dtype, tuple(shape), begin, end))
+    _refuse_entry(path, name, entry)
+
+
+_new_info = tuple.__new__     # TensorInfo's own __new__ adds a call per tensor
+
+
+def _refuse_entry(path: str, name: str, entry) -> None:
     if not isinstance(entry, dict):
         raise CheckpointError(path, f"tensor {name!r}: header entry is not an object", [name])
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        raise CheckpointError(path, f"tensor {name!r}: unsupported dtype {dtype!r}", [name])
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CheckpointError(path, f"tensor {name!r}: bad shape {shape!r}", [name])
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise CheckpointError(path, f"tensor {name!r}: unsupported dtype {short_repr(dtype)}", [name])
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(path, f"tensor {name!r}: bad shape {short_repr(shape)}", [name])
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int
             or not 0 <= offsets[0] <= offsets[1]):
-        raise CheckpointError(path, f"tensor {name!r}: bad data_offsets {offsets!r}", [name])
-    info = TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
-    if info.nbytes != info.numel * DTYPE_SIZES[dtype]:
-        raise CheckpointError(path, f"tensor {name!r}: {info.nbytes} bytes of data for shape {list(shape)} "
-                                    f"{dtype} ({info.numel * DTYPE_SIZES[dtype]} expected)", [name])
-    return info
+        raise CheckpointError(path, f"tensor {name!r}: bad data_offsets {short_repr(offsets)}", [name])
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    raise CheckpointError(path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes of data for shape "
+                                f"{short_repr(shape)} {dtype} ({expected} expected)", [name])

@@ -35,6 +35,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..quant.kitchen_api import is_quantized_tensor, storage
+
 log = logging.getLogger(__name__)
 
 MAX_ON_DEVICE = 2  # the streamed block computing and the next one being copied
@@ -95,7 +97,7 @@ class HostPins:
         if tensor.device.type != "cpu" or not torch.cuda.is_available():
             return False
         # A comfy-kitchen QuantizedTensor reports its dequantized shape; its packed data is the buffer.
-        tensor = getattr(tensor, "_qdata", tensor)
+        tensor = storage(tensor)
         if tensor.data_ptr() in self._registered or tensor.is_pinned():
             return True
         n_bytes = tensor.numel() * tensor.element_size()
@@ -135,7 +137,7 @@ def _async_source(src: torch.Tensor) -> torch.Tensor:
     buffer instead. Large ones are pinned in place by HostPins; if that failed
     they are copied as they are.
     """
-    if getattr(src, "_qdata", None) is not None or src.is_pinned():
+    if is_quantized_tensor(src) or src.is_pinned():
         return src
     if src.numel() * src.element_size() < PIN_MIN_BYTES:
         return torch.empty_like(src, pin_memory=True).copy_(src)

@@ -1,7 +1,7 @@
 """ComfyUI adapters. Each module lists its nodes in NODES = {name: (class, display name)}."""
-from . import attention_backend, checkpoint_loaders, offload, quantize_int8
+from . import attention_backend, checkpoint_loaders, offload, quantize_int8, save_quantized
 
-_MODULES = (quantize_int8, attention_backend, offload, checkpoint_loaders)
+_MODULES = (quantize_int8, attention_backend, offload, checkpoint_loaders, save_quantized)
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}

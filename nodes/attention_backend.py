@@ -23,7 +23,8 @@ def sol_min_tokens() -> int:
 class SetAttentionBackend:
     DESCRIPTION = (
         "Runs the model's attention with the chosen kernel: sdpa (PyTorch), flash (the best installed "
-        "FlashAttention, else PyTorch's flash kernel), sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
+        "FlashAttention, else PyTorch's flash kernel), fa3_fp8 (FlashAttention 3 in FP8, Hopper), "
+        "sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
         "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel "
         "measured for this GPU). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
         "with one warning per reason. An attention override already on the model is kept and gets this "
@@ -42,7 +43,8 @@ class SetAttentionBackend:
                 "backend": (list(BACKENDS), {
                     "default": "auto",
                     "tooltip": "Attention kernel. auto: fastest dense kernel measured for this GPU (SDPA on CPU "
-                               "and unmeasured GPUs). sol: sparse; pays off above about 12k tokens.",
+                               "and unmeasured GPUs; FP8 only where checked accurate). fa3_fp8: FP8 q/k/v, "
+                               "faster, about 3-5% error. sol: sparse; pays off above about 12k tokens.",
                 }),
             },
             "optional": {

@@ -27,6 +27,11 @@ def compute_device() -> torch.device:
     return comfy.model_management.get_torch_device()
 
 
+def interrupt_check():
+    """A callable for long core work: raises ComfyUI's interrupt exception once the user pressed Cancel."""
+    return comfy.model_management.throw_exception_if_processing_interrupted
+
+
 def progress_counter(total: int):
     """A callable that advances ComfyUI's progress bar by one step per call."""
     bar = comfy.utils.ProgressBar(max(total, 1))
@@ -45,7 +50,12 @@ def building_operations(builder: LayerBuilder):
                 self.factory = {"device": device, "dtype": dtype}
                 self.register_parameter("weight", None)  # allocated at load, and only if kept plain
                 self.bias = torch.nn.Parameter(torch.empty(out_features, **self.factory)) if bias else None
-                self.built = None
+                self._set_built(None)
+
+            def _set_built(self, module):
+                # A plain attribute, not a submodule: load_state_dict would otherwise walk into it and
+                # report its tensors as missing keys (`<layer>.built.weight`, ...).
+                self.__dict__["built"] = module
 
             def reset_parameters(self):
                 return None
@@ -55,8 +65,8 @@ def building_operations(builder: LayerBuilder):
                 weight = state_dict.get(prefix + "weight")
                 bias = state_dict.get(prefix + "bias") if self.bias is not None else None
                 dtype = self.factory["dtype"] or (weight.dtype if weight is not None else torch.float32)
-                self.built = builder.build(prefix[:-1], weight, self.in_features, self.out_features, bias,
-                                           dtype, self.factory["device"])
+                self._set_built(builder.build(prefix[:-1], weight, self.in_features, self.out_features, bias,
+                                              dtype, self.factory["device"]))
                 if self.built is None:
                     self.weight = torch.nn.Parameter(torch.empty((self.out_features, self.in_features),
                                                                  **self.factory))

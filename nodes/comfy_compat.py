@@ -1,13 +1,26 @@
 """The one place that knows ComfyUI's internals. Features are detected, never versions."""
 from __future__ import annotations
 
+import copy
+import logging
+import uuid
+
+from torch import nn
+
 import comfy.model_management
+import comfy.patcher_extension
 import comfy.utils
 
 from ..quant import QuantConfig, quantize_layers
+from ..quant.dispatch import walk_modules
+from ..quant.linear import QuantLinear
 from ..quant.report import QuantReport
+from ..quant.witness import RunWitness
+
+log = logging.getLogger(__name__)
 
 DIFFUSION_PREFIX = "diffusion_model."
+WITNESS_KEY = "bigdit_witness"  # ON_PRE_RUN / ON_CLEANUP callbacks of the run-time witness
 
 
 REPORT_EVENT = "bigdit.report"  # web/js/bigdit_report.js shows {"node", "text"} on that node
@@ -42,27 +55,169 @@ def _layers_with_weight_patches(model) -> dict[str, str]:
     return keep
 
 
+def _loaded_state(module: nn.Module) -> bool:
+    """Whether ComfyUI's loading of some patcher left per-call state on this module."""
+    return bool(getattr(module, "weight_function", None) or getattr(module, "bias_function", None)
+                or hasattr(module, "prev_comfy_cast_weights") or hasattr(module, "comfy_patched_weights"))
+
+
+def _as_unloaded(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
+    """`module` as it is with no patcher loaded: original tensors, no per-call patches (a copy if it differs)."""
+    if not tensors and not _loaded_state(module):
+        return module
+    view = copy.copy(module)
+    view._parameters = dict(module._parameters)
+    view._buffers = dict(module._buffers)
+    for name, tensor in tensors.get("parameters", {}).items():
+        if name in view._parameters:
+            view._parameters[name] = (tensor if isinstance(tensor, nn.Parameter)
+                                      else nn.Parameter(tensor, requires_grad=False))
+    for name, tensor in tensors.get("buffers", {}).items():
+        if name in view._buffers:
+            view._buffers[name] = tensor
+    for name in ("weight_function", "bias_function"):
+        if hasattr(view, name):
+            setattr(view, name, [])
+    if hasattr(module, "prev_comfy_cast_weights"):
+        view.comfy_cast_weights = module.prev_comfy_cast_weights
+        del view.prev_comfy_cast_weights
+    if hasattr(module, "comfy_patched_weights"):
+        del view.comfy_patched_weights
+    return view
+
+
+def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """The module tree below `prefix` as `patcher` defines it: (root, overrides), for
+    `quant.dispatch.walk_modules` and the memory plan, with paths relative to the root.
+
+    ComfyUI applies the loaded patcher's object patches and weight patches (a
+    LoRA) to the one module tree all clones share, and leaves them there until
+    another patcher loads. So the live tree may hold another clone's modules and
+    weights. Clones share `object_patches_backup` and `backup`, which keep the
+    originals: the view puts them back, then this patcher's own object patches
+    on top. QuantLinear layers are taken as they are (they restore their own
+    scales after a weight patch, see QuantLinear.set_weight).
+    """
+    def below(mapping) -> dict:
+        return {k[len(prefix):]: v for k, v in mapping.items() if k.startswith(prefix)}
+
+    root = patcher.get_model_object(prefix[:-1])
+    overrides = below(getattr(patcher, "object_patches_backup", {}))
+    overrides.update(below(patcher.object_patches))
+    originals: dict[str, dict[str, dict]] = {}
+    for kind, backups in (("parameters", getattr(patcher, "backup", {})),
+                          ("buffers", getattr(patcher, "backup_buffers", {}))):
+        for key, saved in below(backups).items():
+            module_name, _, tensor_name = key.rpartition(".")
+            tensor = getattr(saved, "weight", saved)  # `backup` holds (weight, inplace_update) tuples
+            originals.setdefault(module_name, {}).setdefault(kind, {})[tensor_name] = tensor
+    live = dict(comfy.utils.get_attr(patcher.model, prefix[:-1]).named_modules())
+    for name, module in list(walk_modules(root, overrides)):
+        # Only what is live was patched; other leaves of the view are unloaded anyway.
+        if module._modules or isinstance(module, QuantLinear) or live.get(name) is not module:
+            continue
+        view = _as_unloaded(module, originals.get(name, {}))
+        if view is not module:
+            overrides[name] = view
+    return root, overrides
+
+
 def quantize_on_clone(model, config: QuantConfig, title: str):
     """Quantize `model`'s diffusion model into a clone through object patches.
 
     The input ModelPatcher and its modules are untouched, so other graph
     branches still see the original weights; the cost is that the original
     weights stay in RAM next to the quantized ones while both are referenced.
+    Reads the modules as `model` defines them (module_view), whichever clone
+    ComfyUI has loaded. Returns (clone, report, the new quantized layers by name).
     """
     patched = model.clone()
-    config.overrides = {
-        key[len(DIFFUSION_PREFIX):]: obj
-        for key, obj in model.object_patches.items() if key.startswith(DIFFUSION_PREFIX)
-    }
+    root, config.overrides = module_view(model)
     config.keep.update(_layers_with_weight_patches(model))
     bar = comfy.utils.ProgressBar(1)
     replacements, report = quantize_layers(
-        model.get_model_object("diffusion_model"), config,
-        progress=lambda done, total: bar.update_absolute(done, total), title=title)
+        root, config, progress=lambda done, total: bar.update_absolute(done, total), title=title)
+    if replacements and hasattr(patched, "patches_uuid"):
+        # ComfyUI re-patches weights on load only when patches_uuid changed, and its marks of patched
+        # weights stay on the modules an object patch swaps out: a LoRA clone loaded after this one
+        # would find the originals marked and skip them. A new uuid makes loading this clone start from
+        # unpatched modules, as ComfyUI's own set_model_compute_dtype does.
+        patched.patches_uuid = uuid.uuid4()
     for name, module in replacements.items():
         patched.add_object_patch(DIFFUSION_PREFIX + name, module)
     _set_model_size(patched, model.model_size() - _bytes_replaced(report, replacements))
-    return patched, report
+    return patched, report, replacements
+
+
+def quantized_layers(patcher) -> dict[str, nn.Module]:
+    """The QuantLinear layers of a diffusion model a loader built (what its report counts as quantized)."""
+    root, overrides = module_view(patcher)
+    return {name: m for name, m in walk_modules(root, overrides) if isinstance(m, QuantLinear)}
+
+
+# ---- after each sampling: the `last run:` line ----------------------------------
+
+class NodeRun:
+    """The report one node shows, and after each sampling its `last run:` line.
+
+    Several parts make the line (the offload plan of the run, how many quantized
+    layers ran); each arrives from a callback of the same sampling, and the
+    node's text is re-sent with every part. A sampling's ON_PRE_RUN starts a new line.
+    """
+    ORDER = ("offload", "layers")
+
+    def __init__(self, node_id, text: str = ""):
+        self.node_id = node_id
+        self.text = text
+        self.parts: dict[str, str] = {}
+
+    def begin(self) -> None:
+        self.parts.clear()
+
+    def add(self, kind: str, part: str) -> None:
+        self.parts[kind] = part
+        line = "; ".join(self.parts[k] for k in self.ORDER if k in self.parts)
+        show_on_node(self.node_id, f"{self.text}\nlast run: {line}")
+
+
+def _compiled_by_comfy(patcher) -> bool:
+    """Whether ComfyUI's torch.compile wrapper is on this model (compiled layers are not counted)."""
+    try:
+        from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
+    except ImportError:
+        return False
+    return TORCH_COMPILE_KWARGS in patcher.model_options
+
+
+def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], title: str) -> None:
+    """After each sampling of `patcher` (or a clone of it), add to `run` how many of `layers` executed,
+    and log a warning when fewer ran than the report claims."""
+    if not layers:
+        return
+    witness = RunWitness(layers)
+
+    def begin(_patcher):
+        run.begin()
+        witness.begin()
+
+    def end(sampled):
+        count = witness.take()
+        if count.ran == 0 and _compiled_by_comfy(sampled):
+            part = f"{count.claimed} quantized layers not counted (torch.compile)"
+        else:
+            part = count.render()
+            if count.ran < count.claimed:
+                log.warning("%s: the report says %d layers are quantized, but only %d of them ran in this sampling "
+                            "(not run: %s%s). Something between this node and the sampler replaced or skipped "
+                            "them%s.", title, count.claimed, count.ran, ", ".join(count.missing[:5]),
+                            ", ..." if len(count.missing) > 5 else "",
+                            "" if count.ran else ", or they ran under torch.compile, which is not counted")
+        log.info("%s, last run: %s", title, part)
+        run.add("layers", part)
+
+    callbacks = comfy.patcher_extension.CallbacksMP
+    patcher.add_callback_with_key(callbacks.ON_PRE_RUN, WITNESS_KEY, begin)
+    patcher.add_callback_with_key(callbacks.ON_CLEANUP, WITNESS_KEY, end)
 
 
 def _bytes_replaced(report: QuantReport, replacements: dict) -> int:

@@ -39,13 +39,12 @@ from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, 
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
-from .comfy_compat import show_on_node
+from .comfy_compat import module_view, show_on_node
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "layerwise", "none")
 WRAPPER_KEY = "bigdit_offload"
-DIFFUSION_PREFIX = "diffusion_model."
 
 
 class OffloadError(RuntimeError):
@@ -129,10 +128,10 @@ class _Offload:
     # -- the plan ------------------------------------------------------------
     @staticmethod
     def model_parts(patcher):
-        diffusion = patcher.get_model_object("diffusion_model")
-        overrides = {k[len(DIFFUSION_PREFIX):]: v for k, v in patcher.object_patches.items()
-                     if k.startswith(DIFFUSION_PREFIX)}
-        return diffusion, overrides, find_blocks(diffusion)
+        """The diffusion model as this patcher defines it (whichever clone is loaded), and its blocks."""
+        diffusion, overrides = module_view(patcher)
+        blocks = [(path, overrides.get(path, block)) for path, block in find_blocks(diffusion)]
+        return diffusion, overrides, blocks
 
     @staticmethod
     def run_shape(patcher, diffusion, blocks, latent_shape) -> RunShape | None:
@@ -314,7 +313,27 @@ class SetOffload:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    # Naming an input here replaces ComfyUI's own min/max check of it, so the ranges are checked here too.
+    # NaN passes every comparison: without this it would plan with a NaN reserve.
+    _RANGES = {"reserve_gib": (-1.0, 1024.0), "vram_gib": (0.0, 1024.0)}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, reserve_gib=-1.0, vram_gib=0.0):
+        problems = [problem for problem in (cls._out_of_range("reserve_gib", reserve_gib),
+                                            cls._out_of_range("vram_gib", vram_gib)) if problem]
+        return "; ".join(problems) or True
+
+    @classmethod
+    def _out_of_range(cls, name, value):
+        low, high = cls._RANGES[name]
+        if not isinstance(value, (int, float)) or not low <= value <= high:  # False for NaN
+            return f"{name} must be a number from {low:g} to {high:g}, got {value!r}"
+        return None
+
     def apply(self, model, mode, reserve_gib, vram_gib=0.0, unique_id=None):
+        problem = self._out_of_range("reserve_gib", reserve_gib) or self._out_of_range("vram_gib", vram_gib)
+        if problem:  # a value linked from another node is only known here
+            raise ValueError(f"SetOffload: {problem}")
         patched = model.clone()
         report = install_offload(patched, mode, None if reserve_gib < 0 else reserve_gib, vram_gib=vram_gib or None,
                                  on_run=lambda line: show_on_node(unique_id, f"{report}\nlast run: {line}"))

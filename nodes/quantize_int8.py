@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
+from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
 from . import comfy_compat
+from .kitchen import require_kitchen
 
 
 class QuantizeModelINT8:
@@ -31,8 +33,9 @@ class QuantizeModelINT8:
                 }),
                 "ignored_layers": ("STRING", {
                     "default": "", "multiline": True,
-                    "tooltip": "Layers to keep in full precision: fnmatch patterns on module names, separated by "
-                               "commas or new lines (e.g. '*.adaln*, head.*'). '*' keeps everything.",
+                    "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, "
+                               "separated by commas or new lines (e.g. 'blocks.0.*'). '*' keeps everything. "
+                               f"Always kept, as by LoadH3Quantized ({describe_keep()}).",
                 }),
             },
             "optional": {
@@ -42,16 +45,23 @@ class QuantizeModelINT8:
                                "per shape, and used only if faster. off: never split.",
                 }),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def quantize(self, model, group_size, ignored_layers, row_split="auto"):
+    def quantize(self, model, group_size, ignored_layers, row_split="auto", unique_id=None):
+        require_kitchen("QuantizeModelINT8")
+        names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
         config = QuantConfig(
             method=Int8ConvRotMethod(int(group_size), row_split),
-            ignored=parse_patterns(ignored_layers),
+            # the layers LoadH3Quantized keeps for this architecture, then the user's
+            ignored=default_keep(names) + parse_patterns(ignored_layers),
             compute_device=comfy_compat.compute_device(),
         )
-        patched, report = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
+        patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
         text = report.render()
+        # after each sampling: how many of these layers ran
+        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, text), layers,
+                                            "QuantizeModelINT8")
         return {"ui": {"text": [text]}, "result": (patched, text)}
 
 

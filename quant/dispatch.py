@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
+from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod
 from .patterns import first_match
@@ -63,21 +64,7 @@ class LayerPlan:
     method: LinearMethod | None
     reason: str
     linear: bool = True
-    existing_format: str | None = None  # a layer someone else already quantized
-
-
-def is_kitchen_tensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "QuantizedTensor"
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """True storage bytes; a QuantizedTensor reports its original dtype's size otherwise."""
-    if is_kitchen_tensor(t):
-        params = t._params
-        extra = sum(getattr(params, f).nbytes for f in params._tensor_fields()
-                    if isinstance(getattr(params, f), torch.Tensor))
-        return t._qdata.nbytes + extra
-    return t.numel() * t.element_size()
+    existing_format: str | None = None  # the format of a layer quantized before this pass
 
 
 def _weight_bytes(module: nn.Module) -> int:
@@ -87,12 +74,21 @@ def _weight_bytes(module: nn.Module) -> int:
 def _is_quantized_weight(weight: torch.Tensor) -> bool:
     # Upstream ComfyUI loads quantized checkpoints as QuantizedTensor weights;
     # any non-float storage is already someone's quantized format.
-    return is_kitchen_tensor(weight) or weight.dtype not in FLOAT_DTYPES
+    return is_quantized_tensor(weight) or weight.dtype not in FLOAT_DTYPES
 
 
-def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
+def _format_of(weight: torch.Tensor) -> str:
+    """The format name of a weight someone else quantized."""
+    if not is_quantized_tensor(weight):
+        return str(weight.dtype).replace("torch.", "")
+    if layout_name(weight) == "TensorWiseINT8Layout":
+        return "int8_convrot" if getattr(weight.params, "convrot", False) else "int8_tensorwise"
+    return layout_name(weight)
+
+
+def _dominant_dtype(model: nn.Module, overrides: dict[str, nn.Module]) -> torch.dtype | None:
     counts: Counter = Counter()
-    for module in model.modules():
+    for _, module in walk_modules(model, overrides):
         if isinstance(module, QuantLinear):
             counts[module.compute_dtype] += module.in_features * module.out_features
         elif isinstance(module, nn.Linear) and module.weight is not None and module.weight.dtype in FLOAT_DTYPES:
@@ -100,8 +96,28 @@ def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def iter_weight_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    for name, module in model.named_modules():
+def walk_modules(model: nn.Module, overrides: dict[str, nn.Module] | None = None
+                 ) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) like `named_modules`, where an override stands in for the module at its name,
+    children included: the tree as it will run, not as it is now."""
+    overrides = overrides or {}
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module):
+        module = overrides.get(name, module)
+        if module is None or id(module) in seen:
+            return
+        seen.add(id(module))
+        yield name, module
+        for child_name, child in module._modules.items():
+            yield from visit(f"{name}.{child_name}" if name else child_name, child)
+
+    yield from visit("", model)
+
+
+def iter_weight_modules(model: nn.Module, overrides: dict[str, nn.Module] | None = None
+                        ) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in walk_modules(model, overrides):
         if isinstance(module, (nn.Linear, QuantLinear)):
             yield name, module
         elif isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() >= 2:
@@ -140,23 +156,21 @@ def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_feature
 
 def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     """Decide, for every weight-bearing module, a method or a reason to keep it."""
-    dominant = _dominant_dtype(model)
+    dominant = _dominant_dtype(model, config.overrides)
     plans = []
-    for name, module in iter_weight_modules(model):
-        module = config.overrides.get(name, module)
+    for name, module in iter_weight_modules(model, config.overrides):
         if name in config.keep:
             plans.append(LayerPlan(name, module, None, config.keep[name], linear=isinstance(module, nn.Linear)))
             continue
         if isinstance(module, QuantLinear):
-            plans.append(LayerPlan(name, module, module.method, "already quantized"))
+            plans.append(LayerPlan(name, module, None, "already quantized", existing_format=module.method.name))
             continue
         if not isinstance(module, nn.Linear):
             plans.append(LayerPlan(name, module, None, f"not Linear-like ({type(module).__name__})", linear=False))
             continue
         weight = module.weight
         if _is_quantized_weight(weight):
-            fmt = weight._layout_cls if is_kitchen_tensor(weight) else str(weight.dtype).replace("torch.", "")
-            plans.append(LayerPlan(name, module, None, "already quantized", existing_format=fmt))
+            plans.append(LayerPlan(name, module, None, "already quantized", existing_format=_format_of(weight)))
             continue
         method, reason = choose_method(config, name, weight.dtype, module.in_features, module.out_features, dominant)
         plans.append(LayerPlan(name, module, method, reason))
@@ -187,15 +201,15 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
     """
     plans = plan_layers(model, config)
     device = config.device()
-    todo = [p for p in plans if p.method is not None and not isinstance(p.module, QuantLinear)]
+    todo = [p for p in plans if p.method is not None]
     replacements: dict[str, nn.Module] = {}
     report = QuantReport(title=title)
     done = 0
     for plan in plans:
         before = _weight_bytes(plan.module)
-        if plan.method is None or isinstance(plan.module, QuantLinear):
-            fmt = plan.method.name if plan.method is not None else plan.existing_format
-            report.records.append(LayerRecord(plan.name, fmt, plan.reason, before, before, plan.linear))
+        if plan.method is None:
+            report.records.append(LayerRecord(plan.name, plan.existing_format, plan.reason, before, before,
+                                              plan.linear, earlier=plan.existing_format is not None))
             continue
         try:
             new = quantize_linear(plan.module, plan.method, device)

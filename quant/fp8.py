@@ -30,7 +30,7 @@ _MIN_SCALE = 1e-12  # an all-zero row would otherwise get a zero scale
 def _input_act(x: torch.Tensor, input_act: str | None) -> torch.Tensor:
     if input_act is None:
         return x
-    from comfy_kitchen.backends._activations import apply_input_act
+    from .kitchen_api import apply_input_act
     return apply_input_act(x, input_act)
 
 

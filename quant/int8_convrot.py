@@ -111,7 +111,7 @@ class Int8ConvRotMethod(LinearMethod):
             return torch.cat(parts)
 
         def dequant_gemm() -> torch.Tensor:
-            from comfy_kitchen.backends._activations import apply_input_act
+            from .kitchen_api import apply_input_act
             w = self.dequantize(layer, x.device).to(out_dtype)
             return F.linear(apply_input_act(x2d, input_act).to(out_dtype), w,
                             None if bias is None else bias.to(out_dtype))

@@ -41,7 +41,7 @@ class KitchenLayoutMethod(LinearMethod):
         return self.kitchen_tensor(layer.tensors_on(device), layer).dequantize()
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         t = layer.tensors_for(x)
         out_dtype = output_dtype(x, layer.compute_dtype)
         x2d = apply_input_act(x.reshape(-1, x.shape[-1]), input_act).to(out_dtype)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .method import LinearMethod
+from .witness import count_run
 
 
 class QuantLinear(nn.Module):
@@ -37,6 +38,7 @@ class QuantLinear(nn.Module):
         # scales it replaced); once `weight` is another tensor, ComfyUI restored it (see set_weight).
         # A tuple, so that nn.Module does not register the weight as a second parameter.
         self._patch: tuple[nn.Parameter, dict[str, nn.Parameter]] | None = None
+        self.runs = 0  # calls, for the run-time witness (quant/witness.py)
 
     def tensors_on(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """This layer's parameters on `device` (default: the weight's); a per-call copy of those elsewhere.
@@ -58,7 +60,19 @@ class QuantLinear(nn.Module):
         """This layer's parameters on x's device."""
         return self.tensors_on(x.device)
 
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The method's tensors by role (bias excluded), as a checkpoint stores them.
+
+        Raises while ComfyUI has a weight patch (e.g. a LoRA) written into the
+        layer: the tensors would carry it.
+        """
+        self._drop_stale_patch()
+        if self._patch is not None:
+            raise RuntimeError("a weight patch (e.g. a LoRA) is written into this layer")
+        return {key: param for key, param in self._parameters.items() if param is not None and key != "bias"}
+
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        count_run(self)
         weight_patches, bias_patches = self._patches("weight"), self._patches("bias")
         if weight_patches or bias_patches:
             return self._forward_patched(x, input_act, weight_patches, bias_patches)
@@ -73,7 +87,7 @@ class QuantLinear(nn.Module):
                          bias_patches: list) -> torch.Tensor:
         """ComfyUI's per-call weight patches (LoRA under partial loading or dynamic VRAM) act on the
         dequantized weight."""
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         weight = self.method.dequantize(self, x.device).to(x.dtype)
         for patch in weight_patches:
             weight = patch(weight)

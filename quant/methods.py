@@ -72,3 +72,17 @@ def get_method(name: str, **options):
     except KeyError:
         raise ValueError(f"unknown quantization method {name!r}; valid: {', '.join(_FACTORIES)}") from None
     return factory(**options)
+
+
+def kitchen_missing() -> str | None:
+    """Why comfy-kitchen cannot be imported, or None when it can.
+
+    Every method's forward runs on it (its activation, INT8 and block-format
+    kernels, with eager CPU references), so callers check this before building
+    quantized layers rather than fail at the first forward.
+    """
+    try:
+        import comfy_kitchen  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None

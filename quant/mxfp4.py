@@ -354,7 +354,7 @@ class Mxfp4Method(LinearMethod):
         out_dtype = output_dtype(x, layer.compute_dtype)
         x2d = x.reshape(-1, x.shape[-1])
         if input_act is not None:
-            from comfy_kitchen.backends._activations import apply_input_act
+            from .kitchen_api import apply_input_act
             x2d = apply_input_act(x2d, input_act)
         out = None
         if self.path.name == "aiter":

@@ -36,7 +36,7 @@ class QuantoInt8Method(LinearMethod):
         return t["weight"].to(dtype) * t["weight_scale"].to(dtype)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        from comfy_kitchen.backends._activations import apply_input_act
+        from .kitchen_api import apply_input_act
         t = layer.tensors_for(x)
         dtype = output_dtype(x, layer.compute_dtype)
         weight = t["weight"].to(dtype) * t["weight_scale"].to(dtype)

@@ -18,6 +18,7 @@ class LayerRecord:
     bytes_before: int
     bytes_after: int
     linear: bool = True         # False for weight-bearing modules that are not Linear-like
+    earlier: bool = False       # quantized before this pass (method: its format); not counted as this pass's
 
 
 @dataclass
@@ -28,7 +29,13 @@ class QuantReport:
 
     @property
     def quantized(self) -> list[LayerRecord]:
-        return [r for r in self.records if r.method is not None]
+        """The layers this pass quantized (or loaded quantized)."""
+        return [r for r in self.records if r.method is not None and not r.earlier]
+
+    @property
+    def earlier(self) -> list[LayerRecord]:
+        """The layers that came to this pass already quantized, left as they were."""
+        return [r for r in self.records if r.earlier]
 
     @property
     def linear_count(self) -> int:
@@ -44,9 +51,9 @@ class QuantReport:
     def bytes_after(self) -> int:
         return sum(r.bytes_after for r in self.records)
 
-    def method_counts(self) -> dict[str, int]:
+    def method_counts(self, records: list[LayerRecord] | None = None) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for r in self.quantized:
+        for r in self.quantized if records is None else records:
             counts[r.method] = counts.get(r.method, 0) + 1
         return counts
 
@@ -62,9 +69,9 @@ class QuantReport:
         counts = self.method_counts()
         if counts:
             lines.append("formats: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
-        already = sum(r.method is not None and r.reason == "already quantized" for r in self.records)
-        if already:
-            lines.append(f"already quantized, left alone: {already}")
+        earlier = self.method_counts(self.earlier)
+        if earlier:
+            lines.append("already quantized, left alone: " + ", ".join(f"{k} x{v}" for k, v in sorted(earlier.items())))
         lines.extend(self.notes)
         if self.kept:
             lines.append(f"kept in original precision ({len(self.kept)}):")

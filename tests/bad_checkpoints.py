@@ -7,11 +7,13 @@ unit tests inspect each file directly; the integration tests load each one
 through a real ComfyUI and check that the server keeps serving.
 """
 import json
+import struct
 
 import torch
 
 from checkpoint_files import edit_checkpoint, load, marker_tensor, quanto_map, truncate, write_markers, write_quanto
 
+from bigdit.loaders.markers import MAX_MARKER_DEPTH
 from bigdit.loaders.safetensors_header import MAX_METADATA_BYTES
 
 LAYER = "blocks.0.ffn.0"
@@ -29,6 +31,32 @@ def _nvfp4_file(src, workdir):
 
 def _quanto_file(src, workdir):
     return write_quanto(src, workdir / "quanto.safetensors", QUANTO_LAYERS)
+
+
+def _fp8_file(src, workdir):
+    return write_markers(src, workdir / "fp8.safetensors", {LAYER: {"format": "float8_e4m3fn"}})
+
+
+def write_raw(dst, header: bytes, data: bytes = b""):
+    """A file with this exact header text (for headers no safetensors writer would produce)."""
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + data)
+    return dst
+
+
+def _with_scale(writer, role, change):
+    """A bad-file writer: the file of `writer` with LAYER's `role` tensor replaced by change(tensor)."""
+    def write(src, workdir, dst):
+        path = writer(src, workdir)
+        return edit_checkpoint(path, dst, {f"{LAYER}.{role}": change(_tensor(path, f"{LAYER}.{role}").clone())})
+    return write
+
+
+def _set_row(value):
+    def change(scale):
+        scale[3] = value if not callable(value) else value(scale[3])
+        return scale
+    return change
 
 
 def _tensor(path, key):
@@ -108,6 +136,78 @@ def bad_conflicting_markers(src, workdir, dst):
     return edit_checkpoint(_int8_file(src, workdir), dst, metadata={"_quantization_metadata": json.dumps(meta)})
 
 
+def bad_fp8_input_scale(value):
+    def write(src, workdir, dst):
+        return edit_checkpoint(_fp8_file(src, workdir), dst, {f"{LAYER}.input_scale": torch.tensor(float(value))})
+    return write
+
+
+def bad_conflicting_convrot(src, workdir, dst):
+    meta = {"format_version": "1.0", "layers": {LAYER: {"format": "int8_tensorwise"}}}
+    return edit_checkpoint(_int8_file(src, workdir), dst, metadata={"_quantization_metadata": json.dumps(meta)})
+
+
+def bad_conflicting_group_size(src, workdir, dst):
+    meta = {"format_version": "1.0", "layers": {LAYER: {"format": "int8_tensorwise", "convrot": True,
+                                                        "convrot_groupsize": 16}}}
+    return edit_checkpoint(_int8_file(src, workdir), dst, metadata={"_quantization_metadata": json.dumps(meta)})
+
+
+def bad_nested_header(src, workdir, dst):
+    return write_raw(dst, b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+def bad_nested_marker(src, workdir, dst):
+    """Deeper than Python's recursion limit, within the marker size bound."""
+    text = b'{"format": "int8_tensorwise", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    return edit_checkpoint(_int8_file(src, workdir), dst,
+                           {f"{LAYER}.comfy_quant": torch.tensor(list(text), dtype=torch.uint8)})
+
+
+def bad_deep_marker(src, workdir, dst):
+    nested = "x"
+    for _ in range(MAX_MARKER_DEPTH + 1):
+        nested = [nested]
+    return edit_checkpoint(_int8_file(src, workdir), dst, {f"{LAYER}.comfy_quant": marker_tensor(
+        {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64, "x": nested})})
+
+
+def bad_nested_quanto_map(src, workdir, dst):
+    import base64
+    text = b'{"' + LAYER.encode() + b'": {"weights": "qint8", "activations": "none", "x": ' + b"[" * 100_000 \
+        + b"]" * 100_000 + b"}}"
+    return edit_checkpoint(_quanto_file(src, workdir), dst,
+                           metadata={"quantization_map_base64": base64.b64encode(text).decode()})
+
+
+def bad_oversized_marker(src, workdir, dst):
+    text = json.dumps({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64,
+                       "notes": "x" * 10_000_000}).encode()
+    return edit_checkpoint(_int8_file(src, workdir), dst,
+                           {f"{LAYER}.comfy_quant": torch.frombuffer(bytearray(text), dtype=torch.uint8)})
+
+
+def many_markers_file(dst, n, form="tensor", scales=True):
+    """n int8 layers with zero-size weight (and, with `scales`, weight_scale) tensors, marked in `form`
+    ("tensor" or "header"): a valid file that is all header."""
+    marker = {"format": "int8_tensorwise"}
+    text = json.dumps(marker).encode()
+    header, data = {}, bytearray()
+    for i in range(n):
+        layer = f"blocks.{i}.linear"
+        if form == "tensor":
+            header[f"{layer}.comfy_quant"] = {"dtype": "U8", "shape": [len(text)],
+                                              "data_offsets": [len(data), len(data) + len(text)]}
+            data += text
+        header[f"{layer}.weight"] = {"dtype": "I8", "shape": [0, 0], "data_offsets": [len(data), len(data)]}
+        if scales:
+            header[f"{layer}.weight_scale"] = {"dtype": "F32", "shape": [0], "data_offsets": [len(data), len(data)]}
+    if form == "header":
+        layers = {f"blocks.{i}.linear": marker for i in range(n)}
+        header["__metadata__"] = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    return write_raw(dst, json.dumps(header).encode(), bytes(data))
+
+
 BAD_FILES = {
     # name: (writer, expected words, layer named)
     "truncated": (bad_truncated, "truncated file", f"{LAYER}.weight"),
@@ -115,7 +215,7 @@ BAD_FILES = {
     "unknown format": (bad_unknown_format, "unsupported quantization format 'float3_e1m1'", LAYER),
     "shape mismatch": (bad_shape, "shape mismatch: int8_tensorwise weight_scale", LAYER),
     "dtype mismatch": (bad_dtype, "dtype mismatch: int8_tensorwise weight must be I8, found BF16", LAYER),
-    "activation-quantized Quanto": (bad_quanto_activations, "activation-quantized", LAYER),
+    "activation-quantized Quanto": (bad_quanto_activations, "activation quantization is not supported", LAYER),
     "non-unit Quanto scale": (bad_quanto_scale, "non-unit Quanto input_scale", LAYER),
     "prefix-set mismatch": (bad_prefix_set, "prefix-set mismatch", "blocks.0.ffn.2"),
     # the header is refused before any layer is read: the error names the oversized key
@@ -125,4 +225,29 @@ BAD_FILES = {
     "missing companion": (bad_missing_companion, "missing tensor(s) weight_scale_2", LAYER),
     "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: pre_quant_scale", LAYER),
     "conflicting markers": (bad_conflicting_markers, "conflicting markers", LAYER),
+    "conflicting ConvRot": (bad_conflicting_convrot, "they differ in convrot", LAYER),
+    "conflicting group size": (bad_conflicting_group_size, "they differ in convrot_groupsize", LAYER),
+    # scales no quantizer writes
+    "huge int8 scale": (_with_scale(_int8_file, "weight_scale", lambda s: torch.full_like(s, 1e30)),
+                        "int8_tensorwise weight_scale too large (max 1e+30)", LAYER),
+    "zero int8 scale": (_with_scale(_int8_file, "weight_scale", _set_row(0.0)),
+                        "zero values in int8_tensorwise weight_scale", LAYER),
+    "negative int8 scale": (_with_scale(_int8_file, "weight_scale", _set_row(lambda v: -v)),
+                            "negative values in int8_tensorwise weight_scale", LAYER),
+    "zero Quanto scale": (_with_scale(_quanto_file, "weight._scale", _set_row(0.0)),
+                          "zero values in quanto_qint8 weight_scale", LAYER),
+    "negative Quanto scale": (_with_scale(_quanto_file, "weight._scale", _set_row(lambda v: -v)),
+                              "negative values in quanto_qint8 weight_scale", LAYER),
+    "zero FP8 input_scale": (bad_fp8_input_scale(0), "zero values in float8_e4m3fn input_scale", LAYER),
+    "negative FP8 input_scale": (bad_fp8_input_scale(-1), "negative values in float8_e4m3fn input_scale", LAYER),
+    "zero NVFP4 weight_scale_2": (_with_scale(_nvfp4_file, "weight_scale_2", lambda s: torch.zeros_like(s)),
+                                  "zero values in nvfp4 weight_scale_2", LAYER),
+    "negative NVFP4 weight_scale_2": (_with_scale(_nvfp4_file, "weight_scale_2", lambda s: -s),
+                                      "negative values in nvfp4 weight_scale_2", LAYER),
+    # JSON that is too deep or too big
+    "nested header JSON": (bad_nested_header, "the safetensors header is not valid JSON", "nested too deeply"),
+    "nested marker JSON": (bad_nested_marker, "bad marker JSON in", f"{LAYER}.comfy_quant (nested too deeply)"),
+    "deep marker JSON": (bad_deep_marker, f"nested more than {MAX_MARKER_DEPTH} levels deep", LAYER),
+    "nested Quanto map": (bad_nested_quanto_map, "quantization_map_base64", "nested too deeply"),
+    "oversized marker": (bad_oversized_marker, "oversized marker", LAYER),
 }

@@ -6,7 +6,9 @@ From a plain state dict they write:
   tensors quantized by the pack's methods (comfy-kitchen layouts);
 - Quanto qint8 files with our own writer (`write_quanto`), and with the real
   one (`write_quanto_reference`: optimum-quanto quantizes, mmgp writes the
-  self-describing metadata) run in a subprocess, as those packages patch torch.
+  self-describing metadata) run in a subprocess, as those packages patch torch;
+- marker files written by a real converter, convert_to_quant 1.3.4's command
+  line (`write_converted`, also in a subprocess, on CPU).
 
 Bad files are made from good ones by `edit_checkpoint` (rewrite tensors or
 metadata) and `truncate`.
@@ -83,13 +85,82 @@ def write_quanto(src, dst, prefixes):
     return Path(dst)
 
 
-def write_quanto_reference(src, dst, prefixes):
-    """The real writers: optimum-quanto quantizes, mmgp.safetensors2 writes the file."""
-    job = json.dumps({"src": str(src), "dst": str(dst), "prefixes": list(prefixes)})
+def write_quanto_reference(src, dst, prefixes, activations=None):
+    """The real writers: optimum-quanto quantizes (weights qint8, activations as given), mmgp.safetensors2
+    writes the file."""
+    job = json.dumps({"src": str(src), "dst": str(dst), "prefixes": list(prefixes), "activations": activations})
     result = subprocess.run([sys.executable, __file__, job], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"optimum-quanto/mmgp writer failed:\n{result.stdout}{result.stderr}")
     return Path(dst)
+
+
+# convert_to_quant 1.3.4 command lines for the formats it writes as ComfyUI markers. --simple skips its
+# learned rounding (minutes per layer on CPU); the file layout is the same.
+CONVERTER_MODES = {
+    "int8_row_convrot": ["--int8", "--scaling_mode", "row", "--convrot", "--convrot-group-size", "256"],
+    "int8_row": ["--int8", "--scaling_mode", "row"],
+    "int8_tensor": ["--int8", "--scaling_mode", "tensor"],
+    "fp8": ["--scaling_mode", "tensor"],
+    "nvfp4": ["--nvfp4"],
+}
+
+
+def write_converted(src, files: dict):
+    """`src` quantized by convert_to_quant for each {dst: mode} (modes: CONVERTER_MODES), markers in both forms.
+
+    Its command line is parsed and run by its own `get_parser` / `run_conversion` (what its `main` does), all
+    files in one subprocess: importing the converter costs several seconds, a conversion of a tiny model less.
+    """
+    jobs = [[str(dst), "-i", str(src), "-o", str(dst), *CONVERTER_MODES[mode], "--comfy_quant",
+             "--save-quant-metadata", "--simple", "--device", "cpu"] for dst, mode in files.items()]
+    result = subprocess.run([sys.executable, __file__, json.dumps({"kind": "convert", "jobs": jobs})],
+                            capture_output=True, text=True)
+    missing = [dst for dst in files if not Path(dst).exists()]
+    if result.returncode or missing:
+        raise RuntimeError(f"convert_to_quant failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return {dst: Path(dst) for dst in files}
+
+
+def converter_dequantized(sd, name):
+    """The fp32 [out, in] weight a convert_to_quant layer stands for, decoded with the converter's own code
+    (NVFP4 through its PyTorch decoder, ConvRot undone with its Hadamard matrix)."""
+    from convert_to_quant.converters.nvfp4_converter import NVFP4Converter
+    from convert_to_quant.utils.convrot import build_hadamard
+    marker = json.loads(sd[f"{name}.comfy_quant"].numpy().tobytes())
+    q, scale = sd[f"{name}.weight"], sd[f"{name}.weight_scale"]
+    if marker["format"] == "nvfp4":
+        return NVFP4Converter(optimize=False)._dequantize_pytorch(q, sd[f"{name}.weight_scale_2"], scale,
+                                                                  torch.float32)
+    scale = scale.double()
+    weight = q.double() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
+    if marker.get("convrot"):
+        group = marker["convrot_groupsize"]
+        # the converter stores W @ H^T per group of inputs; H is orthogonal
+        weight = weight.reshape(weight.shape[0], -1, group) @ build_hadamard(group, dtype=torch.float64)
+    return weight.reshape(q.shape).float()
+
+
+def write_dequantized(converted, dst):
+    """A plain bf16 file of what a convert_to_quant file stands for: its layers dequantized, the rest as stored."""
+    sd, metadata = load(converted)
+    layers = [key[:-len(".comfy_quant")] for key in sd if key.endswith(".comfy_quant")]
+    plain = {key: value for key, value in sd.items()
+             if not any(key.startswith(f"{layer}.") and not key.endswith(".bias") for layer in layers)}
+    for layer in layers:
+        plain[f"{layer}.weight"] = converter_dequantized(sd, layer).to(torch.bfloat16)
+    save(plain, dst, {k: v for k, v in metadata.items() if k != "_quantization_metadata"})
+    return Path(dst)
+
+
+def _converter(job):
+    import gc
+    from convert_to_quant.cli.main import get_parser, run_conversion
+    # It calls gc.collect() per layer, which walks every object torch's import made (most of its time here):
+    # frozen, those are skipped.
+    gc.freeze()
+    for _dst, *argv in job["jobs"]:
+        run_conversion(get_parser().parse_args(argv))
 
 
 def save(sd, dst, metadata=None):
@@ -134,7 +205,7 @@ def _reference_writer(job):
                 parent.add_module(part, nn.Module())
             parent = getattr(parent, part)
         parent.add_module(leaf, linear)
-    quantize(root, weights=qint8)
+    quantize(root, weights=qint8, activations={"qint8": qint8, None: None}[job["activations"]])
     freeze(root)
     out = {**sd, **root.state_dict()}
     safetensors2.torch_write_file(out, job["dst"], quantization_map=quantization_map(root))
@@ -142,4 +213,5 @@ def _reference_writer(job):
 
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    _reference_writer(json.loads(sys.argv[1]))
+    _job = json.loads(sys.argv[1])
+    (_converter if _job.get("kind") == "convert" else _reference_writer)(_job)

@@ -64,6 +64,8 @@ FEATURES = {
                         "getattr(module('comfy.quant_ops'), 'QuantizedTensor', None) is "
                         "getattr(module('comfy_kitchen.tensor'), 'QuantizedTensor', 0)"),
     "linear_input_act": ("comfy.ops.linear_input_act", "hasattr(module('comfy.ops'), 'linear_input_act')"),
+    "kitchen_sol": ("comfy-kitchen's sol_attn (Sol sparse attention) in its environment",
+                    "hasattr(module('comfy_kitchen'), 'sol_attn')"),
     "torchaudio": ("torchaudio in its environment (ComfyUI's audio nodes)",
                    "importlib.util.find_spec('torchaudio') is not None"),
 }

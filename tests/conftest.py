@@ -9,15 +9,19 @@ picks hosts. A test that needs a host feature says so with
 `@pytest.mark.host_feature("minimax_h3", ...)` (names: comfy_harness.FEATURES)
 and is skipped on a host that lacks it, with the reason "ComfyUI <v> lacks ...";
 inside a test, `if reason := comfy.host.lacks(...): pytest.skip(reason)`.
+Unit tests run in each host's venv (.ci/run); one that needs a comfy-kitchen API
+that the venv's (pinned) comfy-kitchen may lack says
+`@pytest.mark.kitchen_feature("sol_attn")` and is skipped where it is missing.
 """
 import sys
 import types
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 from comfy_harness import HOSTS, ComfyServer
-from tiny_models import make_tiny_wan, make_tiny_wan_vae
+from tiny_models import H3_TEXT_DIM, make_tiny_h3, make_tiny_wan, make_tiny_wan_vae
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +40,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "host_feature(*names): needs these host features (comfy_harness.FEATURES); "
                                        "skipped on a host that lacks one")
+    config.addinivalue_line("markers", "kitchen_feature(*names): needs these comfy_kitchen attributes; "
+                                       "skipped where this venv's comfy-kitchen lacks one")
 
 
 def pytest_generate_tests(metafunc):
@@ -47,6 +53,12 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_runtest_setup(item):
+    needed = [name for mark in item.iter_markers("kitchen_feature") for name in mark.args]
+    if needed:
+        import comfy_kitchen
+        missing = [name for name in needed if not hasattr(comfy_kitchen, name)]
+        if missing:
+            pytest.skip(f"comfy-kitchen {version('comfy-kitchen')} lacks {', '.join(missing)}")
     marks = list(item.iter_markers("host_feature"))
     if not marks:
         return
@@ -58,7 +70,7 @@ def pytest_runtest_setup(item):
         pytest.skip(reason)
 
 
-# ---- integration fixtures: a real ComfyUI server and tiny Wan models --------
+# ---- integration fixtures: a real ComfyUI server and tiny Wan and H3 models --
 
 @pytest.fixture(scope="session")
 def comfy(request, tmp_path_factory):
@@ -95,3 +107,15 @@ def tiny_wan(comfy, tiny_vae):
 def tiny_wan2(comfy, tiny_vae):
     """2 blocks, dim 256, 2 heads (ComfyUI fixes head dim at 128), ffn 512."""
     return _tiny_unet(comfy, tiny_vae, "tiny_wan2.safetensors", num_layers=2, num_heads=2, dim=256, ffn_dim=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_h3(comfy):
+    """MiniMax-H3 from upstream's own class: 2 blocks, 1 refiner block, hidden 256, 2 heads x 128,
+    ffn 512, text_dim 512 (tests/tiny_models.py): {"unet_name", "path", "text_dim"}. Needs a host
+    with MiniMax-H3 (mark the test host_feature("minimax_h3"))."""
+    if reason := comfy.host.lacks("minimax_h3"):
+        pytest.skip(reason)
+    name = "tiny_h3.safetensors"
+    path = make_tiny_h3(comfy.models_dir / "diffusion_models" / name, host=comfy.host)
+    return {"unet_name": name, "path": path, "text_dim": H3_TEXT_DIM}

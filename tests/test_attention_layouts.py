@@ -88,6 +88,7 @@ def test_mask_passed_positionally_and_scale_keyword(override):
     assert (out - default).abs().max() > 1e-2  # the scale really was applied
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_sol_layouts_on_cpu_eager():
     # Sol on comfy-kitchen's eager reference: (B, T, H, 128) inside, any layout outside
     g = torch.Generator().manual_seed(2)

@@ -1,5 +1,6 @@
 """Backend names, declared constraints, selection and fallbacks (CPU)."""
 import logging
+import re
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ def fallback_warnings(caplog, name):
     ("fa", "flash"), ("flash_attn", "flash"), ("Flash", "flash"), ("flash-attn", "flash"),
     ("kitchen_int8", "kitchen_int8"), ("INT8", "kitchen_int8"), ("Kitchen-INT8", "kitchen_int8"),
     ("sol", "sol"), ("sol_attn", "sol"), ("Sol-Attn", "sol"), (" auto ", "auto"),
+    ("fa3_fp8", "fa3_fp8"), ("FA3-FP8", "fa3_fp8"), ("flash_fp8", "fa3_fp8"),
 ])
 def test_names_and_aliases(spelling, name):
     assert registry.parse(spelling) == name
@@ -50,7 +52,7 @@ def test_sol_is_no_dense_backend():
         Router("sage", dense_backend="sol")
 
 
-@pytest.mark.parametrize("name", ["flash", "sage", "kitchen_int8"])
+@pytest.mark.parametrize("name", ["flash", "fa3_fp8", "sage", "kitchen_int8"])
 def test_cuda_only_backend_falls_back_on_cpu_with_one_warning(name, caplog):
     router = Router(name)
     q, k, v = qkv()
@@ -68,6 +70,7 @@ def test_cuda_only_backend_falls_back_on_cpu_with_one_warning(name, caplog):
     assert sum(stats["fallbacks"].values()) == 3  # every call is counted, only the first warned
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_each_distinct_reason_warns_once(caplog):
     router = Router("sol", dense_backend="sdpa", sol_min_tokens=256)
     short = qkv(s=128, d=128)
@@ -81,6 +84,20 @@ def test_each_distinct_reason_warns_once(caplog):
     assert len(messages) == 2, messages
     assert "fewer than 256 tokens" in messages[0]
     assert "cross-attention" in messages[1]
+
+
+def test_sol_without_kitchen_sol_attn_falls_back_and_says_why(caplog, monkeypatch):
+    # comfy-kitchen 0.2.31 (upstream ComfyUI 0.33.0's pin) has no sol_attn; the integration
+    # suite sees it for real on that host
+    import comfy_kitchen
+    monkeypatch.delattr(comfy_kitchen, "sol_attn", raising=False)
+    router = Router("sol", dense_backend="sdpa", sol_min_tokens=0)
+    q, k, v = qkv(s=256, d=128)
+    with caplog.at_level(logging.WARNING, logger=WARN_LOGGER):
+        out = router(q, k, v)
+    (message,) = [r.getMessage() for r in fallback_warnings(caplog, "sol")]
+    assert re.search(r"comfy-kitchen \S+ has no sol_attn \(a newer comfy-kitchen has it", message), message
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 
 
 def test_chain_is_backend_then_dense_then_sdpa(caplog):
@@ -121,7 +138,7 @@ def test_backend_call_raises_unsupported_with_reason():
     q, k, v = qkv()
     with pytest.raises(Unsupported, match="needs cuda"):
         registry.create("sage")(q, k, v)
-    # flash has five kernels; identical reasons are reported once
+    # flash has four kernels; identical reasons are reported once
     with pytest.raises(Unsupported) as info:
         registry.create("flash").plan(q, k, v)
     assert str(info.value) == "needs cuda, got a cpu tensor"

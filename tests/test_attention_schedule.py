@@ -1,5 +1,6 @@
 """The dense schedule: which calls run the dense backend instead of Sol."""
 import logging
+import time
 
 import pytest
 import torch
@@ -13,14 +14,30 @@ SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
 
 @pytest.mark.parametrize("text, blocks", [
     ("", set()), ("0,1", {0, 1}), (" 0, 1 ,47-49", {0, 1, 47, 48, 49}), ("5-3", {3, 4, 5}), ("2 7", {2, 7}),
+    ("3-5, 4-9, 10", set(range(3, 11))),
 ])
 def test_parse_layers(text, blocks):
-    assert parse_layers(text) == blocks
+    parsed = parse_layers(text)
+    assert {b for b in range(64) if b in parsed} == blocks
+    assert bool(parsed) == bool(blocks)
 
 
-@pytest.mark.parametrize("text", ["a", "1.5", "-2", "1,,x"])
-def test_parse_layers_rejects(text):
-    with pytest.raises(ValueError, match="dense_layers"):
+def test_parse_layers_keeps_huge_ranges_as_ranges():
+    """A range is two numbers however wide: no 10^12 indices are built."""
+    start = time.perf_counter()
+    parsed = parse_layers("0-1000000000000, 7")
+    assert time.perf_counter() - start < 0.1
+    assert parsed.ranges == ((0, 1000000000000),)
+    assert 0 in parsed and 10 ** 12 in parsed and 10 ** 12 + 1 not in parsed
+    assert str(parse_layers("9, 0, 1, 47-49")) == "[0-1, 9, 47-49]"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("a", "not a block index"), ("1.5", "not a block index"), ("-2", "not a block index"),
+    ("1,,x", "not a block index"), ("1" * 19, "more than 18 digits"), (",".join(["1"] * 1025), "more than 1024"),
+])
+def test_parse_layers_rejects(text, words):
+    with pytest.raises(ValueError, match=f"dense_layers: .*{words}"):
         parse_layers(text)
 
 
@@ -55,6 +72,7 @@ def sample(router, steps=4, blocks=3, cross=False):
     return ran_dense
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_dense_steps_and_layers_route_to_the_dense_backend():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_steps=2, dense_layers="1",
                     sol_min_tokens=0)
@@ -69,6 +87,7 @@ def test_dense_steps_and_layers_route_to_the_dense_backend():
     assert sum(stats["fallbacks"].values()) == 4
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_block_counting_restarts_with_each_forward():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="1", sol_min_tokens=0)
     ran_dense = sample(router, steps=2, cross=True)
@@ -79,6 +98,7 @@ def test_block_counting_restarts_with_each_forward():
     assert [ran_dense[s, b, "self"] for s in range(2) for b in range(3)] == [False, True] + [False] * 4
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_block_index_reported_by_the_model_wins():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="7", sol_min_tokens=0)
     q, k, v = qkv()
@@ -88,6 +108,7 @@ def test_block_index_reported_by_the_model_wins():
     assert router.stats.snapshot()["scheduled_dense"] == {"layer": 1}
 
 
+@pytest.mark.kitchen_feature("sol_attn")
 def test_no_step_information_warns_once_and_runs_sol(caplog):
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_steps=3, sol_min_tokens=0)
     q, k, v = qkv()

@@ -16,6 +16,8 @@ from bench.attention_inputs import psnr, random_qkv, structured_qkv
 from bigdit.attention import Router, Unsupported, registry
 from bigdit.attention.sol import h3_sinks
 
+pytestmark = pytest.mark.kitchen_feature("sol_attn")
+
 ALL_EXACT = -1e4
 FP32_TOL = 1e-5  # fp32 attention outputs of magnitude O(1)
 

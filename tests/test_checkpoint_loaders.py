@@ -7,14 +7,17 @@ run inside `_load_from_state_dict`. Each layer's output is compared with the
 bf16 layer's in fp32.
 """
 import base64
+import json
+import time
+import tracemalloc
 
 import pytest
 import torch
 from torch import nn
 
-from bad_checkpoints import BAD_FILES
-from checkpoint_files import (edit_checkpoint, load, marker_tensor, save, write_markers,
-                              write_quanto, write_quanto_reference)
+from bad_checkpoints import BAD_FILES, many_markers_file
+from checkpoint_files import (CONVERTER_MODES, converter_dequantized, edit_checkpoint, load, marker_tensor, save,
+                              write_converted, write_markers, write_quanto, write_quanto_reference)
 
 from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
@@ -340,3 +343,138 @@ def test_quanto_map_must_be_base64_json(plain_file, tmp_path):
                            metadata={"quantization_map_base64": base64.b64encode(b"not json").decode()})
     with pytest.raises(CheckpointError, match="bad.safetensors: quantization_map_base64 is not base64-encoded JSON"):
         inspect_checkpoint(path)
+
+
+# ---- files written by a real converter: convert_to_quant 1.3.4 ------------------
+
+# Layer output error against the fp32 product of the file's own weights as the converter dequantizes
+# them (ConvRot undone with its Hadamard matrix, NVFP4 through its PyTorch decoder) and the file's bias
+# (its ConvRot calibration adjusts biases), relative L2. Measured on CPU: INT8 0.0064-0.0073 (only the
+# activations are quantized), FP8 0.026 (E4M3 activations), NVFP4 0 (weight-only, dequantized per call).
+CONVERTED_TOLERANCE = {"int8_row_convrot": 0.012, "int8_row": 0.012, "int8_tensor": 0.012, "fp8": 0.04,
+                       "nvfp4": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def converted(plain_file, tmp_path_factory):
+    """{mode: path} of the plain file converted by convert_to_quant in every mode of CONVERTER_MODES."""
+    folder = tmp_path_factory.mktemp("converted")
+    files = {folder / f"{mode}.safetensors": mode for mode in CONVERTER_MODES}
+    write_converted(plain_file, files)
+    return {mode: path for path, mode in files.items()}
+
+
+@pytest.mark.parametrize("mode, methods", [
+    # ConvRot 256 where the input width allows, else the converter's fallback to 64
+    ("int8_row_convrot", {n: f"int8_convrot(g={256 if n_in % 256 == 0 else 64})"
+                          for n, (_, n_in) in LINEARS.items()}),
+    ("int8_row", dict.fromkeys(LINEARS, "int8_tensorwise")),
+    ("int8_tensor", dict.fromkeys(LINEARS, "int8_tensorwise")),
+    ("fp8", dict.fromkeys(LINEARS, "float8_e4m3fn")),
+    ("nvfp4", dict.fromkeys(LINEARS, "nvfp4")),
+])
+def test_convert_to_quant_files_load(converted, mode, methods):
+    """Its markers are in both forms, the tensors' carrying extra keys ("per_row", "orig_dtype"): merged."""
+    path = converted[mode]
+    model, report, plan = build(path)
+    assert plan.kind == "ComfyUI per-layer markers"
+    assert {layer.source for layer in plan.layers.values()} == {"both forms"}
+    assert report.summary_line() == f"quantized {len(LINEARS)}/{len(LINEARS)} linear layers"
+    sd, _ = load(path)
+    for name, method in methods.items():
+        layer = model.get_submodule(name)
+        assert layer.method.describe().split(" ")[0] == method, name
+        x = layer_input(name)
+        reference = nn.functional.linear(x, converter_dequantized(sd, name), sd[f"{name}.bias"].float())
+        assert rel_err(layer(x), reference) < CONVERTED_TOLERANCE[mode], name
+
+
+# ---- scales: legitimate layouts load, impossible values are refused (tests/bad_checkpoints.py) -----
+
+@pytest.mark.parametrize("layout", ["[N, 1]", "[N]", "scalar", "F64"])
+def test_int8_scale_layouts(plain_file, tmp_path, layout):
+    name = "blocks.0.ffn.0"
+    path = write_markers(plain_file, tmp_path / "int8.safetensors", {name: {"format": "int8_tensorwise"}})
+    sd, _ = load(path)
+    weight, scale = plain_state_dict()[f"{name}.weight"].float(), sd[f"{name}.weight_scale"]
+    if layout == "scalar":
+        scale = weight.abs().amax() / 127
+        changed = {f"{name}.weight": torch.round(weight / scale).to(torch.int8), f"{name}.weight_scale": scale}
+    else:
+        changed = {f"{name}.weight_scale": {"[N, 1]": scale, "[N]": scale.reshape(-1), "F64": scale.double()}[layout]}
+    model, _, _ = build(edit_checkpoint(path, tmp_path / "layout.safetensors", changed))
+    x = layer_input(name)
+    assert rel_err(model.get_submodule(name)(x), reference_output(name, x)) < TOLERANCE["int8_tensorwise"]
+
+
+def test_large_scale_with_small_values_is_judged_by_the_values(plain_file, tmp_path):
+    """The cheap bound 128 x max(scale) fails; the stored values' real max decides (here within float16)."""
+    name = "blocks.0.ffn.0"
+    path = write_markers(plain_file, tmp_path / "int8.safetensors", {name: {"format": "int8_tensorwise"}})
+    rows, cols = LINEARS[name]
+    edited = edit_checkpoint(path, tmp_path / "big.safetensors", {
+        f"{name}.weight": torch.ones(rows, cols, dtype=torch.int8), f"{name}.weight_scale": torch.tensor(1000.0)})
+    assert inspect_checkpoint(edited).layers[name].format == "int8_tensorwise"
+    edited = edit_checkpoint(path, tmp_path / "bigger.safetensors", {
+        f"{name}.weight": torch.full((rows, cols), 100, dtype=torch.int8), f"{name}.weight_scale": torch.tensor(1000.0)})
+    with pytest.raises(CheckpointError, match=r"bigger.safetensors: int8_tensorwise weight_scale too large .* "
+                                              r"reaches 1e\+05, beyond float16's range"):
+        inspect_checkpoint(edited)
+
+
+def test_quanto_activation_quantization_from_the_real_writer(plain_file, tmp_path):
+    """optimum-quanto with activations=qint8: the error is the reason, naming the layers."""
+    prefixes = ["blocks.0.ffn.0", "blocks.0.ffn.2"]
+    path = write_quanto_reference(plain_file, tmp_path / "bad.safetensors", prefixes, activations="qint8")
+    with pytest.raises(CheckpointError) as info:
+        inspect_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith("bad.safetensors: activation quantization is not supported: Quanto layers with "
+                              "activations 'qint8'"), message
+    assert "prefix-set" not in message and all(p in message for p in prefixes), message
+
+
+# ---- bounded work on hostile files ---------------------------------------------
+
+@pytest.mark.parametrize("form", ["tensor", "header"])
+def test_inspection_of_24000_markers_is_fast(tmp_path, form):
+    """Linear work: measured 1.2-1.8 s of CPU for the tensor form (24,000 markers, 72,000 tensors, a third
+    of it parsing the 5 MB header JSON) on a loaded 2-core machine whose Python runs at about half a
+    desktop's speed; the quadratic scan this replaces took 38 s. The bound is CPU time, for slow CI."""
+    path = many_markers_file(tmp_path / "many.safetensors", 24000, form)
+    start = time.process_time()
+    plan = inspect_checkpoint(path)
+    seconds = time.process_time() - start
+    assert len(plan.layers) == 24000
+    assert seconds < 4.0, seconds
+
+
+def test_long_inspection_calls_the_check_and_stops_when_it_raises(tmp_path):
+    path = many_markers_file(tmp_path / "many.safetensors", 3000)
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt("stop")
+
+    with pytest.raises(KeyboardInterrupt):
+        inspect_checkpoint(path, check)
+    assert len(calls) == 20
+    calls.clear()
+    inspect_checkpoint(path, lambda: calls.append(1))
+    assert len(calls) >= 3 * 3000 // 256   # markers, layers and scales, one call per 256 each
+
+
+def test_oversized_marker_is_refused_before_it_is_read(plain_file, tmp_path):
+    from bad_checkpoints import bad_oversized_marker
+    path = bad_oversized_marker(plain_file, tmp_path, tmp_path / "bad.safetensors")
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="bad.safetensors: oversized marker: blocks.0.ffn.0.comfy_quant holds "
+                                              r"\d+ bytes, over the 4096-byte bound"):
+        inspect_checkpoint(path)
+    seconds, (_, peak) = time.perf_counter() - start, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 2 * 1024 * 1024, peak     # the 10 MB marker is never copied
+    assert seconds < 1.0, seconds

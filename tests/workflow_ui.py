@@ -12,18 +12,11 @@ each other and with the front end's widget order.
 import json
 import urllib.request
 
+# Node definitions and the pack's extension registered, and the first visit's default workflow
+# loaded (newer front ends load it after registering the nodes; loaded later, it would replace ours).
 READY = ("window.comfyAPI?.app?.app?.graph && window.LiteGraph?.registered_node_types?.KSampler"
-         " && window.comfyAPI.app.app.extensions.some(e => e.name === 'bigdit.report')")
-
-# Argument: {name: definition in /object_info format}; registers those the front end lacks.
-REGISTER_JS = r"""
-async (definitions) => {
-  const app = window.comfyAPI.app.app;
-  for (const [name, def] of Object.entries(definitions)) {
-    if (!LiteGraph.registered_node_types[name]) await app.registerNodeDef(name, def);
-  }
-}
-"""
+         " && window.comfyAPI.app.app.extensions.some(e => e.name === 'bigdit.report')"
+         " && window.comfyAPI.app.app.graph.nodes.length > 0")
 
 # Arguments: graph {key: {class_type, inputs, title?}} with links as [key, output index], and note
 # text. Node ids follow the graph's order (the Note first).
@@ -157,11 +150,6 @@ def open_comfy(browser, url: str, timeout=60.0):
                  {"source": "localStorage.setItem('vueNodesBannerDismissed', 'true')"})
     browser.goto(url)
     browser.wait_for(READY, timeout=timeout)
-
-
-def register_node_defs(browser, definitions: dict):
-    """Teach the front end node types its server lacks (e.g. upstream's, from tests/upstream_nodes.py)."""
-    call(browser, REGISTER_JS, definitions)
 
 
 def build_ui_workflow(browser, graph: dict, note: str = "") -> dict:

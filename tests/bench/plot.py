@@ -6,6 +6,8 @@
   weight format on MiniMax-H3's linear layers, per layer, at each measured token count.
 - attention-*.json: speed-up of each attention backend over cuDNN SDPA, with its PSNR.
 - offload-*.json: allocated VRAM through one forward per configuration, with the cap.
+- comfy-e2e-*.json: sampler step speed-up over everything resident per configuration in a real ComfyUI, per
+  length, with each one's peak VRAM and latent cosine to the reference.
 
 Needs matplotlib (not a test dependency: `pip install matplotlib`).
 """
@@ -116,6 +118,44 @@ def plot_offload(path: Path) -> Path | None:
     return save(fig, path)
 
 
+E2E_COLORS = {"comfy": "tab:gray", "pack": "tab:blue", "sol": "tab:orange"}
+
+
+def plot_comfy_e2e(path: Path) -> Path | None:
+    data = json.loads(path.read_text())
+    ok = [r for r in data["results"] if r["status"] == "ok" and r.get("vs_resident")]
+    if not ok:
+        return None
+    model = ok[0]["model"]
+    ok = [r for r in ok if r["model"] == model]
+    lengths = sorted({(r["tokens"], r["length"], r["size"]) for r in ok}, reverse=True)
+    fig, axes = plt.subplots(len(lengths), 1, figsize=(10, 3.6 * len(lengths)), squeeze=False)
+    for ax, (tokens, _, size) in zip(axes[:, 0], lengths):
+        at = [r for r in ok if r["tokens"] == tokens]
+        speedups = [r["vs_resident"] for r in at]
+        bars = ax.bar(range(len(at)), speedups,
+                      color=[E2E_COLORS["sol" if r["sol"] else r["family"]] for r in at])
+        labels = []
+        for x, r in zip(speedups, at):
+            label = f"{x:.2f}x"
+            if r.get("peak_gib") is not None:
+                label += f"\n{r['peak_gib']:.1f} GiB"
+            if r.get("cosine") is not None and r["config"] != "comfy_resident":
+                label += f"\ncos {r['cosine']:.5f}"
+            labels.append(label)
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
+        ax.set_xticks(range(len(at)), [r["config"] for r in at], fontsize=7, rotation=15)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{size}: {tokens:,} tokens", fontsize=9)
+        ax.set_ylabel("step speed-up over resident")
+        ax.margins(y=0.3)
+    cap = data.get("settings", {}).get("cap_gib")
+    fig.suptitle(f"{model} in ComfyUI {data['environment'].get('comfyui')} on {gpu_name(data)}: sampler step vs "
+                 f"everything resident (euler, {data['settings']['steps']} steps)\ngray: ComfyUI's own, blue: the "
+                 f"pack, orange: Sol; all but comfy_resident on an emulated {cap:g} GiB card", fontsize=9)
+    return save(fig, path)
+
+
 def save(fig, path: Path) -> Path:
     fig.tight_layout()
     out = path.with_suffix(".png")
@@ -127,13 +167,16 @@ def save(fig, path: Path) -> Path:
 def main_bench(path: Path) -> str | None:
     """The benchmark a results file is the main run of: "<bench>-<gpu>-<date>.json". Variant runs
     ("formats-compiled-quant-<gpu>-<date>.json") carry extra words and get no chart of their own."""
-    bench, _, rest = path.stem.partition("-")
     data = json.loads(path.read_text())
     gpu = (data.get("env") or data.get("environment") or {}).get("gpu") or "cpu"
-    return bench if re.fullmatch(rf"{re.escape(slug(gpu))}-\d{{4}}-\d{{2}}-\d{{2}}", rest) else None
+    for bench in PLOTTERS:
+        if re.fullmatch(rf"{re.escape(bench)}-{re.escape(slug(gpu))}-\d{{4}}-\d{{2}}-\d{{2}}", path.stem):
+            return bench
+    return None
 
 
-PLOTTERS = {"formats": plot_formats, "attention": plot_attention, "offload": plot_offload}
+PLOTTERS = {"formats": plot_formats, "attention": plot_attention, "offload": plot_offload,
+            "comfy-e2e": plot_comfy_e2e}
 
 
 def main(results: Path = RESULTS) -> list[Path]:

@@ -60,8 +60,8 @@ def test_object_info_lists_the_node(comfy):
     assert info["category"] == "attention" and info["output"] == ["MODEL"]
     assert info["description"]
     required, optional = info["input"]["required"], info["input"]["optional"]
-    assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "sol"]
-    assert optional["dense_backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash"]
+    assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol"]
+    assert optional["dense_backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8"]
     assert optional["sol_tau"][0] == "FLOAT" and optional["sol_tau"][1]["default"] == 1.0
     assert optional["dense_steps"][0] == "INT" and optional["dense_steps"][1]["default"] == 0
     assert optional["dense_layers"][0] == "STRING" and optional["dense_layers"][1]["default"] == ""
@@ -76,8 +76,18 @@ CPU_FALLBACKS = {
     "flash": ["needs cuda, got a cpu tensor"],
     "sage": ["needs cuda, got a cpu tensor"],
     "kitchen_int8": ["needs cuda, got a cpu tensor"],
+    "fa3_fp8": ["needs cuda, got a cpu tensor"],
     "sol": ["fewer than 12288 tokens", "query and key lengths differ (cross-attention)"],
 }
+# Sol's self-attention reason where the host's comfy-kitchen (0.33.0 pins 0.2.31) has no sol_attn
+NO_KITCHEN_SOL = "has no sol_attn (a newer comfy-kitchen has it"
+
+
+def cpu_fallbacks(host, backend):
+    reasons = CPU_FALLBACKS[backend]
+    if backend == "sol" and not host.features()["kitchen_sol"]:
+        reasons = [NO_KITCHEN_SOL if r.startswith("fewer than") else r for r in reasons]
+    return reasons
 
 
 @pytest.mark.parametrize("backend", list(CPU_FALLBACKS))
@@ -89,8 +99,9 @@ def test_every_backend_runs_the_tiny_wan(comfy_sdpa, tiny_wan, baseline, backend
     ran = "ran sdpa x4" if backend == "sdpa" else "ran auto:sdpa x4"
     assert ran in line, line
     warnings = re.findall(rf"bigdit attention: {backend} cannot take this call \((.*)\); running", log)
-    assert len(warnings) == len(CPU_FALLBACKS[backend]), warnings
-    for reason in CPU_FALLBACKS[backend]:
+    expected = cpu_fallbacks(comfy_sdpa.host, backend)
+    assert len(warnings) == len(expected), warnings
+    for reason in expected:
         assert sum(reason in w for w in warnings) == 1, (reason, warnings)
 
 
@@ -127,6 +138,15 @@ def test_bad_dense_layers_is_a_node_error(comfy_sdpa, tiny_wan):
         run(comfy_sdpa, tiny_wan, [node("sol", dense_layers="first")])
 
 
+def test_huge_dense_layers_range_is_kept_as_a_range(comfy_sdpa, tiny_wan, baseline):
+    """'0-1000000000000' costs two numbers, not 10^12 indices; every block of the model is dense."""
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], seed=5,
+                          model_chain=[node("sage", dense_backend="sdpa", dense_layers="0-1000000000000")])
+    history = comfy_sdpa.run(graph, timeout=60)
+    assert history["outputs"]["m0"]["text"][0].endswith("dense blocks [0-1000000000000]")
+    assert torch.equal(comfy_sdpa.latent(history, "save_latent"), baseline)
+
+
 def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
     graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
                           model_chain=[node("sol", dense_backend="sdpa", dense_steps=1, dense_layers="0")])
@@ -136,13 +156,21 @@ def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
 
 def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, tmp_path):
     """With Sol's minimum length lowered, its self-attention runs on comfy-kitchen's eager reference
-    (dense on CPU: close to SDPA, not bit-identical); cross-attention, which Sol cannot take, falls back."""
+    (dense on CPU: close to SDPA, not bit-identical); cross-attention, which Sol cannot take, falls back.
+    Where the host's comfy-kitchen has no sol_attn, every call falls back to SDPA, saying why."""
     server = sdpa_server(comfy, tiny_wan, tiny_wan2, tmp_path, env={"BIGDIT_SOL_MIN_TOKENS": "0"})
     try:
         latent, log = run(server, tiny_wan, [node("sol", dense_backend="sdpa")])
     finally:
         server.stop()
     line = summary(log)
+    if not comfy.host.features()["kitchen_sol"]:
+        assert "ran sdpa x4" in line, line
+        warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)
+        assert len(warnings) == 2 and NO_KITCHEN_SOL in warnings[0], warnings
+        assert warnings[1] == "query and key lengths differ (cross-attention)", warnings
+        assert torch.equal(latent, baseline)
+        return
     assert "ran sol x2, sdpa x2" in line, line
     assert "fewer than" not in log
     warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)

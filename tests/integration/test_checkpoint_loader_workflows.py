@@ -8,13 +8,15 @@ weights lands at a relative latent difference of about 0.7.
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from bad_checkpoints import BAD_FILES
-from checkpoint_files import edit_checkpoint, load, save, write_markers, write_quanto, write_quanto_reference
+from bad_checkpoints import BAD_FILES, many_markers_file
+from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, write_converted, write_dequantized,
+                              write_markers, write_quanto, write_quanto_reference)
 from comfy_harness import ComfyServer, PromptError
 from graphs import add_preview, wan_t2v_graph
 
@@ -140,6 +142,110 @@ def test_load_h3_quantized_offload_modes_agree(comfy, tiny_wan2):
         assert any(line.startswith(f"offload: {mode} on cpu") for line in report.splitlines()), report
         assert "resident 2/2 blocks, streaming 0" in report, report
     assert torch.equal(latents["none"], latents["layerwise"]) and torch.equal(latents["none"], latents["auto"])
+
+
+# ---- files written by convert_to_quant 1.3.4 -----------------------------------
+
+# Relative L2 latent difference from UNETLoader on the same file dequantized by the converter's own code
+# (tests/checkpoint_files.write_dequantized, bf16), measured on CPU: int8 row-wise ConvRot 0.0035, row-wise
+# 0.0033, tensor-wise 0.0034 (only the activations' quantization differs), fp8 0.012, nvfp4 0.0008
+# (dequantized per call; the reference rounds the weights to bf16).
+CONVERTED_TOLERANCE = {"int8_row_convrot": 0.01, "int8_row": 0.01, "int8_tensor": 0.01, "fp8": 0.03,
+                       "nvfp4": 0.003}
+
+
+@pytest.fixture(scope="module")
+def converted(comfy, tiny_wan2):
+    """{mode: (converted file, its dequantized twin)} in diffusion_models/."""
+    folder = comfy.models_dir / "diffusion_models"
+    files = {folder / f"wan2_ctq_{mode}.safetensors": mode for mode in CONVERTER_MODES}
+    write_converted(tiny_wan2["path"], files)
+    return {mode: (path.name, write_dequantized(path, folder / f"wan2_ctq_{mode}_dequantized.safetensors").name)
+            for path, mode in files.items()}
+
+
+@pytest.mark.parametrize("mode", list(CONVERTER_MODES))
+def test_convert_to_quant_file(comfy, tiny_wan2, converted, mode):
+    """Its markers come in both forms, the tensor form adding keys ("per_row"): merged, and the model runs
+    what the file stores."""
+    name, dequantized = converted[mode]
+    reference = comfy.latent(comfy.run(wan_t2v_graph(dequantized, tiny_wan2["vae_name"])), "save_latent")
+    log_start = len(comfy.log_text())
+    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": name})
+    quantized = int(re.match(r"quantized (\d+)/26 linear layers", report).group(1))
+    assert quantized >= 20, report  # every block Linear at least
+    assert f"markers read from both forms x{quantized}" in report, report
+    assert rel(latent, reference) < CONVERTED_TOLERANCE[mode], rel(latent, reference)
+    assert not re.search(r"unet (missing|unexpected)", comfy.log_text()[log_start:])
+
+
+# ---- what loading logs ---------------------------------------------------------------
+
+@pytest.mark.parametrize("loader", ["LoadH3Quantized", "MixedCheckpointLoader"])
+def test_loading_logs_no_missing_or_unexpected_keys(comfy, tiny_wan, tiny_wan2, files, loader):
+    """The layers built while loading are not submodules of the Linear they replace, so ComfyUI's
+    load_state_dict finds no `<layer>.built.*` keys to call missing (one line of 46,000 characters on a
+    Wan 14B)."""
+    inputs = ({"unet_name": tiny_wan["unet_name"], "quantization": "int8_convrot", "offload": "none"}
+              if loader == "LoadH3Quantized" else {"unet_name": files["mixed"]})
+    log_start = len(comfy.log_text())
+    run_loader(comfy, tiny_wan if loader == "LoadH3Quantized" else tiny_wan2, loader, inputs)
+    log = comfy.log_text()[log_start:]
+    assert f"{loader}: quantized" in log  # the load's own line: this is the load's log
+    assert not re.search(r"unet (missing|unexpected)", log), log[:2000]
+
+
+# ---- hostile inputs: bounded, interruptible, refused clearly --------------------------
+
+@pytest.mark.parametrize("node", ["LoadH3Quantized", "QuantizeModelINT8"])
+def test_hostile_ignored_layers_are_refused_fast(comfy, tiny_wan, tiny_wan2, baseline, node):
+    patterns = "[" * 40_000
+    if node == "LoadH3Quantized":
+        graph = wan_t2v_graph(None, tiny_wan["vae_name"], loader=(node, {
+            "unet_name": tiny_wan["unet_name"], "quantization": "int8_convrot", "offload": "none",
+            "ignored_layers": patterns}))
+    else:
+        graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[
+            (node, {"group_size": "64", "ignored_layers": patterns})])
+    start = time.monotonic()
+    with pytest.raises(PromptError) as info:
+        comfy.run(graph, timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.node_type == node
+    assert "ignored_layers: 40000 characters, over the bound" in info.value.message, info.value.message
+    assert_server_keeps_serving(comfy, tiny_wan2, baseline)
+
+
+def _queue(comfy, graph):
+    return comfy._request("/prompt", {"prompt": graph})["prompt_id"]
+
+
+def _wait_running(comfy, prompt_id, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(item[1] == prompt_id for item in comfy._request("/queue")["queue_running"]):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"prompt {prompt_id} never started")
+
+
+def test_long_inspection_stops_on_interrupt(comfy, tiny_wan2, baseline):
+    """200,000 markers (a 30 MB header) whose layers all lack weight_scale: inspected to the end, the load
+    fails with that; /interrupt during the inspection stops it with ComfyUI's interrupt instead."""
+    bad = many_markers_file(comfy.models_dir / "diffusion_models" / "bad_many_markers.safetensors", 200_000,
+                            scales=False)
+    graph = wan_t2v_graph(None, tiny_wan2["vae_name"], loader=("MixedCheckpointLoader", {"unet_name": bad.name}))
+    prompt_id = _queue(comfy, graph)
+    _wait_running(comfy, prompt_id)
+    time.sleep(0.5)  # past the executor's reset of the interrupt flag at the prompt's start
+    comfy._request("/interrupt", {})
+    deadline = time.monotonic() + 120
+    while not (entry := comfy._request(f"/history/{prompt_id}").get(prompt_id)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    kinds = [kind for kind, _ in entry["status"]["messages"]]
+    assert "execution_interrupted" in kinds and "execution_error" not in kinds, entry["status"]
+    assert_server_keeps_serving(comfy, tiny_wan2, baseline)
 
 
 def bad_file_cases():

@@ -76,3 +76,17 @@ def test_none_that_cannot_fit_fails_with_the_plan(comfy, tiny_wan4):
     assert "offload 'none' needs every block resident" in info.value.message
     assert "resident 0/4 blocks, streaming 4" in info.value.message
     assert "does not fit" in info.value.message
+
+
+@pytest.mark.parametrize("inputs", [{"reserve_gib": float("nan")}, {"reserve_gib": 2000.0},
+                                    {"reserve_gib": 0.0, "vram_gib": float("nan")}],
+                         ids=["NaN reserve", "reserve over max", "NaN vram"])
+def test_bad_memory_inputs_are_validation_errors(comfy, tiny_wan, inputs):
+    """NaN passes every min/max comparison; the node's own validation names it before anything runs."""
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
+                          model_chain=[("SetOffload", {"mode": "auto", **inputs})])
+    with pytest.raises(PromptError) as info:
+        comfy.run(graph)
+    name = "vram_gib" if "vram_gib" in inputs else "reserve_gib"
+    assert f"{name} must be a number from" in info.value.message, info.value.message
+    assert info.value.node_errors and not info.value.node_type  # refused at validation, not while running

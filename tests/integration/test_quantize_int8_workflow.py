@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from checkpoint_files import write_markers
 from graphs import chain_id, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
@@ -76,6 +77,35 @@ def test_quantizing_twice_is_idempotent(comfy, tiny_wan2):
     once = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[quantize_node()]))
     twice = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"],
                                     model_chain=[quantize_node(), quantize_node()]))
-    assert report_of(twice, chain_id(1)).splitlines()[0] == report_of(once).splitlines()[0]
-    assert "already quantized" in report_of(twice, chain_id(1))
+    assert report_of(once).splitlines()[0] == "quantized 26/26 linear layers"
+    # The second node did nothing: it says so, and names what the first one did.
+    second = report_of(twice, chain_id(1)).splitlines()
+    assert second[0] == "quantized 0/26 linear layers"
+    assert "already quantized, left alone: int8_convrot x26" in second
     assert torch.equal(comfy.latent(once, "save_latent"), comfy.latent(twice, "save_latent"))
+
+
+def test_fp8_input_model_is_reported_as_quantized_before(comfy, tiny_wan2):
+    """UNETLoader with weight_dtype fp8_e4m3fn already quantized every Linear; this node quantizes none."""
+    history = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], weight_dtype="fp8_e4m3fn",
+                                      model_chain=[quantize_node()]))
+    lines = report_of(history).splitlines()
+    assert lines[0] == "quantized 0/26 linear layers"
+    assert "already quantized, left alone: float8_e4m3fn x26" in lines
+    assert not any(line.startswith("formats:") for line in lines)
+    plain = comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], weight_dtype="fp8_e4m3fn"))
+    assert torch.equal(comfy.latent(history, "save_latent"), comfy.latent(plain, "save_latent"))
+
+
+def test_marker_loader_output_counts_only_the_new_layers(comfy, tiny_wan2):
+    """MixedCheckpointLoader's quantized layers are listed by format; the first line counts this node's."""
+    markers = {"blocks.0.self_attn.q": {"format": "int8_tensorwise"},
+               "blocks.0.ffn.0": {"format": "float8_e4m3fn"}, "blocks.1.ffn.2": {"format": "float8_e4m3fn"}}
+    path = write_markers(tiny_wan2["path"], comfy.models_dir / "diffusion_models" / "wan2_three_markers.safetensors",
+                         markers)
+    graph = wan_t2v_graph(None, tiny_wan2["vae_name"], loader=("MixedCheckpointLoader", {"unet_name": path.name}),
+                          model_chain=[quantize_node()])
+    lines = report_of(comfy.run(graph)).splitlines()
+    assert lines[0] == "quantized 23/26 linear layers"
+    assert "formats: int8_convrot x23" in lines
+    assert "already quantized, left alone: float8_e4m3fn x2, int8_tensorwise x1" in lines

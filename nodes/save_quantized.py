@@ -1,0 +1,148 @@
+"""SaveQuantizedModel: a quantized diffusion model -> a safetensors file in models/diffusion_models.
+
+The file holds every tensor of the diffusion model under its state_dict name
+(what UNETLoader and the pack's loaders detect the architecture from), the
+quantized layers in the layouts upstream ComfyUI loads natively, with
+`comfy_quant` markers (loaders/saving.py). The next load is a plain read
+instead of a quantization pass.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import comfy.model_management
+import folder_paths
+
+from ..loaders.safetensors_writer import write_safetensors
+from ..loaders.saving import SaveError, plan_save
+from .checkpoint_compat import progress_counter
+from .comfy_compat import DIFFUSION_PREFIX
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+NODE_NAME = "SaveQuantizedModel"
+
+
+def diffusion_models_dir() -> str:
+    """models/diffusion_models (ComfyUI also lists the legacy models/unet first under that name)."""
+    paths = folder_paths.get_folder_paths("diffusion_models")
+    for path in paths:
+        if os.path.basename(os.path.normpath(path)) == "diffusion_models":
+            return path
+    return paths[0]
+
+
+def target_path(folder: str, filename: str) -> tuple[str, str]:
+    """(absolute path, name relative to `folder`) for `filename`; ValueError if it could leave `folder`."""
+    name = (filename or "").strip().replace("\\", "/")
+    if not name:
+        raise ValueError("filename is empty")
+    if "\x00" in name or name.startswith("/") or re.match(r"[A-Za-z]:", name):
+        raise ValueError(f"filename {filename!r} must be relative to models/diffusion_models")
+    parts = name.split("/")
+    if any(part in ("", ".", "..") or part.startswith(".") for part in parts):
+        raise ValueError(f"filename {filename!r}: empty, '.', '..' and hidden path parts are not allowed")
+    if not name.lower().endswith(SUFFIX):
+        raise ValueError(f"filename {filename!r} must end in {SUFFIX}")
+    # Checked on the name only: a sub-folder the user linked to another disk stays usable.
+    return os.path.join(folder, *parts), "/".join(parts)
+
+
+def _weights_written_in(patcher) -> bool:
+    # ModelPatcher.backup is shared by all clones of a model: non-empty while any
+    # loaded clone has weights (a LoRA) written into the shared modules.
+    return bool(getattr(patcher, "backup", None))
+
+
+def _unload_clones(patcher) -> None:
+    """Unload the loaded models that share this model's modules, so they hold their own weights again."""
+    loaded_models = comfy.model_management.current_loaded_models
+    for i in range(len(loaded_models) - 1, -1, -1):
+        other = loaded_models[i].model
+        if other is not None and other.model is patcher.model:
+            loaded_models[i].model_unload()
+            loaded_models.pop(i)
+    comfy.model_management.soft_empty_cache()
+
+
+def model_modules(patcher):
+    """(name, module) of the diffusion model as `patcher` runs it, parents first: its object patches in
+    place of the tree's modules, the originals where a clone's patches are applied in the tree."""
+    def resolve(name, module):
+        key = DIFFUSION_PREFIX + name
+        if key in patcher.object_patches:
+            return patcher.object_patches[key]
+        return patcher.object_patches_backup.get(key, module)
+
+    stack = [("", patcher.get_model_object("diffusion_model"))]
+    while stack:
+        name, module = stack.pop()
+        yield name, module
+        children = [(f"{name}.{child}" if name else child, sub) for child, sub in module._modules.items()
+                    if sub is not None]
+        stack.extend((child, resolve(child, sub)) for child, sub in reversed(children))
+
+
+def pending_weight_patches(patcher) -> list[str]:
+    return sorted(key[len(DIFFUSION_PREFIX):] for key, patches in patcher.patches.items()
+                  if key.startswith(DIFFUSION_PREFIX) and patches)
+
+
+class SaveQuantizedModel:
+    DESCRIPTION = (
+        "Saves a quantized diffusion model (from Quantize Model INT8 or the quantizing loaders) as a safetensors "
+        "file in models/diffusion_models, with ComfyUI per-layer markers in the layouts upstream ComfyUI loads "
+        "natively: the next load is a plain read (Load Diffusion Model on a ComfyUI with these formats, or Load "
+        "Quantized Checkpoint on any), not a new quantization. Written one tensor at a time; the file appears "
+        "only when complete."
+    )
+    CATEGORY = "quantization"
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ()
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The quantized diffusion model to save."}),
+                "filename": ("STRING", {
+                    "default": "quantized/model_int8.safetensors",
+                    "tooltip": "Path of the file inside models/diffusion_models, ending in .safetensors; "
+                               "sub-folders are created."}),
+                "overwrite": ("BOOLEAN", {
+                    "default": False,
+                    "tooltip": "Replace an existing file of that name. Off: an existing file is an error and is "
+                               "left untouched."}),
+            },
+        }
+
+    def save(self, model, filename, overwrite):
+        folder = diffusion_models_dir()
+        path, name = target_path(folder, filename)
+        if not overwrite and os.path.exists(path):
+            raise FileExistsError(f"models/diffusion_models/{name} already exists; set overwrite to replace it")
+        patched = pending_weight_patches(model)
+        if patched:
+            raise SaveError(f"the model carries weight patches (e.g. a LoRA) on {len(patched)} tensor(s) that a "
+                            f"saved file would not contain; save the model before patching it", patched)
+        if _weights_written_in(model):
+            _unload_clones(model)
+        plan = plan_save(model_modules(model))
+        if not plan.layers:
+            raise SaveError("the model has no quantized layers; quantize it first (Quantize Model INT8 or a "
+                            "quantizing loader), or use ComfyUI's own model saving for a plain model")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        step = progress_counter(len(plan.tensors))
+        size = write_safetensors(path, plan.tensors, plan.metadata(NODE_NAME), overwrite=overwrite,
+                                 on_tensor=lambda _: step())
+        text = "\n".join([f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", *plan.describe(),
+                          "markers: comfy_quant tensors and the _quantization_metadata header"])
+        log.info("%s: %s", NODE_NAME, text.replace("\n", "; "))
+        return {"ui": {"text": [text]}}
+
+
+NODES = {"SaveQuantizedModel": (SaveQuantizedModel, "Save Quantized Model")}

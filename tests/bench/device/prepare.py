@@ -1,0 +1,204 @@
+"""Prepare, here, what the GPU machine needs for tests/bench/comfy_e2e.py and lacks: the ignored folder .e2e/.
+
+    python tests/bench/device/prepare.py [--comfyui DIR] [--without-fa3]
+
+The GPU machine has python3 with torch, triton, safetensors, aiohttp, numpy and
+the rest of ComfyUI's start-up imports, but no package registry. .e2e/bundle.tar.xz
+holds the rest, xz-compressed (fa3-fwd's library shrinks 3x against its wheel):
+- comfyui/: ComfyUI 0.3.75's source without its tests and tokenizer data (the run
+  loads no text encoder);
+- site/: comfy-kitchen 0.2.40 without its HIP backend, fa3-fwd 0.0.3 (Hopper
+  FlashAttention, the `flash` configuration), torchsde 0.2.6 and trampoline 0.1.2
+  (ComfyUI's k-diffusion samplers import them), unpacked from cp312 x86-64 wheels.
+What start-up imports and the run never calls is left out: the frontend package
+(the server gets an empty --front-end-root), workflow templates and embedded docs
+(ComfyUI logs their absence), alembic/SQLAlchemy (ComfyUI warns and runs without
+its database), pydantic (only custom-node pyproject parsing), kornia and spandrel
+(two image nodes fail to import); PyAV is stubbed by tests/bench/device/stubs/av,
+which travels with the working tree.
+
+Wheels are downloaded once into the test cache ($BIGDIT_CACHE, ~/.cache/bigdit)
+under e2e-wheels/. The folder .e2e/ is added to git's info/exclude, so it travels
+only when a device call names it in `carry`. The script prints the bundle's size
+and what the call would carry in all (limit 64 MiB). tests/bench/device/README.md
+says how to run it there.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from comfy_harness import cache_dir, comfyui_version  # noqa: E402
+
+COMFYUI_VERSION = "0.3.75"
+WHEELS = ("comfy-kitchen==0.2.40", "torchsde==0.2.6", "trampoline==0.1.2")
+FA3 = "fa3-fwd==0.0.3"
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64")
+DROP_IN_WHEELS = ("comfy_kitchen/backends/hip/",)
+# never imported on the benchmark's path: tests, examples and tokenizer data
+DROP_IN_COMFYUI = ("tests", "tests-unit", "script_examples", ".git", ".github", ".ci")
+CARRY_LIMIT = 64 * 2 ** 20
+
+
+def download(requirements, dest: Path) -> list[Path]:
+    dest.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    for req in requirements:
+        name, version = req.split("==")
+        stem = f"{name.replace('-', '_')}-{version}-"
+        found = sorted(dest.glob(stem + "*.whl"))
+        if not found:
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                   "--python-version", "3.12", "--implementation", "cp", "-d", str(dest), req]
+            for platform in PLATFORMS:
+                cmd += ["--platform", platform]
+            subprocess.run(cmd, check=True)
+            found = sorted(dest.glob(stem + "*.whl"))
+        if len(found) != 1:
+            raise RuntimeError(f"expected one wheel for {req} in {dest}, found {[p.name for p in found]}")
+        wheels.append(found[0])
+    return wheels
+
+
+def unpack_wheel(wheel: Path, site: Path) -> int:
+    """Install by unpacking (what pip does for these wheels: no scripts, no compiled bytecode)."""
+    count = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if info.is_dir() or any(name.startswith(p) for p in DROP_IN_WHEELS):
+                continue
+            parts = name.split("/")
+            if parts[0].endswith(".data"):  # purelib/platlib go to site-packages
+                if parts[1] not in ("purelib", "platlib"):
+                    raise RuntimeError(f"{wheel.name}: cannot place {name}")
+                parts = parts[2:]
+            target = site.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(info))
+            count += 1
+    return count
+
+
+def keep_comfyui_file(rel: Path) -> bool:
+    parts = rel.parts
+    if parts[0] in DROP_IN_COMFYUI or "__pycache__" in parts or rel.name == "extra_model_paths.yaml":
+        return False
+    # tokenizer folders (comfy/sd1_tokenizer, comfy/text_encoders/*_tokenizer): data for text encoders only
+    return not any(p.endswith("_tokenizer") for p in parts[:-1]) or rel.suffix == ".py"
+
+
+def copy_comfyui(src: Path, dest: Path) -> int:
+    count = 0
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_file() and keep_comfyui_file(rel):
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+            count += 1
+    return count
+
+
+def compress(staging: Path, bundle: Path) -> None:
+    """tar | xz -9 (all cores) where xz exists, else Python's lzma (one core, same format)."""
+    tmp = bundle.with_name(bundle.name + ".tmp")
+    members = sorted(p.name for p in staging.iterdir())
+    if shutil.which("xz") and shutil.which("tar"):
+        with open(tmp, "wb") as out:
+            tar = subprocess.Popen(["tar", "-C", str(staging), "--owner=0", "--group=0", "-cf", "-", *members],
+                                   stdout=subprocess.PIPE)
+            xz = subprocess.run(["xz", "-9", "-T0", "-c"], stdin=tar.stdout, stdout=out)
+            tar.stdout.close()
+            if tar.wait() or xz.returncode:
+                raise RuntimeError("tar | xz failed")
+    else:
+        with tarfile.open(tmp, "w:xz", preset=9) as tf:
+            for name in members:
+                tf.add(staging / name, arcname=name)
+    tmp.replace(bundle)
+
+
+def carried_tree_bytes() -> int:
+    """Bytes of what every device call sends: tracked and untracked-not-ignored files."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, check=True).stdout
+    total = 0
+    for name in out.split(b"\0"):
+        path = REPO / os.fsdecode(name)
+        if name and path.is_file() and not path.is_symlink():
+            total += path.stat().st_size
+    return total
+
+
+def exclude(folder: str) -> Path:
+    path = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout.strip())
+    path = path if path.is_absolute() else REPO / path
+    lines = path.read_text().splitlines() if path.exists() else []
+    if f"/{folder}/" not in lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"/{folder}/\n")
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--comfyui", default=os.environ.get("BIGDIT_COMFYUI") or str(cache_dir() / "comfyui-0.3.75"))
+    parser.add_argument("--out", default=str(REPO / ".e2e"), help="the folder to fill (default .e2e in the repo)")
+    parts = parser.add_mutually_exclusive_group()
+    parts.add_argument("--without-fa3", action="store_true", help="leave fa3-fwd out (about 9 MB less)")
+    parts.add_argument("--fa3-only", action="store_true",
+                       help="fa3-fwd alone (for a first call of two: use with --out .e2e-fa3)")
+    opts = parser.parse_args()
+    comfyui = Path(opts.comfyui)
+    if comfyui_version(comfyui) != COMFYUI_VERSION:
+        raise SystemExit(f"{comfyui} does not hold ComfyUI {COMFYUI_VERSION} (run `bash .ci/setup_env.sh`)")
+    out = Path(opts.out).resolve()
+    if out.parent == REPO:
+        print(f"ignored by git through {exclude(out.name)}")
+    out.mkdir(parents=True, exist_ok=True)
+    requirements = (FA3,) if opts.fa3_only else WHEELS + (() if opts.without_fa3 else (FA3,))
+    wheels = download(requirements, cache_dir() / "e2e-wheels")
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp)
+        files = {w.name: unpack_wheel(w, staging / "site") for w in wheels}
+        if not opts.fa3_only:
+            files["comfyui"] = copy_comfyui(comfyui, staging / "comfyui")
+        raw = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        print(f"staged {raw / 2**20:.1f} MiB ({', '.join(f'{k}: {v} files' for k, v in files.items())}); "
+              f"compressing")
+        bundle = out / "bundle.tar.xz"
+        compress(staging, bundle)
+    digest = hashlib.sha256(bundle.read_bytes()).hexdigest()
+    (out / "bundle.sha256").write_text(digest + "\n")
+    (out / "MANIFEST.json").write_text(json.dumps({
+        "comfyui": None if opts.fa3_only else COMFYUI_VERSION, "wheels": [w.name for w in wheels],
+        "dropped_from_wheels": DROP_IN_WHEELS, "uncompressed_bytes": raw, "bundle_bytes": bundle.stat().st_size,
+        "sha256": digest}, indent=2))
+    folder = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    tree = carried_tree_bytes()
+    total = folder + tree
+    print(f"{bundle}: {bundle.stat().st_size / 2**20:.1f} MiB; the folder {folder / 2**20:.1f} MiB + the working "
+          f"tree {tree / 2**20:.1f} MiB = {total / 2**20:.1f} MiB carried of {CARRY_LIMIT / 2**20:.0f} MiB")
+    if total > CARRY_LIMIT:
+        raise SystemExit("over the device's carry limit: see tests/bench/device/README.md (--without-fa3, or two "
+                         "calls with --fa3-only)")
+
+
+if __name__ == "__main__":
+    main()

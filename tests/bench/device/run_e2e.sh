@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root, with .e2e/ carried (tests/bench/device/prepare.py made it):
+#   bash tests/bench/device/run_e2e.sh [comfy_e2e.py options]
+# Unpacks every carried .e2e*/bundle.tar.xz into /tmp/e2e* (skipped when the same bundle is already there, as on
+# a machine still warm from the last call), puts each one's site/ and the PyAV stub on PYTHONPATH, and runs
+# tests/bench/comfy_e2e.py with ComfyUI from /tmp/e2e, writing the results JSON, its .log and this run's output
+# into $OUT. Without .e2e/ (a first call that carries only .e2e-fa3/) it unpacks and stops. The model file and
+# the servers' folders go to $E2E_WORK, by default on the disk filesystem (not tmpfs) with the most room among
+# /tmp and the repository's parent folder.
+set -euo pipefail
+: "${OUT:?OUT must name the folder for the results}"
+PY=${PYTHON:-python3}
+t0=$(date +%s)
+for bundle in .e2e*/bundle.tar.xz; do
+  [ -e "$bundle" ] || continue
+  folder=$(dirname "$bundle"); dest=/tmp/${folder#.}
+  if ! cmp -s "$folder/bundle.sha256" "$dest/bundle.sha256"; then
+    rm -rf "$dest" && mkdir -p "$dest"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$bundle" "$dest"
+    cp "$folder/bundle.sha256" "$dest/bundle.sha256"
+  fi
+  echo "$bundle ready in $dest after $(( $(date +%s) - t0 )) s"
+done
+if [ ! -e .e2e/bundle.tar.xz ]; then
+  echo "no .e2e/ carried: unpacked only"; exit 0
+fi
+site=$PWD/tests/bench/device/stubs
+for d in /tmp/e2e*/site; do [ -d "$d" ] && site=$site:$d; done
+if [ -z "${E2E_WORK:-}" ]; then
+  best=/tmp; room=-1
+  for d in /tmp "$(dirname "$PWD")"; do
+    read -r fs avail < <(df -PTk "$d" | awk 'NR==2 {print $2, $5}')
+    if [ "$fs" != tmpfs ] && [ "$avail" -gt "$room" ]; then best=$d; room=$avail; fi
+  done
+  E2E_WORK=$best/bigdit-e2e-work
+fi
+echo "PYTHONPATH gets $site; work in $E2E_WORK"
+df -hT /tmp "$(dirname "$E2E_WORK")" | uniq; free -g | head -2
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+"$PY" tests/bench/comfy_e2e.py --comfyui /tmp/e2e/comfyui --work "$E2E_WORK" --out-dir "$OUT" "$@" 2>&1 \
+  | tee "$OUT/comfy-e2e-stdout.log"

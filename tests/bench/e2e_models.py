@@ -1,0 +1,254 @@
+"""Random-weight diffusion models at full size for the end-to-end benchmark (tests/bench/comfy_e2e.py).
+
+A model is built from the host's own class on the meta device (no memory), only
+to learn its state_dict names and shapes; each tensor is then drawn on the
+generation device (the GPU where there is one) from a per-tensor seed, cast to
+bf16 and written straight into a safetensors file (`StreamingSafetensorsWriter`),
+so the host never holds the model and the file is the same bytes on every run on
+the same device type.
+
+Initialisation keeps activations finite through all blocks (ComfyUI 0.3.75 runs a
+bf16 Wan file in fp16): matrices and convolution kernels N(0, 1/fan_in),
+modulation tables N(0, 1/dim), norm scales 1 and norm shifts 0, other vectors
+(biases) N(0, 0.02^2).
+
+`MODELS` names the shapes the benchmark knows; `generate(spec, path, comfyui)`
+runs the generation in a subprocess with the host's ComfyUI importable (as
+tests/tiny_models.py does), and returns what it measured.
+"""
+from __future__ import annotations
+
+import json
+import math
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# safetensors dtype names of the torch dtypes we write
+_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+@dataclass(frozen=True)
+class Length:
+    """One video size: the EmptyHunyuanLatentVideo inputs and the tokens the DiT sees (patch 1x2x2)."""
+    name: str
+    width: int
+    height: int
+    frames: int
+
+    @property
+    def tokens(self) -> int:
+        latent_frames = (self.frames - 1) // 4 + 1
+        return latent_frames * (self.height // 16) * (self.width // 16)
+
+    @property
+    def label(self) -> str:
+        return f"{self.width}x{self.height}x{self.frames}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A DiT shape: the host class that builds it, its text width and the lengths to run.
+
+    `module`/`cls`/`kwargs`: the host's model class and its constructor arguments;
+    `text_dim`: the width of the cross-attention context the conditioning node makes;
+    `text_len`: its token count; `latent_node`: the host node that makes the empty latent of a
+    Length (its inputs width, height, length, batch_size). Another family (MiniMax-H3 on
+    upstream ComfyUI) is another spec.
+    """
+    name: str
+    module: str
+    cls: str
+    kwargs: dict
+    text_dim: int
+    text_len: int
+    lengths: tuple[Length, ...] = field(default_factory=tuple)
+    latent_node: str = "EmptyHunyuanLatentVideo"
+
+    def length(self, name: str) -> Length:
+        for length in self.lengths:
+            if length.name == name:
+                return length
+        try:  # WIDTHxHEIGHTxFRAMES
+            width, height, frames = (int(v) for v in name.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"unknown length {name!r} for {self.name}: use one of "
+                             f"{', '.join(l.name for l in self.lengths)} or WIDTHxHEIGHTxFRAMES") from None
+        return Length(name, width, height, frames)
+
+    def file_name(self) -> str:
+        return f"bench_{self.name}_random_bf16.safetensors"
+
+
+def _wan(name, dim, ffn_dim, num_layers, lengths):
+    return ModelSpec(name, "comfy.ldm.wan.model", "WanModel",
+                     dict(model_type="t2v", dim=dim, ffn_dim=ffn_dim, num_heads=dim // 128, num_layers=num_layers,
+                          in_dim=16, out_dim=16, text_dim=4096, freq_dim=256),
+                     text_dim=4096, text_len=512, lengths=lengths)
+
+
+# Wan 2.1 T2V 14B: 832x480x81 -> 21x30x52 = 32,760 tokens; x17 -> 7,800 tokens.
+WAN14B = _wan("wan14b", 5120, 13824, 40,
+              (Length("long", 832, 480, 81), Length("short", 832, 480, 17)))
+# The same class at a size a CPU runs in a second (ComfyUI 0.3.75 needs dim = 128 * heads).
+TINY_WAN = _wan("tiny_wan", 256, 512, 2,
+                (Length("long", 96, 64, 9), Length("short", 64, 64, 5)))
+MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN)}
+
+
+# ---- init and writing (no ComfyUI needed) ------------------------------------
+
+def init_kind(name: str, shape) -> str:
+    """How a state_dict entry is drawn: "matrix", "modulation", "ones", "zeros" or "vector"."""
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = ".norm" in name or name.startswith("norm")
+    if leaf == "modulation":
+        return "modulation"
+    if is_norm and leaf in ("weight", "gamma"):
+        return "ones"
+    if is_norm and leaf == "bias":
+        return "zeros"
+    if len(shape) >= 2:
+        return "matrix"
+    return "vector"
+
+
+def draw(name: str, shape, seed: int, device, dtype):
+    """One tensor of the random model, drawn in fp32 on `device` and cast to `dtype`."""
+    import torch
+    kind = init_kind(name, shape)
+    if kind == "ones":
+        return torch.ones(shape, device=device, dtype=dtype)
+    if kind == "zeros":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    value = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)
+    if kind == "matrix":
+        value *= math.prod(shape[1:]) ** -0.5
+    elif kind == "modulation":
+        value *= shape[-1] ** -0.5
+    else:
+        value *= 0.02
+    return value.to(dtype)
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in the order declared, never holding more than two.
+
+    The header (names, dtypes, shapes, offsets) is written first from `entries`
+    [(name, shape, torch dtype)]; then `write(name, tensor)` must come in the same
+    order with matching shapes. Disk writes run on a thread, overlapping the next
+    tensor's generation and device-to-host copy.
+    """
+
+    def __init__(self, path, entries, metadata=None):
+        import torch
+        self.path = Path(path)
+        self._expected = []
+        header, offset = {}, 0
+        for name, shape, dtype in entries:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._expected.append((name, tuple(shape), dtype, nbytes))
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+        self.total_bytes = offset
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._file = open(self._tmp, "wb")
+        self._file.write(len(blob).to_bytes(8, "little") + blob)
+        self._next = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self._file.write(memoryview(item))
+                except BaseException as e:  # reported by the next write() or close()
+                    self._error = e
+
+    def write(self, name, tensor):
+        import torch
+        if self._error is not None:
+            raise self._error
+        exp_name, shape, dtype, nbytes = self._expected[self._next]
+        if (name, tuple(tensor.shape), tensor.dtype) != (exp_name, shape, dtype):
+            raise ValueError(f"{self.path.name}: expected {exp_name} {shape} {dtype}, got "
+                             f"{name} {tuple(tensor.shape)} {tensor.dtype}")
+        host = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        assert host.nbytes == nbytes
+        self._queue.put(host)
+        self._next += 1
+
+    def close(self):
+        self._queue.put(None)
+        self._thread.join()
+        self._file.close()
+        if self._error is not None:
+            self._tmp.unlink(missing_ok=True)
+            raise self._error
+        if self._next != len(self._expected):
+            self._tmp.unlink(missing_ok=True)
+            raise ValueError(f"{self.path.name}: {len(self._expected) - self._next} tensors were never written")
+        self._tmp.replace(self.path)
+
+
+# ---- generation (subprocess with ComfyUI importable) ------------------------
+
+def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False) -> dict:
+    """Write `spec`'s random model to `path`; returns {"seconds", "bytes", "tensors", "params", "device"}."""
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    job = {"module": spec.module, "cls": spec.cls, "kwargs": spec.kwargs, "path": str(path),
+           "comfyui": str(comfyui), "seed": seed, "cpu": cpu}
+    result = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=comfyui, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"generating {path.name} failed:\n{result.stdout[-3000:]}{result.stderr[-6000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _main(job):
+    t0 = time.perf_counter()
+    sys.path.insert(0, job["comfyui"])
+    from comfy.cli_args import args
+    if job["cpu"]:
+        args.cpu = True
+    import importlib
+
+    import torch
+
+    import comfy.ops
+    cls = getattr(importlib.import_module(job["module"]), job["cls"])
+    module = cls(**job["kwargs"], device="meta", operations=comfy.ops.disable_weight_init)
+    shapes = [(name, tuple(t.shape)) for name, t in module.state_dict().items()]
+    del module
+    device = torch.device("cuda" if torch.cuda.is_available() and not job["cpu"] else "cpu")
+    dtype = torch.bfloat16
+    writer = StreamingSafetensorsWriter(job["path"], [(n, s, dtype) for n, s in shapes],
+                                        metadata={"bigdit_bench": f"random {job['cls']}, seed {job['seed']}"})
+    t_build = time.perf_counter()
+    for index, (name, shape) in enumerate(shapes):
+        writer.write(name, draw(name, shape, job["seed"] * 1_000_003 + index, device, dtype))
+    writer.close()
+    print(json.dumps({"seconds": round(time.perf_counter() - t0, 2),
+                      "write_seconds": round(time.perf_counter() - t_build, 2),
+                      "bytes": writer.total_bytes, "tensors": len(shapes),
+                      "params": sum(math.prod(s) for _, s in shapes), "device": str(device)}))
+
+
+if __name__ == "__main__":
+    _main(json.loads(sys.argv[1]))

@@ -1,0 +1,83 @@
+"""Run ComfyUI's main.py on an emulated smaller GPU (benchmarks only; production code knows nothing of it).
+
+    cd COMFYUI && python vram_cap.py --gib 24 main.py [ComfyUI arguments...]
+    cd COMFYUI && python vram_cap.py main.py [...]          # no cap: the same start-up path
+
+Before anything of ComfyUI's model management loads, with the CUDA allocator
+ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it):
+- `torch.cuda.set_per_process_memory_fraction` limits this process's allocator to
+  the card size less what the device already holds at start (the CUDA context), so
+  allocating past the card raises torch.OutOfMemoryError;
+- `torch.cuda.mem_get_info` reports the card as GIB total, and as free the card
+  less everything the device really holds, which is what ComfyUI's and the pack's
+  memory decisions read (model_management.get_total_memory / get_free_memory).
+The cap is then checked: an allocation of the whole card must fail. The
+environment variable BIGDIT_EMULATED_VRAM holds the card's bytes for reports.
+Without CUDA (a CPU test run) the cap is not applied and a line says so.
+"""
+import argparse
+import os
+import runpy
+import sys
+import time
+
+
+def emulate_card(cap_bytes: int) -> str:
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device: the emulated card is not applied"
+    torch.cuda.init()
+    device = torch.cuda.current_device()
+    real_mem_get_info = torch.cuda.mem_get_info
+    free, total = real_mem_get_info(device)
+    deadline = time.monotonic() + 20
+    while total - free > 2 * 2 ** 30 and time.monotonic() < deadline:  # a server just stopped may still hold memory
+        time.sleep(0.5)
+        free, total = real_mem_get_info(device)
+    held = total - free
+    if cap_bytes <= held or cap_bytes > total:
+        raise SystemExit(f"vram_cap: a {cap_bytes / 2**30:.1f} GiB card does not fit this device "
+                         f"({total / 2**30:.1f} GiB, {held / 2**30:.2f} GiB held at start)")
+    torch.cuda.set_per_process_memory_fraction((cap_bytes - held) / total, device)
+
+    def mem_get_info(device=None):
+        free, total = real_mem_get_info(device)
+        return max(0, cap_bytes - (total - free)), cap_bytes
+
+    torch.cuda.mem_get_info = mem_get_info
+    torch.cuda.memory.mem_get_info = mem_get_info
+    try:
+        torch.empty(cap_bytes, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    else:
+        raise SystemExit("vram_cap: allocating the whole emulated card succeeded; the cap is not enforced")
+    torch.cuda.empty_cache()
+    os.environ["BIGDIT_EMULATED_VRAM"] = str(cap_bytes)
+    return (f"emulated card: {cap_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
+            f"({held / 2**30:.2f} GiB held at start; allocator {torch.cuda.get_allocator_backend()}); "
+            f"allocating past it fails")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=None, help="card size in GiB (default: no cap)")
+    parser.add_argument("script", help="ComfyUI's main.py")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    opts = parser.parse_args()
+    script = os.path.abspath(opts.script)
+    comfyui = os.path.dirname(script)
+    sys.argv = [script, *opts.args]
+    sys.path[0] = comfyui  # as `python main.py` would have it, not this file's folder
+    os.chdir(comfyui)
+    if opts.gib is not None:
+        # main.py's own order: parse the arguments, let cuda_malloc pick the allocator, then torch.
+        import comfy.options
+        comfy.options.enable_args_parsing()
+        import cuda_malloc  # noqa: F401  (sets PYTORCH_CUDA_ALLOC_CONF unless --disable-cuda-malloc)
+        print(f"vram_cap: {emulate_card(int(opts.gib * 2 ** 30))}", flush=True)
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

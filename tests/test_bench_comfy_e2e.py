@@ -1,0 +1,153 @@
+"""The end-to-end benchmark's own parts on CPU: the streaming safetensors writer, the random init, the lengths,
+the graph checks and issue 12's summary (tests/bench/comfy_e2e.py, tests/bench/e2e_models.py)."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+import comfy_e2e  # noqa: E402
+import e2e_models  # noqa: E402
+
+
+def test_streaming_writer_round_trips_through_safetensors(tmp_path):
+    tensors = {"a.weight": torch.randn(3, 5).bfloat16(), "a.bias": torch.randn(5).half(),
+               "b.modulation": torch.randn(1, 6, 4), "c": torch.randn(7).bfloat16()}
+    path = tmp_path / "m.safetensors"
+    writer = e2e_models.StreamingSafetensorsWriter(path, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
+                                                   metadata={"note": "x"})
+    for name, value in tensors.items():
+        writer.write(name, value)
+    writer.close()
+    loaded = safetensors.torch.load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value)
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"note": "x"}
+    assert not path.with_name(path.name + ".tmp").exists()
+
+
+def test_streaming_writer_refuses_out_of_order_and_leaves_no_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    writer = e2e_models.StreamingSafetensorsWriter(path, [("a", (2,), torch.bfloat16), ("b", (3,), torch.bfloat16)])
+    with pytest.raises(ValueError, match="expected a"):
+        writer.write("b", torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="never written"):
+        writer.close()
+    assert not path.exists() and not path.with_name(path.name + ".tmp").exists()
+
+
+@pytest.mark.parametrize("name, shape, kind", [
+    ("blocks.0.ffn.0.weight", (13824, 5120), "matrix"),
+    ("patch_embedding.weight", (5120, 16, 1, 2, 2), "matrix"),
+    ("blocks.3.modulation", (1, 6, 5120), "modulation"),
+    ("head.modulation", (1, 2, 5120), "modulation"),
+    ("blocks.0.norm3.weight", (5120,), "ones"),
+    ("blocks.0.norm3.bias", (5120,), "zeros"),
+    ("blocks.0.self_attn.norm_q.weight", (5120,), "ones"),
+    ("blocks.0.ffn.0.bias", (13824,), "vector"),
+])
+def test_init_kind(name, shape, kind):
+    assert e2e_models.init_kind(name, shape) == kind
+
+
+def test_draw_is_variance_preserving_and_seeded():
+    w = e2e_models.draw("x.weight", (512, 2048), 7, "cpu", torch.float32)
+    assert abs(w.std().item() * math.sqrt(2048) - 1) < 0.02
+    conv = e2e_models.draw("p.weight", (64, 16, 1, 2, 2), 7, "cpu", torch.float32)
+    assert abs(conv.std().item() * 8 - 1) < 0.05  # fan_in 16 * 1 * 2 * 2 = 64
+    assert torch.equal(e2e_models.draw("x.weight", (4, 4), 3, "cpu", torch.bfloat16),
+                       e2e_models.draw("x.weight", (4, 4), 3, "cpu", torch.bfloat16))
+    assert not torch.equal(e2e_models.draw("x.weight", (4, 4), 3, "cpu", torch.float32),
+                           e2e_models.draw("x.weight", (4, 4), 4, "cpu", torch.float32))
+    # a stack of residual blocks with these weights stays finite in fp16
+    x = torch.randn(256, 512)
+    for seed in range(40):
+        h = torch.nn.functional.layer_norm(x, (512,))
+        y = torch.nn.functional.gelu(h @ e2e_models.draw("f1.weight", (1024, 512), seed, "cpu", torch.float32).T)
+        x = x + y @ e2e_models.draw("f2.weight", (512, 1024), seed + 99, "cpu", torch.float32).T
+    assert x.half().isfinite().all() and x.std() < 10
+
+
+def test_wan14b_lengths_are_the_issue_token_counts():
+    assert e2e_models.WAN14B.length("long").tokens == 32760
+    assert e2e_models.WAN14B.length("short").tokens == 7800
+    assert e2e_models.WAN14B.length("832x480x41").tokens == 11 * 30 * 52
+    with pytest.raises(ValueError, match="unknown length"):
+        e2e_models.WAN14B.length("huge")
+
+
+def test_graph_check_names_the_missing_choice():
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    graph = comfy_e2e.sampling_graph(configs["pack_auto_fp8attn"], e2e_models.TINY_WAN, "m.safetensors",
+                                     e2e_models.TINY_WAN.length("long"), 2, 0, "p")
+    assert graph["sampler"]["inputs"]["model"] == ["timer", 0]
+    assert graph["timer"]["inputs"]["model"] == ["m0", 0] and graph["m0"]["inputs"]["model"] == ["unet", 0]
+    info = {node["class_type"]: {"input": {"required": {}}} for node in graph.values()}
+    info["SetAttentionBackend"] = {"input": {"required": {"backend": [["auto", "sdpa", "sol"], {}]}}}
+    info["LoadH3Quantized"] = {"input": {"required": {"unet_name": [["other.safetensors"], {}],
+                                                      "quantization": [["auto", "none"], {}]}}}
+    assert "does not offer 'fa3_fp8'" in comfy_e2e.unoffered_choice(graph, info)
+    info["SetAttentionBackend"]["input"]["required"]["backend"][0].append("fa3_fp8")
+    assert comfy_e2e.unoffered_choice(graph, info) is None  # unet_name is not checked: the file comes later
+    del info["BigditStepTimer"]
+    assert comfy_e2e.unoffered_choice(graph, info) == "node BigditStepTimer is not installed"
+
+
+def _rec(config, step_s, family, capped=True, sol=False, tokens=32760, peak=None, model="wan14b", cosine=0.9995):
+    return {"config": config, "family": family, "capped": capped, "sol": sol, "tokens": tokens, "length": "x",
+            "model": model, "status": "ok", "step_s": step_s, "peak_gib": peak, "cosine": cosine}
+
+
+def test_summary_follows_issue_12():
+    results = [
+        _rec("comfy_resident", 3.0, "comfy", capped=False, peak=29.9),
+        _rec("comfy_capped", 3.1, "comfy", peak=20.8),
+        _rec("comfy_fp8_fast", 2.7, "comfy", peak=16.6),
+        _rec("pack_auto", 2.5, "pack", peak=16.8),
+        _rec("pack_int8", 3.0, "pack", peak=17.0),
+        _rec("pack_auto_sol", 1.5, "pack", sol=True, peak=16.9),
+        _rec("pack_auto_fp8attn", 2.0, "pack", peak=16.8, cosine=0.994),  # faster, below the cosine bar
+        _rec("pack_auto", 0.5, "pack", tokens=7800, peak=18.5),  # shorter: only its peak counts
+        {**_rec("pack_auto_flash", None, "pack"), "status": "error"},
+        _rec("pack_auto", 0.1, "pack", model="other", peak=99.0),  # another model
+    ]
+    detail, summary = comfy_e2e.summarize(results, {"wan14b": {}, "other": {}})
+    assert list(summary) == ["dense_speedup", "sol_speedup", "vs_comfy_best", "peak_gib_capped"]
+    assert summary["dense_speedup"] == pytest.approx(3.0 / 2.5)
+    assert summary["sol_speedup"] == pytest.approx(3.0 / 1.5)
+    assert summary["vs_comfy_best"] == pytest.approx(2.7 / 2.5)
+    assert summary["peak_gib_capped"] == 18.5
+    assert detail["best_pack_dense"]["config"] == "pack_auto" and detail["best_comfy_capped"]["config"] == \
+        "comfy_fp8_fast" and detail["tokens"] == 32760
+    assert detail["fastest_pack_dense"]["config"] == "pack_auto_fp8attn"
+    assert detail["fastest_pack_dense_speedup"] == pytest.approx(3.0 / 2.0)
+    _, partial = comfy_e2e.summarize(results[3:4], {"wan14b": {}})
+    assert partial == {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": 16.8}
+
+
+def test_compare_latents():
+    ref = torch.randn(1, 16, 3, 4, 4)
+    assert comfy_e2e.compare(ref, ref) == {"rel_l2": 0.0, "cosine": pytest.approx(1.0), "finite": True}
+    out = comfy_e2e.compare(ref * 2, ref)
+    assert out["rel_l2"] == pytest.approx(1.0) and out["cosine"] == pytest.approx(1.0)
+    bad = ref.clone()
+    bad[0, 0, 0, 0, 0] = float("nan")
+    assert comfy_e2e.compare(bad, ref)["finite"] is False
+
+
+def test_options_put_the_reference_first(tmp_path):
+    comfyui = tmp_path / "comfyui"
+    comfyui.mkdir()
+    (comfyui / "main.py").write_text("")
+    opts = comfy_e2e.parse_args(["--comfyui", str(comfyui), "--configs", "pack_auto,comfy_resident",
+                                 "--configs-at", "short=pack_int8", "--work", str(tmp_path)])
+    assert opts.configs == ["comfy_resident", "pack_auto"] and opts.configs_at == {"short": ["pack_int8"]}
+    assert opts.models == ["wan14b"] and opts.lengths == ["long", "short"] and opts.steps == 3
+    with pytest.raises(SystemExit):
+        comfy_e2e.parse_args(["--comfyui", str(comfyui), "--configs", "nope"])
