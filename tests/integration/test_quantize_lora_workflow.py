@@ -54,7 +54,8 @@ def test_lora_after_quantization_applies(comfy, tiny_wan2, lora_name, request):
     quantization_noise = rel(quantized, plain)
     assert rel(with_lora, plain) > 0.05
     assert rel(quantized_then_lora, with_lora) < rel(quantized, with_lora)
-    assert rel(quantized_then_lora, with_lora) < 1.5 * quantization_noise
+    # measured 1.5x on CPU (the LoRA's two layers requantized with fresh scales); a lost LoRA is 50x
+    assert rel(quantized_then_lora, with_lora) < 2 * quantization_noise
 
 
 def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name):
