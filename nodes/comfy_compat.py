@@ -15,7 +15,7 @@ from ..quant import QuantConfig, quantize_layers
 from ..quant.dispatch import walk_modules
 from ..quant.linear import QuantLinear
 from ..quant.report import QuantReport
-from ..quant.witness import RunWitness, count_through_parent
+from ..quant.witness import RunWitness
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +44,6 @@ def show_on_node(node_id, text: str) -> None:
 
 def compute_device():
     return comfy.model_management.get_torch_device()
-
-
-def runs_kitchen_weights() -> bool:
-    """Whether this ComfyUI runs comfy-kitchen QuantizedTensor weights natively (upstream does).
-
-    Then quantized layers keep their ComfyUI class with a QuantizedTensor
-    weight, so ComfyUI's own LoRA, offload and fused `linear_input_act` paths
-    apply; otherwise layers become QuantLinear modules.
-    """
-    try:
-        import comfy.quant_ops as quant_ops
-        from comfy_kitchen.tensor import QuantizedTensor
-    except ImportError:
-        return False
-    return (getattr(quant_ops, "QuantizedTensor", None) is QuantizedTensor
-            and "int8_tensorwise" in getattr(quant_ops, "QUANT_ALGOS", {}))
 
 
 def _layers_with_weight_patches(model) -> dict[str, str]:
@@ -150,11 +134,9 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
     patched = model.clone()
     root, config.overrides = module_view(model)
     config.keep.update(_layers_with_weight_patches(model))
-    config.representation = "kitchen" if runs_kitchen_weights() else "module"
     bar = comfy.utils.ProgressBar(1)
     replacements, report = quantize_layers(
         root, config, progress=lambda done, total: bar.update_absolute(done, total), title=title)
-    parents = dict(walk_modules(root, config.overrides)) if replacements else {}
     if replacements and hasattr(patched, "patches_uuid"):
         # ComfyUI re-patches weights on load only when patches_uuid changed, and its marks of patched
         # weights stay on the modules an object patch swaps out: a LoRA clone loaded after this one
@@ -163,9 +145,6 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
         patched.patches_uuid = uuid.uuid4()
     for name, module in replacements.items():
         patched.add_object_patch(DIFFUSION_PREFIX + name, module)
-        if not isinstance(module, QuantLinear):
-            # A kitchen-weight layer may be called without its module call (see quant/witness.py).
-            count_through_parent(module, parents[name.rpartition(".")[0]])
     _set_model_size(patched, model.model_size() - _bytes_replaced(report, replacements))
     return patched, report, replacements
 

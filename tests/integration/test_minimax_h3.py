@@ -222,28 +222,24 @@ def probe(model_node):
 MLPS = {"token_refiner.blocks.0.mlp", "blocks.0.mlp", "blocks.1.mlp"}
 
 
-def test_quantize_model_int8_runs_h3s_fused_swiglu(comfy, tiny_h3, baseline):
-    """QuantizeModelINT8 gives ComfyUI's own Linear a kitchen INT8 weight here: H3's MLP then takes
-    upstream's fused path (the SwiGLU inside comfy-kitchen's int8_linear), which must equal the same
-    layers with the activation applied first, and the sampling stays close to bf16."""
-    chain = [("QuantizeModelINT8", {"group_size": "256", "ignored_layers": "", "row_split": "auto"})]
-    video, audio, history, _ = run(comfy, tiny_h3, chain, extra=probe(chain_id(0)))
+@pytest.mark.parametrize("producer", [
+    "QuantizeModelINT8", "LoadH3Quantized-int8_convrot", "LoadH3Quantized-fp8_e4m3fn"])
+def test_h3s_swiglu_on_quantized_layers(comfy, tiny_h3, baseline, producer):
+    """Every node's quantized layers are the pack's QuantLinear (weight: a plain tensor): upstream's
+    linear_input_act then applies the SwiGLU eagerly and calls the layer (its fused INT8 kernel takes only a
+    QuantizedTensor weight), with the same result as the activation applied first; the sampling stays close."""
+    if producer == "QuantizeModelINT8":
+        chain, loader = [("QuantizeModelINT8", {"group_size": "256", "ignored_layers": "", "row_split": "auto"})], None
+        fmt, model_node = "int8_convrot", chain_id(0)
+    else:
+        fmt = producer.split("-")[1]
+        chain, loader, model_node = [], h3_loader(fmt, "none"), "unet"
+    video, audio, history, _ = run(comfy, tiny_h3, chain, loader=loader, extra=probe(model_node))
     mlps = json.loads(history["outputs"]["probe"]["text"][0])
     assert set(mlps) == MLPS
+    storage = {"int8_convrot": "int8", "fp8_e4m3fn": "float8_e4m3fn"}[fmt]
     for name, found in mlps.items():
-        assert found["fc2"] == "Linear/QuantizedTensor(TensorWiseINT8Layout)", (name, found)
-        assert found["fused"] == 1, (name, found)
-        assert found["unfused"] < 1e-6, (name, found)  # measured 0.0
-    for ours, reference in ((video, baseline[0]), (audio, baseline[1])):
-        assert DIFFERS < rel(ours, reference) < ONLINE_TOLERANCE["int8_convrot"]
-
-
-def test_loader_int8_layers_apply_swiglu_before_the_layer(comfy, tiny_h3):
-    """LoadH3Quantized's INT8 layers are the pack's QuantLinear (weight: int8 tensor): upstream's
-    linear_input_act then applies the SwiGLU eagerly and calls the layer, with the same result."""
-    _, _, history, _ = run(comfy, tiny_h3, loader=h3_loader("int8_convrot", "none"), extra=probe("unet"))
-    mlps = json.loads(history["outputs"]["probe"]["text"][0])
-    assert set(mlps) == MLPS
-    for name, found in mlps.items():
-        assert found["fc2"] == "QuantLinear/Parameter(int8)", (name, found)
+        assert found["fc2"] == f"QuantLinear/Parameter({storage})", (name, found)
         assert found["fused"] == 0 and found["unfused"] == 0.0, (name, found)
+    for ours, reference in ((video, baseline[0]), (audio, baseline[1])):
+        assert DIFFERS < rel(ours, reference) < ONLINE_TOLERANCE[fmt]
