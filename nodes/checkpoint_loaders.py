@@ -167,7 +167,8 @@ class LoadH3Quantized:
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
         run = NodeRun(unique_id)
-        run.text = text = _report(builder, install_offload(model, offload, on_run=lambda line: run.add("offload", line)))
+        offload_text = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
+        run.text = text = _report(builder, offload_text)
         watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
         return {"ui": {"text": [text]}, "result": (model, text)}
 

@@ -55,16 +55,8 @@ def _layers_with_weight_patches(model) -> dict[str, str]:
     return keep
 
 
-def _loaded_state(module: nn.Module) -> bool:
-    """Whether ComfyUI's loading of some patcher left per-call state on this module."""
-    return bool(getattr(module, "weight_function", None) or getattr(module, "bias_function", None)
-                or hasattr(module, "prev_comfy_cast_weights") or hasattr(module, "comfy_patched_weights"))
-
-
-def _as_unloaded(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
-    """`module` as it is with no patcher loaded: original tensors, no per-call patches (a copy if it differs)."""
-    if not tensors and not _loaded_state(module):
-        return module
+def _with_original_tensors(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
+    """A shallow copy of `module` holding the tensors ComfyUI's backup kept of it."""
     view = copy.copy(module)
     view._parameters = dict(module._parameters)
     view._buffers = dict(module._buffers)
@@ -75,14 +67,6 @@ def _as_unloaded(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
     for name, tensor in tensors.get("buffers", {}).items():
         if name in view._buffers:
             view._buffers[name] = tensor
-    for name in ("weight_function", "bias_function"):
-        if hasattr(view, name):
-            setattr(view, name, [])
-    if hasattr(module, "prev_comfy_cast_weights"):
-        view.comfy_cast_weights = module.prev_comfy_cast_weights
-        del view.prev_comfy_cast_weights
-    if hasattr(module, "comfy_patched_weights"):
-        del view.comfy_patched_weights
     return view
 
 
@@ -111,14 +95,14 @@ def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dic
             module_name, _, tensor_name = key.rpartition(".")
             tensor = getattr(saved, "weight", saved)  # `backup` holds (weight, inplace_update) tuples
             originals.setdefault(module_name, {}).setdefault(kind, {})[tensor_name] = tensor
-    live = dict(comfy.utils.get_attr(patcher.model, prefix[:-1]).named_modules())
-    for name, module in list(walk_modules(root, overrides)):
-        # Only what is live was patched; other leaves of the view are unloaded anyway.
-        if module._modules or isinstance(module, QuantLinear) or live.get(name) is not module:
-            continue
-        view = _as_unloaded(module, originals.get(name, {}))
-        if view is not module:
-            overrides[name] = view
+    if originals:
+        live = dict(comfy.utils.get_attr(patcher.model, prefix[:-1]).named_modules())
+        for name, module in list(walk_modules(root, overrides)):
+            # Only live modules were patched (the backups are theirs). Layers are leaves; a copy of a
+            # block would also stand in for the block the parents' run-time counting hooks attach to.
+            if (name in originals and live.get(name) is module and not module._modules
+                    and not isinstance(module, QuantLinear)):
+                overrides[name] = _with_original_tensors(module, originals[name])
     return root, overrides
 
 
