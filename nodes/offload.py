@@ -8,6 +8,8 @@ How it shares the work with ComfyUI (features detected, never versions):
 - ComfyUI with dynamic VRAM (comfy-aimdo, `patcher.is_dynamic()`) keeps weights
   in host memory and faults them in per op, with `comfy.model_prefetch`'s block
   lookahead where the model uses it. The pack only plans and reports there.
+  ComfyUI faults in only its own layers' weights: a QuantLinear's scales are
+  moved to the GPU, its weight and bias stay in RAM and are copied per call.
 - Otherwise (0.3.75, or upstream with dynamic VRAM off) ComfyUI loads what its
   budget allows (lowvram partial load) and casts the rest per op on the compute
   path. For the sampling's duration the pack (1) answers
@@ -39,7 +41,7 @@ from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, 
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
-from .comfy_compat import module_view, show_on_node
+from .comfy_compat import module_view, quantized_layers, show_on_node
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,8 @@ class _Offload:
         if comfy_places_weights(patcher):
             how = ("ComfyUI's dynamic VRAM places the weights"
                    + (" with block prefetch" if comfy_has_block_prefetch() else "") + "; the pack only plans")
+            if quantized_layers(patcher):  # ComfyUI faults in only its own layers' weights
+                how += "; quantized layers copy their weight and bias from RAM at every call"
         elif device.type == "cpu":
             how = "CPU device: streamed blocks are copied host-to-host, running the same hooks"
         else:

@@ -156,22 +156,3 @@ def test_partial_loading_and_unloading_with_lora(comfy, tiny_wan2, lora_name, fl
     assert torch.equal(out["reloaded"], out["full"])
     assert rel(out["full"], float_out["full"]) < TOLERANCE[fmt]
 
-
-# ---- upstream's fused input activation entry point ----------------------------
-
-@pytest.mark.host_feature("linear_input_act")
-@pytest.mark.parametrize("producer", PRODUCERS)
-def test_linear_input_act_on_quantized_layers(comfy, tiny_wan2, producer):
-    """comfy.ops.linear_input_act(layer, x, "swiglu"), as MiniMax-H3's MLP calls it: on the pack's layers it
-    runs the layer on act(x); the result is the layer's own fused input activation, bit for bit."""
-    fmt, chain, loader = producer_graph_parts(tiny_wan2, producer)
-    graph = wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=chain, loader=loader)
-    model = chain_id(len(chain) - 1) if chain else "unet"
-    for node in ("sampler", "decode", "save_image", "save_latent", "vae", "cond", "latent"):
-        del graph[node]
-    graph["probe"] = {"class_type": "BigditInputActProbe", "inputs": {"model": [model, 0]}}
-    report = json.loads(comfy.run(graph)["outputs"]["probe"]["text"][0])
-    assert report["layers"] >= 22, report
-    assert report["max_rel_to_fused"] == 0.0, report
-    # against F.linear(silu(gate) * up, dequantized weight): the activations' quantization error
-    assert report["max_rel_to_dequantized"] < {"int8_convrot": 0.03, "fp8_e4m3fn": 0.06}[fmt], report
