@@ -8,6 +8,7 @@ import folder_paths
 from ..loaders import LayerBuilder, inspect_checkpoint
 from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
+from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
 from . import checkpoint_compat as compat
 from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
@@ -17,10 +18,6 @@ from .offload import install_offload
 
 log = logging.getLogger(__name__)
 
-# Kept in full precision by LoadH3Quantized: H3's AdaLN projections, output head
-# and patch projections (its fp32 layers stay fp32 anyway), and their Wan
-# counterparts (the output head and the time-modulation projection).
-DEFAULT_KEEP = ("*adaln*", "final_layer.*", "*_patch_proj", "head.*", "time_projection.*")
 ONLINE_FORMATS = ("auto", "int8_convrot", "fp8_e4m3fn", "mxfp4", "none")
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
@@ -35,6 +32,11 @@ def _report(builder: LayerBuilder, *extra: str) -> str:
     log.info("%s: %s, %.3f -> %.3f GiB", report.title, report.summary_line(),
              report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
     return "\n".join([report.render(), *extra])
+
+
+def _module_names(plan) -> set[str]:
+    """The module names of the file's tensors (quantized layers and plain keys)."""
+    return set(plan.layers) | {key.rpartition(".")[0] for key in plan.plain_keys}
 
 
 def _progress_total(plan) -> int:
@@ -139,7 +141,7 @@ class LoadH3Quantized:
                 "ignored_layers": ("STRING", {
                     "default": "", "multiline": True,
                     "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, comma "
-                               f"or newline separated. Always kept: {', '.join(DEFAULT_KEEP)}."}),
+                               f"or newline separated. Always kept ({describe_keep()})."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -147,14 +149,17 @@ class LoadH3Quantized:
     def load(self, unet_name, quantization, offload, group_size="256", ignored_layers="", unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         device = compat.compute_device()
-        config = None
+        method = None
         if quantization != "none":
             require_kitchen("LoadH3Quantized")
-            config = QuantConfig(method=online_method(quantization, int(group_size), device),
-                                 ignored=DEFAULT_KEEP + parse_patterns(ignored_layers), compute_device=device)
+            method = online_method(quantization, int(group_size), device)
         plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
         if plan.layers:
             require_kitchen("LoadH3Quantized")
+        config = None
+        if method is not None:
+            config = QuantConfig(method=method, compute_device=device,
+                                 ignored=default_keep(_module_names(plan)) + parse_patterns(ignored_layers))
         with plan.open() as source:
             builder = LayerBuilder(plan, source, device, online=config,
                                    nvfp4="auto" if config is None else "requantize", title="LoadH3Quantized",
@@ -162,7 +167,8 @@ class LoadH3Quantized:
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
         run = NodeRun(unique_id)
-        run.text = text = _report(builder, install_offload(model, offload, on_run=lambda line: run.add("offload", line)))
+        offload_text = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
+        run.text = text = _report(builder, offload_text)
         watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
         return {"ui": {"text": [text]}, "result": (model, text)}
 

@@ -15,7 +15,7 @@ from ..quant import QuantConfig, quantize_layers
 from ..quant.dispatch import walk_modules
 from ..quant.linear import QuantLinear
 from ..quant.report import QuantReport
-from ..quant.witness import RunWitness, count_through_parent
+from ..quant.witness import RunWitness
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +46,6 @@ def compute_device():
     return comfy.model_management.get_torch_device()
 
 
-def runs_kitchen_weights() -> bool:
-    """Whether this ComfyUI runs comfy-kitchen QuantizedTensor weights natively (upstream does).
-
-    Then quantized layers keep their ComfyUI class with a QuantizedTensor
-    weight, so ComfyUI's own LoRA, offload and fused `linear_input_act` paths
-    apply; otherwise layers become QuantLinear modules.
-    """
-    try:
-        import comfy.quant_ops as quant_ops
-        from comfy_kitchen.tensor import QuantizedTensor
-    except ImportError:
-        return False
-    return (getattr(quant_ops, "QuantizedTensor", None) is QuantizedTensor
-            and "int8_tensorwise" in getattr(quant_ops, "QUANT_ALGOS", {}))
-
-
 def _layers_with_weight_patches(model) -> dict[str, str]:
     """Layers with pending weight patches (LoRA...) stay as they are so the patches apply to real weights."""
     keep = {}
@@ -71,16 +55,8 @@ def _layers_with_weight_patches(model) -> dict[str, str]:
     return keep
 
 
-def _loaded_state(module: nn.Module) -> bool:
-    """Whether ComfyUI's loading of some patcher left per-call state on this module."""
-    return bool(getattr(module, "weight_function", None) or getattr(module, "bias_function", None)
-                or hasattr(module, "prev_comfy_cast_weights") or hasattr(module, "comfy_patched_weights"))
-
-
-def _as_unloaded(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
-    """`module` as it is with no patcher loaded: original tensors, no per-call patches (a copy if it differs)."""
-    if not tensors and not _loaded_state(module):
-        return module
+def _with_original_tensors(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
+    """A shallow copy of `module` holding the tensors ComfyUI's backup kept of it."""
     view = copy.copy(module)
     view._parameters = dict(module._parameters)
     view._buffers = dict(module._buffers)
@@ -91,14 +67,6 @@ def _as_unloaded(module: nn.Module, tensors: dict[str, dict]) -> nn.Module:
     for name, tensor in tensors.get("buffers", {}).items():
         if name in view._buffers:
             view._buffers[name] = tensor
-    for name in ("weight_function", "bias_function"):
-        if hasattr(view, name):
-            setattr(view, name, [])
-    if hasattr(module, "prev_comfy_cast_weights"):
-        view.comfy_cast_weights = module.prev_comfy_cast_weights
-        del view.prev_comfy_cast_weights
-    if hasattr(module, "comfy_patched_weights"):
-        del view.comfy_patched_weights
     return view
 
 
@@ -127,14 +95,14 @@ def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dic
             module_name, _, tensor_name = key.rpartition(".")
             tensor = getattr(saved, "weight", saved)  # `backup` holds (weight, inplace_update) tuples
             originals.setdefault(module_name, {}).setdefault(kind, {})[tensor_name] = tensor
-    live = dict(comfy.utils.get_attr(patcher.model, prefix[:-1]).named_modules())
-    for name, module in list(walk_modules(root, overrides)):
-        # Only what is live was patched; other leaves of the view are unloaded anyway.
-        if module._modules or isinstance(module, QuantLinear) or live.get(name) is not module:
-            continue
-        view = _as_unloaded(module, originals.get(name, {}))
-        if view is not module:
-            overrides[name] = view
+    if originals:
+        live = dict(comfy.utils.get_attr(patcher.model, prefix[:-1]).named_modules())
+        for name, module in list(walk_modules(root, overrides)):
+            # Only live modules were patched (the backups are theirs). Layers are leaves; a copy of a
+            # block would also stand in for the block the parents' run-time counting hooks attach to.
+            if (name in originals and live.get(name) is module and not module._modules
+                    and not isinstance(module, QuantLinear)):
+                overrides[name] = _with_original_tensors(module, originals[name])
     return root, overrides
 
 
@@ -150,11 +118,9 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
     patched = model.clone()
     root, config.overrides = module_view(model)
     config.keep.update(_layers_with_weight_patches(model))
-    config.representation = "kitchen" if runs_kitchen_weights() else "module"
     bar = comfy.utils.ProgressBar(1)
     replacements, report = quantize_layers(
         root, config, progress=lambda done, total: bar.update_absolute(done, total), title=title)
-    parents = dict(walk_modules(root, config.overrides)) if replacements else {}
     if replacements and hasattr(patched, "patches_uuid"):
         # ComfyUI re-patches weights on load only when patches_uuid changed, and its marks of patched
         # weights stay on the modules an object patch swaps out: a LoRA clone loaded after this one
@@ -163,9 +129,6 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
         patched.patches_uuid = uuid.uuid4()
     for name, module in replacements.items():
         patched.add_object_patch(DIFFUSION_PREFIX + name, module)
-        if not isinstance(module, QuantLinear):
-            # A kitchen-weight layer may be called without its module call (see quant/witness.py).
-            count_through_parent(module, parents[name.rpartition(".")[0]])
     _set_model_size(patched, model.model_size() - _bytes_replaced(report, replacements))
     return patched, report, replacements
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
+from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
 from . import comfy_compat
 from .kitchen import require_kitchen
@@ -32,8 +33,9 @@ class QuantizeModelINT8:
                 }),
                 "ignored_layers": ("STRING", {
                     "default": "", "multiline": True,
-                    "tooltip": "Layers to keep in full precision: fnmatch patterns on module names, separated by "
-                               "commas or new lines (e.g. '*.adaln*, head.*'). '*' keeps everything.",
+                    "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, "
+                               "separated by commas or new lines (e.g. 'blocks.0.*'). '*' keeps everything. "
+                               f"Always kept, as by LoadH3Quantized ({describe_keep()}).",
                 }),
             },
             "optional": {
@@ -48,9 +50,11 @@ class QuantizeModelINT8:
 
     def quantize(self, model, group_size, ignored_layers, row_split="auto", unique_id=None):
         require_kitchen("QuantizeModelINT8")
+        names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
         config = QuantConfig(
             method=Int8ConvRotMethod(int(group_size), row_split),
-            ignored=parse_patterns(ignored_layers),
+            # the layers LoadH3Quantized keeps for this architecture, then the user's
+            ignored=default_keep(names) + parse_patterns(ignored_layers),
             compute_device=comfy_compat.compute_device(),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")

@@ -6,7 +6,6 @@ failure half-way leaves the model exactly as it was.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from .linear import QuantLinear
 from .method import LinearMethod
 from .patterns import first_match
 from .report import LayerRecord, QuantReport
-from .witness import count_calls
 
 if TYPE_CHECKING:
     from .auto import AutoSelector
@@ -52,10 +50,6 @@ class QuantConfig:
     keep: dict[str, str] = field(default_factory=dict)  # module name -> reason to keep it as is
     # Modules that stand in for the tree's at run time (ComfyUI object patches).
     overrides: dict[str, nn.Module] = field(default_factory=dict)
-    # "module": replace layers with QuantLinear. "kitchen": where the method has a
-    # comfy-kitchen layout, keep the layer's own class and give it a
-    # QuantizedTensor weight (what upstream ComfyUI runs natively).
-    representation: str = "module"
 
     def device(self) -> torch.device:
         if self.compute_device is not None:
@@ -183,26 +177,16 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     return plans
 
 
-def quantize_linear(module: nn.Linear, method: LinearMethod, device: torch.device,
-                    representation: str = "module") -> nn.Module:
-    """Quantize one layer on `device`; the result lives where the weight lived.
+def quantize_linear(module: nn.Linear, method: LinearMethod, device: torch.device) -> QuantLinear:
+    """Quantize one layer on `device` into a QuantLinear that lives where the weight lived.
 
-    Returns a QuantLinear, or with representation "kitchen" (where the method
-    has a comfy-kitchen layout) a shallow copy of `module` whose weight is a
-    QuantizedTensor. `module` itself is never modified.
+    `module` itself is never modified.
     """
     weight = module.weight.detach()
     home = weight.device
     with torch.no_grad():
         tensors = method.quantize_weight(weight.to(device))
     tensors = {k: v.to(home) for k, v in tensors.items()}
-    if representation == "kitchen":
-        kitchen = method.kitchen_weight(tensors, weight.dtype)
-        if kitchen is not None:
-            clone = copy.copy(module)
-            clone._parameters = dict(module._parameters)
-            clone.weight = nn.Parameter(kitchen, requires_grad=False)
-            return count_calls(clone)
     bias = None if module.bias is None else module.bias.detach()
     return QuantLinear(method, module.in_features, module.out_features, tensors, bias, compute_dtype=weight.dtype)
 
@@ -228,7 +212,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
                                               plan.linear, earlier=plan.existing_format is not None))
             continue
         try:
-            new = quantize_linear(plan.module, plan.method, device, config.representation)
+            new = quantize_linear(plan.module, plan.method, device)
         except Exception as exc:
             raise QuantizationError(f"quantizing layer {plan.name!r} with {plan.method.describe()} failed: {exc}") from exc
         replacements[plan.name] = new

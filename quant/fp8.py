@@ -136,9 +136,10 @@ class Fp8Method(LinearMethod):
             return weight_scale.float().reshape(1, 1).expand(1, n_out).contiguous()
         return weight_scale.float().reshape(1, n_out)
 
-    def dequantize(self, layer) -> torch.Tensor:
-        scales = self._row_scales(layer.weight_scale, layer.out_features).reshape(-1, 1)
-        return (layer.weight.float() * scales).to(layer.compute_dtype)
+    def dequantize(self, layer, device=None) -> torch.Tensor:
+        t = layer.tensors_on(device)
+        scales = self._row_scales(t["weight_scale"], layer.out_features).reshape(-1, 1)
+        return (t["weight"].float() * scales).to(layer.compute_dtype)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         t = layer.tensors_for(x)

@@ -88,15 +88,11 @@ class Int8ConvRotMethod(LinearMethod):
             scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(shape), is_weight=True,
             convrot=self.convrot, convrot_groupsize=self.group_size)
 
-    def kitchen_weight(self, tensors, compute_dtype):
-        from comfy_kitchen.tensor import QuantizedTensor
-        params = self._params(tensors["weight_scale"], compute_dtype, tensors["weight"].shape)
-        return QuantizedTensor(tensors["weight"], "TensorWiseINT8Layout", params)
-
-    def dequantize(self, layer) -> torch.Tensor:
+    def dequantize(self, layer, device=None) -> torch.Tensor:
         from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
-        params = self._params(layer.weight_scale, layer.compute_dtype, layer.weight.shape)
-        return TensorWiseINT8Layout.dequantize(layer.weight, params)
+        t = layer.tensors_on(device)
+        params = self._params(t["weight_scale"], layer.compute_dtype, t["weight"].shape)
+        return TensorWiseINT8Layout.dequantize(t["weight"], params)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         ck = _kitchen()
@@ -116,7 +112,7 @@ class Int8ConvRotMethod(LinearMethod):
 
         def dequant_gemm() -> torch.Tensor:
             from .kitchen_api import apply_input_act
-            w = self.dequantize(layer).to(device=x.device, dtype=out_dtype)
+            w = self.dequantize(layer, x.device).to(out_dtype)
             return F.linear(apply_input_act(x2d, input_act).to(out_dtype), w,
                             None if bias is None else bias.to(out_dtype))
 

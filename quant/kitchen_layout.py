@@ -37,8 +37,8 @@ class KitchenLayoutMethod(LinearMethod):
         from comfy_kitchen.tensor import QuantizedTensor
         return QuantizedTensor.from_float(x2d, self.layout)
 
-    def dequantize(self, layer) -> torch.Tensor:
-        return self.kitchen_tensor(dict(layer.named_parameters()), layer).dequantize()
+    def dequantize(self, layer, device=None) -> torch.Tensor:
+        return self.kitchen_tensor(layer.tensors_on(device), layer).dequantize()
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         from .kitchen_api import apply_input_act

@@ -47,17 +47,10 @@ class LinearMethod(ABC):
     def apply(self, layer: "QuantLinear", x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         """The layer's output for `x` (and the optional fused input activation), in `output_dtype(x, ...)`."""
 
-    def dequantize(self, layer: "QuantLinear") -> torch.Tensor:
-        """The full-precision weight this layer represents (for LoRA, tests and fallbacks)."""
+    def dequantize(self, layer: "QuantLinear", device: torch.device | None = None) -> torch.Tensor:
+        """The full-precision weight this layer represents (for LoRA, tests and fallbacks), computed on
+        `device` (default: the weight's), wherever ComfyUI left each of the layer's tensors."""
         raise NotImplementedError(f"{self.name} cannot dequantize")
-
-    def kitchen_weight(self, tensors: dict[str, torch.Tensor], compute_dtype: torch.dtype):
-        """The stored tensors as one comfy-kitchen QuantizedTensor weight, or None if kitchen has no such layout.
-
-        Upstream ComfyUI runs, offloads and LoRA-patches such weights natively; its layers cast the
-        weight to the input's dtype, so they keep the output dtype rule too.
-        """
-        return None
 
     def describe(self) -> str:
         return self.name

@@ -341,11 +341,12 @@ class Mxfp4Method(LinearMethod):
         parts = [quantize_mxfp4(weight[i:i + rows_per_chunk]) for i in range(0, weight.shape[0], rows_per_chunk)]
         return {"weight": torch.cat([p for p, _ in parts]), "weight_scale": torch.cat([s for _, s in parts])}
 
-    def dequantize(self, layer) -> torch.Tensor:
+    def dequantize(self, layer, device=None) -> torch.Tensor:
         if self.path.name == "aiter":
             raise NotImplementedError("MXFP4 weights in AITER's pre-shuffled layout cannot be dequantized (a LoRA "
                                       "cannot be applied to them); quantize with mxfp4 after applying the LoRA")
-        return dequantize_mxfp4(layer.weight, layer.weight_scale, layer.compute_dtype)
+        t = layer.tensors_on(device)
+        return dequantize_mxfp4(t["weight"], t["weight_scale"], layer.compute_dtype)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         t = layer.tensors_for(x)

@@ -31,9 +31,9 @@ class QuantoInt8Method(LinearMethod):
         data = torch.round(weight / scale).clamp_(QINT8_MIN, QINT8_MAX).to(torch.int8)
         return {"weight": data, "weight_scale": scale}
 
-    def dequantize(self, layer) -> torch.Tensor:
-        dtype = layer.compute_dtype
-        return layer.weight.to(dtype) * layer.weight_scale.to(dtype)
+    def dequantize(self, layer, device=None) -> torch.Tensor:
+        dtype, t = layer.compute_dtype, layer.tensors_on(device)
+        return t["weight"].to(dtype) * t["weight_scale"].to(dtype)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         from .kitchen_api import apply_input_act

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from comfy_harness import HOSTS, ComfyServer
-from tiny_models import make_tiny_wan, make_tiny_wan_vae
+from tiny_models import H3_TEXT_DIM, make_tiny_h3, make_tiny_wan, make_tiny_wan_vae
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ def pytest_runtest_setup(item):
         pytest.skip(reason)
 
 
-# ---- integration fixtures: a real ComfyUI server and tiny Wan models --------
+# ---- integration fixtures: a real ComfyUI server and tiny Wan and H3 models --
 
 @pytest.fixture(scope="session")
 def comfy(request, tmp_path_factory):
@@ -107,3 +107,15 @@ def tiny_wan(comfy, tiny_vae):
 def tiny_wan2(comfy, tiny_vae):
     """2 blocks, dim 256, 2 heads (ComfyUI fixes head dim at 128), ffn 512."""
     return _tiny_unet(comfy, tiny_vae, "tiny_wan2.safetensors", num_layers=2, num_heads=2, dim=256, ffn_dim=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_h3(comfy):
+    """MiniMax-H3 from upstream's own class: 2 blocks, 1 refiner block, hidden 256, 2 heads x 128,
+    ffn 512, text_dim 512 (tests/tiny_models.py): {"unet_name", "path", "text_dim"}. Needs a host
+    with MiniMax-H3 (mark the test host_feature("minimax_h3"))."""
+    if reason := comfy.host.lacks("minimax_h3"):
+        pytest.skip(reason)
+    name = "tiny_h3.safetensors"
+    path = make_tiny_h3(comfy.models_dir / "diffusion_models" / name, host=comfy.host)
+    return {"unet_name": name, "path": path, "text_dim": H3_TEXT_DIM}

@@ -57,3 +57,45 @@ def add_preview(graph: dict, source: str, output_index: int, node_id=None) -> st
     node_id = node_id or f"preview_{source}_{output_index}"
     graph[node_id] = {"class_type": "PreviewAny", "inputs": {"source": [source, output_index]}}
     return node_id
+
+
+H3_TEXT_LENGTH = 8
+
+
+def h3_graph(unet_name, text_dim, model_chain=(), seed=0, steps=2, width=64, height=64, length=5,
+             weight_dtype="default", loader=None, shift_video=12.0, shift_audio=3.0) -> dict:
+    """A tiny MiniMax-H3 text-to-video+audio graph with upstream's own H3 nodes, fixed node ids:
+
+        unet (UNETLoader, or `loader`) -> shift (MiniMaxH3SigmaShift) -> m0 -> ... (model_chain) -> sampler
+        cond (BigditRandomConditioning, [1, 8, text_dim]) -> sampler positive; ConditioningZeroOut -> negative
+        latent (EmptyMiniMaxH3LatentAV) -> sampler -> split (LTXVSeparateAVLatent, upstream's "Separate AV
+        Latent") -> save_video, save_audio (SaveLatent)
+
+    64x64 and 5 frames give a [1, 24, 2, 4, 4] video and a [1, 32, 2, 8] audio latent.
+    """
+    if loader is None:
+        loader = ("UNETLoader", {"unet_name": unet_name, "weight_dtype": weight_dtype})
+    graph = {"unet": {"class_type": loader[0], "inputs": dict(loader[1])},
+             "shift": {"class_type": "MiniMaxH3SigmaShift",
+                       "inputs": {"model": ["unet", 0], "shift_video": shift_video, "shift_audio": shift_audio}}}
+    model = "shift"
+    for index, (class_type, inputs) in enumerate(model_chain):
+        graph[chain_id(index)] = {"class_type": class_type, "inputs": {**inputs, "model": [model, 0]}}
+        model = chain_id(index)
+    graph.update({
+        "cond": {"class_type": "BigditRandomConditioning",
+                 "inputs": {"length": H3_TEXT_LENGTH, "dim": text_dim, "seed": 0}},
+        "negative": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["cond", 0]}},
+        "latent": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": width, "height": height,
+                                                                     "length": length}},
+        "sampler": {"class_type": "KSampler", "inputs": {
+            "model": [model, 0], "seed": seed, "steps": steps, "cfg": 1.0,
+            "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+            "positive": ["cond", 0], "negative": ["negative", 0], "latent_image": ["latent", 0]}},
+        "split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["sampler", 0]}},
+        "save_video": {"class_type": "SaveLatent",
+                       "inputs": {"samples": ["split", 0], "filename_prefix": "bigdit/h3_video"}},
+        "save_audio": {"class_type": "SaveLatent",
+                       "inputs": {"samples": ["split", 1], "filename_prefix": "bigdit/h3_audio"}},
+    })
+    return graph

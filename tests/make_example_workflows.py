@@ -5,11 +5,11 @@ example_workflows/api/<name>.json (API format, for POST /prompt).
     python tests/make_example_workflows.py
 
 Each graph below is written once, in API terms with readable node keys. A headless ComfyUI
-0.3.75 (tests/comfy_harness.py) with this pack and its own front end in Chromium
-(tests/workflow_ui.py) builds the UI workflow from it, and graphToPrompt gives the API file,
-so both files are what the front end itself saves and queues. The MiniMax-H3 nodes, which
-0.3.75 lacks, are registered in the front end from tests/upstream_nodes.py first.
-Needs /usr/bin/chromium (Debian package 'chromium').
+(tests/comfy_harness.py) with this pack and its own front end in Chromium (tests/workflow_ui.py)
+builds the UI workflow from it, and graphToPrompt gives the API file, so both files are what the
+front end itself saves and queues. Each example is built on the first host that has every
+feature it needs (ComfyUI 0.3.75 for the Wan ones, upstream 0.33.0 for MiniMax-H3's native nodes).
+Needs /usr/bin/chromium (Debian package 'chromium') and the hosts of .ci/setup_env.sh.
 """
 import json
 import sys
@@ -21,9 +21,8 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
 from browser import Browser  # noqa: E402
-from comfy_harness import ComfyServer  # noqa: E402
-from upstream_nodes import UPSTREAM_NODES  # noqa: E402
-from workflow_ui import build_ui_workflow, open_comfy, register_node_defs, screenshot_graph  # noqa: E402
+from comfy_harness import HOSTS, ComfyServer  # noqa: E402
+from workflow_ui import build_ui_workflow, open_comfy, screenshot_graph  # noqa: E402
 
 OUT = TESTS.parent / "example_workflows"
 PREVIEW_MAX_BYTES = 200_000
@@ -139,6 +138,9 @@ def minimax_h3_24gb():
     }
 
 
+# Examples that need host features (comfy_harness.FEATURES) beyond the pack's.
+NEEDS = {"bigdit-3-minimax-h3-24gb": ("minimax_h3", "torchaudio")}
+
 EXAMPLES = {
     "bigdit-1-quantize-wan-int8-online": (quantize_online, """\
 Quantize a bf16 model to INT8 while the workflow runs (BigDiT).
@@ -212,19 +214,52 @@ def preview_jpeg(browser, path: Path):
     raise RuntimeError(f"{path} stays over {PREVIEW_MAX_BYTES} bytes")
 
 
+# Loader inputs naming a model file -> its models/ folder.
+MODEL_FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae"}
+
+
+def placeholder_models(base: Path, graphs) -> None:
+    """Empty files named as the examples' models: the front end then lists them in the loaders, and newer
+    ones mark no loader as missing its model in the previews."""
+    for graph in graphs:
+        for node in graph.values():
+            for name, value in node["inputs"].items():
+                if name in MODEL_FOLDERS:
+                    path = base / "models" / MODEL_FOLDERS[name] / value
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.touch()
+
+
+def host_for(name):
+    """The first host with every feature the example needs."""
+    for host in HOSTS:
+        if host.lacks(*NEEDS.get(name, ())) is None:
+            return host
+    raise RuntimeError(f"no host has what {name} needs: {NEEDS[name]}")
+
+
 def main():
     (OUT / "api").mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bigdit-examples-") as base, ComfyServer(base) as server, \
-            Browser(width=1600, height=1000, timeout=60) as browser:
-        open_comfy(browser, server.url)
-        register_node_defs(browser, UPSTREAM_NODES)
-        for name, (make_graph, note) in EXAMPLES.items():
-            built = build_ui_workflow(browser, make_graph(), note)
-            workflow = {**built["workflow"], "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"bigdit/{name}"))}
-            (OUT / f"{name}.json").write_text(json.dumps(workflow, indent=1) + "\n")
-            (OUT / "api" / f"{name}.json").write_text(json.dumps(built["prompt"], indent=1) + "\n")
-            preview_jpeg(browser, OUT / f"{name}.jpg")
-            print(f"wrote {name}: {len(built['prompt'])} nodes")
+    for host in HOSTS:
+        names = [name for name in EXAMPLES if host_for(name) is host]
+        if not names:
+            continue
+        graphs = {name: EXAMPLES[name][0]() for name in names}
+        with tempfile.TemporaryDirectory(prefix="bigdit-examples-") as base:
+            placeholder_models(Path(base), graphs.values())
+            with ComfyServer(base, host) as server, Browser(width=1600, height=1000, timeout=60) as browser:
+                open_comfy(browser, server.url)
+                for name in names:
+                    build(browser, name, graphs[name], host)
+
+
+def build(browser, name, graph, host):
+    built = build_ui_workflow(browser, graph, EXAMPLES[name][1])
+    workflow = {**built["workflow"], "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"bigdit/{name}"))}
+    (OUT / f"{name}.json").write_text(json.dumps(workflow, indent=1) + "\n")
+    (OUT / "api" / f"{name}.json").write_text(json.dumps(built["prompt"], indent=1) + "\n")
+    preview_jpeg(browser, OUT / f"{name}.jpg")
+    print(f"wrote {name} on ComfyUI {host.version}: {len(built['prompt'])} nodes")
 
 
 if __name__ == "__main__":

@@ -234,22 +234,18 @@ def test_bad_options():
         Int8ConvRotMethod(256, row_split="sometimes")
 
 
-def test_kitchen_representation_matches_quantlinear_bit_for_bit():
-    """Upstream ComfyUI's native form: the layer keeps its class, its weight becomes a QuantizedTensor."""
+def test_kitchen_weights_of_upstream_are_already_quantized():
+    """Upstream ComfyUI loads marker files as its own layers with a QuantizedTensor weight: kept, counted packed."""
+    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
     model = Tiny()
-    modules, _ = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
-    kitchen, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256), representation="kitchen"))
-    layer = kitchen["proj"]
-    assert type(layer) is nn.Linear and type(layer.weight).__name__ == "QuantizedTensor"
-    assert model.proj.weight.dtype == torch.bfloat16  # the original is untouched
-    x = torch.randn(7, 256, dtype=torch.bfloat16)
-    assert torch.equal(layer(x), modules["proj"](x))
-    assert report.bytes_after() == sum(r.bytes_after for r in report.records)
-    assert {r.name: r.bytes_after for r in report.records}["proj"] == 256 * 512 + 512 * 4 + 512 * 2
-    apply_replacements(model, kitchen)
-    _, again = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
-    assert again.summary_line() == "quantized 0/3 linear layers"
-    assert {r.name: r.method for r in again.earlier} == {"proj": "int8_convrot"}
+    qdata, params = TensorWiseINT8Layout.quantize(model.proj.weight.detach(), is_weight=True, per_channel=True,
+                                                  convrot=True, convrot_groupsize=256, stochastic_rounding=0)
+    model.proj.weight = nn.Parameter(QuantizedTensor(qdata, "TensorWiseINT8Layout", params), requires_grad=False)
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
+    assert "proj" not in replacements and report.summary_line() == "quantized 0/3 linear layers"
+    assert [(r.name, r.method, r.reason) for r in report.earlier] == [("proj", "int8_convrot", "already quantized")]
+    assert report.earlier[0].bytes_after == 256 * 512 + params.scale.nbytes + 512 * 2  # packed, not 256 * 512 * 2
 
 
 @pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
@@ -273,6 +269,55 @@ def test_weight_patch_protocol_applies_lora(method_name):
     # An in-place restore could not be noticed, so in-place patching is refused.
     with pytest.raises(RuntimeError, match="in-place"):
         q.set_weight(patched, inplace_update=True)
+
+
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_restored_weight_is_read_with_its_own_scales(method_name):
+    """Patch, restore `weight` only (as ComfyUI's unpatch does), patch again: the second patch starts from the
+    original weight, and the layer holds no extra parameter (its size is what ComfyUI counts)."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    names = list(q.state_dict())  # what ComfyUI's module_size counts
+    original_weight, original = q.weight, q.method.dequantize(q).float()
+    delta = 0.5 * torch.randn(128, 256)
+    q.set_weight(q.convert_weight(q.weight.float()) + delta)
+    assert list(q.state_dict()) == names
+    q.weight = original_weight  # ComfyUI's restore, the scales untouched
+    assert torch.equal(q.convert_weight(q.weight.float()), original)
+    q.set_weight(q.convert_weight(q.weight.float()) + delta)
+    assert rel_err(q.method.dequantize(q), layer.weight.float() + delta) < 0.05
+
+
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_set_weight_can_return_instead_of_storing(method_name):
+    """return_weight (0.3.75's partial loading calls set_weight so): the weight the layer would compute with."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    stored = {k: v.detach().clone() for k, v in q.named_parameters()}
+    patched = layer.weight.float() + 0.2 * torch.randn(128, 256)
+    returned = q.set_weight(patched, seed=0, return_weight=True)
+    assert all(torch.equal(stored[k], v) for k, v in q.named_parameters())  # nothing stored
+    assert returned.dtype == torch.float32 and rel_err(returned, patched) < 0.05
+    q.set_weight(patched)
+    assert torch.equal(returned, q.method.dequantize(q).float())  # what set_weight stores, exactly
+
+
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_dynamic_vram_lora_applies(method_name):
+    """Upstream's dynamic VRAM attaches a LoRA as weight_lowvram_function, beside weight_function."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    delta = 0.05 * torch.randn(128, 256)
+    q.weight_lowvram_function = lambda w: w + delta.to(w.dtype)
+    q.weight_function = [lambda w: 2 * w]
+    x = torch.randn(5, 256)
+    ref = nn.functional.linear(x, 2 * (q.method.dequantize(q).float() + delta), layer.bias.float())
+    assert rel_err(q(x), ref) < 1e-5
+    q.weight_lowvram_function, q.weight_function = None, []
+    assert rel_err(q(x), nn.functional.linear(x, layer.weight.float(), layer.bias.float())) < 0.05
 
 
 def test_per_call_weight_functions_apply_on_dequantized_weight():

@@ -33,10 +33,10 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def layer_pair(name, compute_dtype, representation="module"):
+def layer_pair(name, compute_dtype):
     torch.manual_seed(0)
     plain = nn.Linear(128, 64).to(compute_dtype)
-    return plain, quantize_linear(plain, get_method(name, **METHODS[name]), torch.device("cpu"), representation)
+    return plain, quantize_linear(plain, get_method(name, **METHODS[name]), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("compute_dtype", DTYPES, ids=str)
@@ -54,19 +54,6 @@ def test_every_method_returns_the_input_dtype(name, compute_dtype):
         layer.weight_function = [lambda w: w]
         assert layer(x).dtype == dtype
         layer.weight_function = []
-
-
-@pytest.mark.parametrize("compute_dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", ["int8_convrot", "int8_tensorwise"])
-def test_kitchen_weights_return_the_input_dtype(name, compute_dtype):
-    """The other representation (a QuantizedTensor weight in the layer's own class), where kitchen has the layout."""
-    plain, layer = layer_pair(name, compute_dtype, representation="kitchen")
-    assert type(layer) is nn.Linear and type(layer.weight).__name__ == "QuantizedTensor"
-    for dtype in DTYPES:
-        x = torch.randn(3, 5, 128, dtype=dtype)
-        out = layer(x)
-        assert out.dtype == dtype
-        assert rel_err(out, F.linear(x.float(), plain.weight.float(), plain.bias.float())) < TOLERANCE[name]
 
 
 def test_fp8_static_input_scale_returns_the_input_dtype():

@@ -3,11 +3,11 @@ pass did, and the run-time witness counts which quantized layers executed."""
 import torch
 from torch import nn
 
-from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, quantize_layers
+from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant.dispatch import walk_modules
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.method import LinearMethod
-from bigdit.quant.witness import RunWitness, count_through_parent
+from bigdit.quant.witness import RunWitness
 
 
 def model():
@@ -82,47 +82,6 @@ def test_witness_sees_a_layer_that_was_replaced_after_quantization():
     m(torch.randn(2, 64, dtype=torch.bfloat16))
     count = witness.take()
     assert (count.ran, count.claimed, count.missing) == (2, 3, ["1.0"])
-
-
-def test_kitchen_layers_count_their_calls_and_the_original_does_not():
-    m = model()
-    layers, _ = quantize_layers(m, config(representation="kitchen"))
-    assert all(type(layer) is nn.Linear and not isinstance(layer, QuantLinear) for layer in layers.values())
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    m(x)  # the original modules have no counter
-    assert not hasattr(m[0], "runs") and not m[0]._forward_pre_hooks
-    apply_replacements(m, layers)
-    witness = RunWitness(layers)
-    m(x)
-    assert witness.take().ran == 3
-
-
-def test_kitchen_layer_called_without_its_module_call_counts_through_its_parent():
-    """Upstream's fused linear_input_act passes the layer's weight to a kernel, never calling the layer."""
-    class Fused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(64, 64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return nn.functional.linear(self.up(x), self.down.weight.dequantize(), self.down.bias)
-
-    block = Fused().to(torch.bfloat16)
-    layers, _ = quantize_layers(block, config(representation="kitchen"))
-    apply_replacements(block, layers)
-    witness = RunWitness(layers)
-    block(torch.randn(2, 64, dtype=torch.bfloat16))
-    assert witness.take().missing == ["down"]
-    count_through_parent(layers["down"], block)
-    count_through_parent(layers["up"], block)
-    assert len(block._forward_pre_hooks) == 1  # one hook per parent, however many children
-    block(torch.randn(2, 64, dtype=torch.bfloat16))
-    assert witness.take().ran == 2
-    # A different module installed in the parent is not counted for ours.
-    apply_replacements(block, {"down": nn.Linear(64, 64).to(torch.bfloat16)})
-    block.down.weight.dequantize = lambda: block.down.weight
-    block(torch.randn(2, 64, dtype=torch.bfloat16))
-    assert witness.take().missing == ["down"]
 
 
 class PlainMethod(LinearMethod):

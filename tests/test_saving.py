@@ -3,7 +3,7 @@
 A Wan-shaped model gets one format per layer (INT8 ConvRot, INT8 tensorwise,
 FP8, NVFP4, MXFP8, two plain layers), in both representations a model can hold
 them: QuantLinear modules, and ComfyUI's own Linear with a comfy-kitchen
-QuantizedTensor weight (what upstream ComfyUI runs). The saved file goes
+QuantizedTensor weight (what upstream ComfyUI loads marker files into). The saved file goes
 through inspect_checkpoint and LayerBuilder, the code MixedCheckpointLoader
 runs; the same tensors loaded must give bit-identical layer outputs.
 """
@@ -54,8 +54,10 @@ def quantized_model(methods=METHODS):
 
 
 def kitchen_model(model):
-    """The same layers as ComfyUI's own Linear holds them upstream: a QuantizedTensor weight."""
+    """The same layers as upstream ComfyUI's own Linear holds them after loading a marker file natively:
+    a QuantizedTensor weight."""
     from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
     replacements = {}
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
@@ -63,7 +65,10 @@ def kitchen_model(model):
         tensors = module.stored_tensors()
         method = module.method
         if method.name.startswith("int8"):
-            weight = method.kitchen_weight(tensors, module.compute_dtype)
+            params = TensorWiseINT8Layout.Params(
+                scale=tensors["weight_scale"], orig_dtype=module.compute_dtype, orig_shape=tuple(tensors["weight"].shape),
+                is_weight=True, convrot=method.convrot, convrot_groupsize=method.group_size)
+            weight = QuantizedTensor(tensors["weight"], "TensorWiseINT8Layout", params)
         elif method.name == "float8_e4m3fn":
             params = TensorCoreFP8Layout.Params(scale=tensors["weight_scale"], orig_dtype=module.compute_dtype,
                                                 orig_shape=tuple(tensors["weight"].shape))

@@ -18,16 +18,6 @@ READY = ("window.comfyAPI?.app?.app?.graph && window.LiteGraph?.registered_node_
          " && window.comfyAPI.app.app.extensions.some(e => e.name === 'bigdit.report')"
          " && window.comfyAPI.app.app.graph.nodes.length > 0")
 
-# Argument: {name: definition in /object_info format}; registers those the front end lacks.
-REGISTER_JS = r"""
-async (definitions) => {
-  const app = window.comfyAPI.app.app;
-  for (const [name, def] of Object.entries(definitions)) {
-    if (!LiteGraph.registered_node_types[name]) await app.registerNodeDef(name, def);
-  }
-}
-"""
-
 # Arguments: graph {key: {class_type, inputs, title?}} with links as [key, output index], and note
 # text. Node ids follow the graph's order (the Note first).
 BUILD_JS = r"""
@@ -160,11 +150,6 @@ def open_comfy(browser, url: str, timeout=60.0):
                  {"source": "localStorage.setItem('vueNodesBannerDismissed', 'true')"})
     browser.goto(url)
     browser.wait_for(READY, timeout=timeout)
-
-
-def register_node_defs(browser, definitions: dict):
-    """Teach the front end node types its server lacks (e.g. upstream's, from tests/upstream_nodes.py)."""
-    call(browser, REGISTER_JS, definitions)
 
 
 def build_ui_workflow(browser, graph: dict, note: str = "") -> dict:

@@ -1,9 +1,9 @@
-"""What a ComfyUI user sees of the pack, checked against a real ComfyUI 0.3.75 and its own front end.
+"""What a ComfyUI user sees of the pack, checked against each real ComfyUI host and its own front end.
 
-- example_workflows/api/*.json: every node and input matches the node definitions (the
-  server's /object_info, and for MiniMax-H3's nodes, which 0.3.75 lacks, upstream's as read
-  in tests/upstream_nodes.py); the server accepts each graph but for the model files it
-  does not have; the Wan ones run for real with the tiny model swapped in.
+- example_workflows/api/*.json: every node and input matches the server's node definitions
+  (/object_info); the server accepts each graph but for the model files it does not have; each
+  runs for real with tiny models swapped in. The MiniMax-H3 example needs a host with native H3
+  (and torchaudio, for VAEDecodeAudio): on others these checks are skipped with that reason.
 - example_workflows/*.json (UI format) load in the front end to exactly the API graphs, and
   have their preview picture.
 - Every node of the pack has a description, a tooltip on every input, and a help page that
@@ -22,13 +22,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from browser import CHROMIUM, Browser
 from checkpoint_files import write_markers
 from comfy_harness import PromptError
-from graphs import wan_t2v_graph
-from upstream_nodes import UPSTREAM_COMBO_VALUES, UPSTREAM_NODES
-from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, register_node_defs, screenshot_node
+from graphs import H3_TEXT_LENGTH, wan_t2v_graph
+from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, screenshot_node
 
 pytestmark = pytest.mark.integration
 
@@ -41,15 +41,17 @@ PACK_MODULE = "custom_nodes.bigdit"  # the harness links the pack as custom_node
 # Inputs naming a model file: the examples name the files users download, which no test server has.
 MODEL_FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}
 PREVIEW_MAX_BYTES = 200_000
+# Examples that need host features (comfy_harness.FEATURES) beyond the pack's.
+NEEDS = {"bigdit-3-minimax-h3-24gb": ("minimax_h3", "torchaudio")}
 
 
 def load_json(path):
     return json.loads(Path(path).read_text())
 
 
-def node_specs(object_info):
-    """The server's definitions, plus upstream's for the node types it lacks."""
-    return {**UPSTREAM_NODES, **object_info}
+def skip_unless_host_runs(comfy, path):
+    if reason := comfy.host.lacks(*NEEDS.get(Path(path).stem, ())):
+        pytest.skip(reason)
 
 
 def validation_problems(graph, specs):
@@ -79,7 +81,6 @@ def validation_problems(graph, specs):
                     problems.append(f"{node_id} {class_type}.{name}: {outputs[value[1]]} linked to a {kind} input")
             elif isinstance(kind, list) or kind == "COMBO":
                 allowed = set(kind if isinstance(kind, list) else options.get("options", []))
-                allowed |= UPSTREAM_COMBO_VALUES.get((class_type, name), set())
                 if value not in allowed and name not in MODEL_FILE_INPUTS:
                     problems.append(f"{node_id} {class_type}.{name}: {value!r} is not one of its values")
             elif kind in ("INT", "FLOAT"):
@@ -103,11 +104,12 @@ def test_every_example_comes_in_both_formats_with_a_preview():
 
 @pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
 def test_api_workflow_matches_node_definitions(comfy, path):
-    assert validation_problems(load_json(path), node_specs(comfy.object_info())) == []
+    skip_unless_host_runs(comfy, path)
+    assert validation_problems(load_json(path), comfy.object_info()) == []
 
 
 def test_validation_catches_broken_graphs(comfy):
-    specs = node_specs(comfy.object_info())
+    specs = comfy.object_info()
     graph = load_json(EXAMPLES / "api" / "bigdit-1-quantize-wan-int8-online.json")
     quantize = next(k for k, n in graph.items() if n["class_type"] == "QuantizeModelINT8")
     sampler = next(k for k, n in graph.items() if n["class_type"] == "KSampler")
@@ -125,11 +127,8 @@ def test_validation_catches_broken_graphs(comfy):
 
 @pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
 def test_comfyui_accepts_example_but_for_model_files(comfy, path):
+    skip_unless_host_runs(comfy, path)
     graph = load_json(path)
-    missing = sorted({n["class_type"] for n in graph.values()} - set(comfy.object_info()))
-    if missing:
-        pytest.skip(f"ComfyUI {comfy.host.version} lacks the nodes {', '.join(missing)}: this graph is checked "
-                    "against upstream's definitions in tests/upstream_nodes.py")
     with pytest.raises(PromptError) as info:
         comfy.run(graph)
     errors = [(node_id, error) for node_id, node in info.value.node_errors.items() for error in node["errors"]]
@@ -189,6 +188,60 @@ def test_wan_example_runs_on_the_tiny_model(comfy, tiny_wan, tiny_mixed, name, r
     report = history["outputs"][reporter]["text"][0]  # the ui text the web extension renders
     assert re.match(r"quantized \d+/\d+ linear layers$", report.splitlines()[0])
     assert "weights: " in report and "saved" in report
+
+
+# ---- the MiniMax-H3 example, run on the tiny H3 ---------------------------------
+
+def tiny_h3_variant(graph, tiny_h3):
+    """The H3 example with the tiny H3 (LoadH3Quantized, ModelSamplingMiniMaxH3, Set Attention
+    Backend, ConditioningZeroOut and KSampler as they are), 64x64, 5 frames, 2 steps. What has no
+    tiny form is swapped: the Qwen3-VL-32B encoder and MiniMax H3 Image to Video become test
+    conditioning and upstream's EmptyMiniMaxH3LatentAV (the latent that node makes without
+    keyframes); the video VAE (2.6B parameters) and audio VAE (151M), whose configs are fixed,
+    become upstream's Separate AV Latent and a SaveLatent per stream."""
+    graph = copy.deepcopy(graph)
+    by_type = {n["class_type"]: k for k, n in graph.items()}
+    conditioning = by_type["MiniMaxH3ImageToVideo"]
+    size = graph[conditioning]["inputs"]
+    sampler = by_type["KSampler"]
+    for class_type in ("QuantizedCLIPLoader", "MiniMaxH3ImageToVideo", "VAELoader", "VAEDecode", "VAEDecodeAudio",
+                       "CreateVideo", "SaveVideo"):
+        for node_id in [k for k, n in graph.items() if n["class_type"] == class_type]:
+            del graph[node_id]
+    graph[by_type["LoadH3Quantized"]]["inputs"]["unet_name"] = tiny_h3["unet_name"]
+    graph[sampler]["inputs"]["steps"] = 2
+    assert graph[sampler]["inputs"]["positive"] == [conditioning, 0]
+    assert graph[sampler]["inputs"]["latent_image"] == [conditioning, 1]
+    graph[conditioning] = {"class_type": "BigditRandomConditioning",
+                           "inputs": {"length": H3_TEXT_LENGTH, "dim": tiny_h3["text_dim"], "seed": 0}}
+    graph["latent"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}}
+    graph[sampler]["inputs"]["latent_image"] = ["latent", 0]
+    assert size["length"] > 5 and size["width"] > 64  # the example's own size, far too big for CPU
+    graph["split"] = {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": [sampler, 0]}}
+    for index, stream in enumerate(("video", "audio")):
+        graph[f"save_{stream}"] = {"class_type": "SaveLatent", "inputs": {
+            "samples": ["split", index], "filename_prefix": f"bigdit/example_h3_{stream}"}}
+    return graph
+
+
+@pytest.mark.host_feature("minimax_h3")
+def test_h3_example_runs_on_the_tiny_h3(comfy, tiny_h3):
+    graph = tiny_h3_variant(load_json(EXAMPLES / "api" / "bigdit-3-minimax-h3-24gb.json"), tiny_h3)
+    start = len(comfy.log_text())
+    history = comfy.run(graph)
+    log = comfy.log_text()[start:]
+    video, audio = comfy.latent(history, "save_video"), comfy.latent(history, "save_audio")
+    assert tuple(video.shape) == (1, 24, 2, 4, 4) and tuple(audio.shape) == (1, 32, 2, 8)
+    assert torch.isfinite(video).all() and torch.isfinite(audio).all()
+    by_type = {n["class_type"]: k for k, n in graph.items()}
+    report = history["outputs"][by_type["LoadH3Quantized"]]["text"][0]
+    assert report.splitlines()[0] == "quantized 13/22 linear layers"
+    assert "formats: int8_convrot x13" in report and "offload: auto on cpu" in report
+    attention = history["outputs"][by_type["SetAttentionBackend"]]["text"][0]
+    assert attention == "attention: backend sol, tau 1, dense sage, dense steps 0-2"
+    # 2 steps, both within the example's 3 dense steps: sage, which falls back to SDPA on CPU
+    assert re.search(r"Set Attention Backend \(.*\): ran sdpa x4; fallbacks sage -> sdpa: "
+                     r"needs cuda, got a cpu tensor x4; scheduled dense step x4", log), log[-3000:]
 
 
 # ---- node help -----------------------------------------------------------------
@@ -279,17 +332,17 @@ def as_this_host_queues(api, workflow, specs, default_titles):
 def browser(comfy):
     with Browser(width=1400, height=900, timeout=30) as chromium:
         open_comfy(chromium, comfy.url)
-        register_node_defs(chromium, UPSTREAM_NODES)
         yield chromium
 
 
 @needs_chromium
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
 def test_ui_workflow_loads_to_the_api_workflow(browser, comfy, path):
+    skip_unless_host_runs(comfy, path)
     api = load_json(EXAMPLES / "api" / path.name)
     titles = browser.evaluate("Object.fromEntries(%s.map((t) => [t, LiteGraph.createNode(t).title]))"
                               % json.dumps(sorted({n["class_type"] for n in api.values()})))
-    expected = as_this_host_queues(api, load_json(path), node_specs(comfy.object_info()), titles)
+    expected = as_this_host_queues(api, load_json(path), comfy.object_info(), titles)
     assert load_ui_workflow(browser, load_json(path)) == expected
     nodes = [n for n in load_json(path)["nodes"] if n["type"] != "Note"]
     assert Counter(n["type"] for n in nodes) == Counter(n["class_type"] for n in api.values())

@@ -1,0 +1,177 @@
+"""LoRA (LoraLoaderModelOnly) on quantized models in a real ComfyUI, on every host.
+
+Every node that makes quantized layers, with every format it makes here:
+QuantizeModelINT8 (INT8 ConvRot) and LoadH3Quantized (INT8 ConvRot, FP8). The
+LoRA on the quantized model is compared with the same LoRA on the float model.
+A loader has no model input, so "LoRA before quantization" exists only for
+QuantizeModelINT8.
+
+The same models under ComfyUI's partial loading and unloading, LoRA included:
+on a CPU load device ComfyUI never offloads, so the test node BigditLoadProbe
+calls the ModelPatcher's own load / partially_unload / partially_load as its
+model management does on a small GPU, and reports its size accounting.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from graphs import chain_id, wan_t2v_graph
+
+pytestmark = pytest.mark.integration
+
+# rank-4 LoRA on layers of every kind: attention, the MLP's up projection, and its down
+# projection (which upstream reaches through comfy.ops.linear_input_act)
+TARGETS = {"blocks.0.ffn.0": (512, 256), "blocks.0.ffn.2": (256, 512), "blocks.1.self_attn.q": (256, 256)}
+QUANTIZE = ("QuantizeModelINT8", {"group_size": "16", "ignored_layers": ""})
+
+
+def load_h3(unet_name, fmt):
+    return ("LoadH3Quantized", {"unet_name": unet_name, "quantization": fmt, "offload": "none", "group_size": "16"})
+
+
+# name: (format, model chain, loader or None for UNETLoader)
+PRODUCERS = {
+    "QuantizeModelINT8": ("int8_convrot", [QUANTIZE], None),
+    "LoadH3Quantized-int8_convrot": ("int8_convrot", [], "int8_convrot"),
+    "LoadH3Quantized-fp8_e4m3fn": ("fp8_e4m3fn", [], "fp8_e4m3fn"),
+}
+# Latent after 2 steps, quantized + LoRA against float + LoRA (relative L2). Measured on both hosts:
+# QuantizeModelINT8 0.0075, LoadH3Quantized INT8 0.0062, FP8 0.023 (the LoRA-widened rows cost FP8 more).
+TOLERANCE = {"int8_convrot": 0.02, "fp8_e4m3fn": 0.06}
+# The LoRA's effect on the quantized model against its effect on the float model
+# (quantized+LoRA - quantized vs float+LoRA - float); measured 0.016-0.059.
+EFFECT_TOLERANCE = 0.12
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def lora_name(comfy):
+    gen = torch.Generator().manual_seed(3)
+    tensors = {}
+    for module, (out_f, in_f) in TARGETS.items():
+        tensors[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, 4, generator=gen) * 0.3
+        tensors[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, in_f, generator=gen) * 0.3
+    path = comfy.models_dir / "loras" / "tiny_wan2_lora.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path.name
+
+
+def lora(name):
+    return ("LoraLoaderModelOnly", {"lora_name": name, "strength_model": 1.0})
+
+
+def producer_graph_parts(tiny, producer):
+    fmt, chain, loader_format = PRODUCERS[producer]
+    loader = None if loader_format is None else load_h3(tiny["unet_name"], loader_format)
+    return fmt, list(chain), loader
+
+
+def latent(comfy, tiny, chain, loader=None):
+    history = comfy.run(wan_t2v_graph(tiny["unet_name"], tiny["vae_name"], model_chain=chain, loader=loader))
+    return history, comfy.latent(history, "save_latent")
+
+
+@pytest.fixture(scope="module")
+def float_latents(comfy, tiny_wan2, lora_name):
+    return {"plain": latent(comfy, tiny_wan2, [])[1], "lora": latent(comfy, tiny_wan2, [lora(lora_name)])[1]}
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_lora_after_quantization_matches_lora_on_float_model(comfy, tiny_wan2, lora_name, float_latents, producer):
+    fmt, chain, loader = producer_graph_parts(tiny_wan2, producer)
+    _, quantized = latent(comfy, tiny_wan2, chain, loader)
+    _, quantized_lora = latent(comfy, tiny_wan2, chain + [lora(lora_name)], loader)
+    plain, with_lora = float_latents["plain"], float_latents["lora"]
+    assert rel(with_lora, plain) > 0.1  # the LoRA matters
+    # Applied, not dropped (a dropped LoRA gives the quantized latent bit for bit), and
+    # moving the quantized model as it moves the float model.
+    assert not torch.equal(quantized_lora, quantized)
+    assert rel(quantized_lora - quantized, with_lora - plain) < EFFECT_TOLERANCE
+    assert rel(quantized_lora, with_lora) < TOLERANCE[fmt], rel(quantized_lora, with_lora)
+
+
+def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name, float_latents):
+    history, lora_then_quantized = latent(comfy, tiny_wan2, [lora(lora_name), QUANTIZE])
+    report = history["outputs"][chain_id(1)]["text"][0]
+    for module in TARGETS:
+        assert f"{module}: has weight patches" in report
+    assert not torch.equal(lora_then_quantized, float_latents["lora"])  # the other layers are quantized
+    assert rel(lora_then_quantized, float_latents["lora"]) < TOLERANCE["int8_convrot"]
+
+
+# ---- partial loading and unloading ------------------------------------------
+
+LOADED_FRACTION = 0.7  # of the model's size; what ComfyUI then loads depends on its stream buffers
+
+
+def probe(comfy, tiny, name, chain, loader=None):
+    """BigditLoadProbe on the chain's model: (its JSON report, its outputs per load state)."""
+    graph = wan_t2v_graph(tiny["unet_name"], tiny["vae_name"], model_chain=chain, loader=loader)
+    model = chain_id(len(chain) - 1) if chain else "unet"
+    for node in ("sampler", "decode", "save_image", "save_latent", "vae"):
+        del graph[node]
+    graph["probe"] = {"class_type": "BigditLoadProbe", "inputs": {
+        "model": [model, 0], "positive": ["cond", 0], "latent": ["latent", 0],
+        "loaded_fraction": LOADED_FRACTION, "name": name}}
+    history = comfy.run(graph)
+    report = json.loads(history["outputs"]["probe"]["text"][0])
+    return report, load_file(str(comfy.output_dir / "bigdit_probe" / f"{name}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def float_probe(comfy, tiny_wan2, lora_name):
+    return probe(comfy, tiny_wan2, "float_lora", [lora(lora_name)])
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_partial_loading_and_unloading_with_lora(comfy, tiny_wan2, lora_name, float_probe, producer):
+    fmt, chain, loader = producer_graph_parts(tiny_wan2, producer)
+    report, out = probe(comfy, tiny_wan2, producer, chain + [lora(lora_name)], loader)
+    float_report, float_out = float_probe
+
+    # ComfyUI counts the bytes the quantized model holds (not its float size), in every state.
+    size = report["model_size"]
+    assert size == report["true_bytes"] and size < 0.5 * float_report["model_size"]
+    assert report["full"]["loaded"] == size and report["full"]["lowvram_modules"] == 0
+    partial = report["partial"]
+    assert 0 < partial["loaded"] <= LOADED_FRACTION * size and partial["lowvram_modules"] > 0
+    assert partial["loaded"] + partial["lowvram_bytes"] <= size
+    unloaded = report["unloaded"]
+    assert report["freed"] == partial["loaded"] and unloaded["loaded"] == 0
+    assert unloaded["lowvram_modules"] > partial["lowvram_modules"]
+    # Every LoRA layer now runs offloaded, the LoRA applied per call on its dequantized weight.
+    assert unloaded["lowvram_patched"] == len(TARGETS)
+    assert report["reloaded"]["loaded"] == size and report["reloaded"]["lowvram_modules"] == 0
+
+    # The same model in every state: the LoRA written into resident layers and applied per call
+    # to offloaded ones (the per-call path computes in float, without activation quantization).
+    for state in ("partial", "unloaded"):
+        assert rel(out[state], out["full"]) < TOLERANCE[fmt], (state, rel(out[state], out["full"]))
+    assert torch.equal(out["reloaded"], out["full"])
+    assert rel(out["full"], float_out["full"]) < TOLERANCE[fmt]
+
+
+# ---- upstream's fused input activation entry point ----------------------------
+
+@pytest.mark.host_feature("linear_input_act")
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_linear_input_act_on_quantized_layers(comfy, tiny_wan2, producer):
+    """comfy.ops.linear_input_act(layer, x, "swiglu"), as MiniMax-H3's MLP calls it: on the pack's layers it
+    runs the layer on act(x); the result is the layer's own fused input activation, bit for bit."""
+    fmt, chain, loader = producer_graph_parts(tiny_wan2, producer)
+    graph = wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=chain, loader=loader)
+    model = chain_id(len(chain) - 1) if chain else "unet"
+    for node in ("sampler", "decode", "save_image", "save_latent", "vae", "cond", "latent"):
+        del graph[node]
+    graph["probe"] = {"class_type": "BigditInputActProbe", "inputs": {"model": [model, 0]}}
+    report = json.loads(comfy.run(graph)["outputs"]["probe"]["text"][0])
+    assert report["layers"] >= 22, report
+    assert report["max_rel_to_fused"] == 0.0, report
+    # against F.linear(silu(gate) * up, dequantized weight): the activations' quantization error
+    assert report["max_rel_to_dequantized"] < {"int8_convrot": 0.03, "fp8_e4m3fn": 0.06}[fmt], report
