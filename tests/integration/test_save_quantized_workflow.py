@@ -128,7 +128,8 @@ def test_int8_file_through_the_hosts_own_unet_loader(comfy, tiny_wan2, int8_file
     if not host_reads_int8_markers(comfy):
         pytest.skip("host lacks native int8_tensorwise markers")
     latent = sample(comfy, tiny_wan2, loader=unet_loader(int8_file["name"]))
-    assert torch.equal(latent, int8_file["latent"]), rel(latent, int8_file["latent"])
+    # upstream's own INT8 layers, not the pack's: the same tensors, another float order (measured 8e-8)
+    assert rel(latent, int8_file["latent"]) < 1e-4, rel(latent, int8_file["latent"])
 
 
 def test_int8_file_fails_loudly_where_the_host_lacks_int8_markers(comfy, tiny_wan2, int8_file):
