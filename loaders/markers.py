@@ -157,7 +157,8 @@ def inspect_markers(header: SafetensorsHeader, read: HeaderReader, check: Check 
     return layers
 
 
-_ROLES = {
+# Each format's companion tensors: required roles, then optional ones.
+ROLES = {
     "int8_tensorwise": ({"weight", "weight_scale"}, set()),
     "float8_e4m3fn": ({"weight", "weight_scale"}, {"input_scale"}),
     "nvfp4": ({"weight", "weight_scale", "weight_scale_2"}, {"input_scale"}),
@@ -174,7 +175,7 @@ _SCALE_ENCODINGS = {
 def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str,
                  problems: Problems) -> LayerFormat | None:
     fmt = marker["format"]
-    required, optional = _ROLES[fmt]
+    required, optional = ROLES[fmt]
     present = header.companions(name)
     missing = sorted(required - set(present))
     if missing:

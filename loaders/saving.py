@@ -26,18 +26,11 @@ from torch import nn
 from ..quant.kitchen_api import is_quantized_tensor, layout_name, storage
 from ..quant.linear import QuantLinear
 from .errors import name_list
-from .markers import MARKER_SUFFIX, METADATA_KEY
+from .markers import MARKER_SUFFIX, METADATA_KEY, ROLES
 from .safetensors_writer import dtype_code
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
-# What markers.py accepts per format: required roles, then optional ones.
-_ROLES = {
-    "int8_tensorwise": ({"weight", "weight_scale"}, set()),
-    "float8_e4m3fn": ({"weight", "weight_scale"}, {"input_scale"}),
-    "nvfp4": ({"weight", "weight_scale", "weight_scale_2"}, {"input_scale"}),
-    "mxfp8": ({"weight", "weight_scale"}, {"input_scale"}),
-}
 # comfy-kitchen layout name -> marker format (ComfyUI registers FP8 under two names).
 KITCHEN_FORMATS = {
     "TensorWiseINT8Layout": "int8_tensorwise",
@@ -92,7 +85,7 @@ def _from_quant_linear(name: str, module: QuantLinear) -> SavedLayer:
         raise _Unsupported(_NO_MARKER[method.name])
     if method.name in ("int8_convrot", "int8_tensorwise"):
         marker = _int8_marker(method.convrot, method.group_size)
-    elif method.name in _ROLES:
+    elif method.name in ROLES:
         marker = {"format": method.name}
     else:
         raise _Unsupported(f"format {method.name!r} has no marker format")
@@ -136,7 +129,7 @@ def quantized_layer(name: str, module: nn.Module) -> SavedLayer | None:
         layer = _from_kitchen_weight(name, module)
     else:
         return None
-    required, optional = _ROLES[layer.marker["format"]]
+    required, optional = ROLES[layer.marker["format"]]
     roles = set(layer.tensors)
     if not required <= roles or roles - required - optional:
         raise _Unsupported(f"{layer.marker['format']} layer holds tensors {sorted(roles)}, the format stores "

@@ -254,6 +254,16 @@ def _validation_message(body: dict) -> str:
     return "; ".join(parts)
 
 
+def link_packs(base_dir: Path) -> None:
+    """Link this pack (as `bigdit`) and the test-only pack into base_dir/custom_nodes."""
+    custom_nodes = Path(base_dir) / "custom_nodes"
+    custom_nodes.mkdir(parents=True, exist_ok=True)
+    for name, src in (("bigdit", PACK_ROOT), ("bigdit_testnodes", TEST_NODES)):
+        link = custom_nodes / name
+        if not link.is_symlink():
+            link.symlink_to(src, target_is_directory=True)
+
+
 class ComfyServer:
     """A headless ComfyUI subprocess on a free local port; see the module docstring."""
 
@@ -267,12 +277,7 @@ class ComfyServer:
         self.models_dir = self.base_dir / "models"
         self.output_dir = self.base_dir / "output"
         self.log_path = self.base_dir / "comfyui.log"
-        custom_nodes = self.base_dir / "custom_nodes"
-        custom_nodes.mkdir(parents=True, exist_ok=True)
-        for name, src in (("bigdit", PACK_ROOT), ("bigdit_testnodes", TEST_NODES)):
-            link = custom_nodes / name
-            if not link.is_symlink():
-                link.symlink_to(src, target_is_directory=True)
+        link_packs(self.base_dir)
         for sub in ("diffusion_models", "vae"):
             (self.models_dir / sub).mkdir(parents=True, exist_ok=True)
 

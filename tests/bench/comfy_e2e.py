@@ -70,7 +70,7 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
 from _pack import RESULTS, slug  # noqa: E402
-from comfy_harness import PACK_ROOT, TEST_NODES, ComfyServer, PromptError, cache_dir, comfyui_version  # noqa: E402
+from comfy_harness import ComfyServer, PromptError, cache_dir, comfyui_version, link_packs  # noqa: E402
 
 GIB = 1024 ** 3
 REFERENCE = "comfy_resident"
@@ -177,12 +177,7 @@ class BenchServer(ComfyServer):
         self.models_dir = self.base_dir / "models"
         self.output_dir = self.base_dir / "output"
         self.log_path = Path(log_path)
-        custom_nodes = self.base_dir / "custom_nodes"
-        custom_nodes.mkdir(parents=True, exist_ok=True)
-        for name, src in (("bigdit", PACK_ROOT), ("bigdit_testnodes", TEST_NODES)):
-            link = custom_nodes / name
-            if not link.is_symlink():
-                link.symlink_to(src, target_is_directory=True)
+        link_packs(self.base_dir)
         web_root = self.base_dir / "web_root"  # an empty frontend: the API needs none
         web_root.mkdir(exist_ok=True)
         port = _free_port()
