@@ -42,9 +42,9 @@ class SetAttentionBackend:
                 "model": ("MODEL", {"tooltip": "The diffusion model whose attention to replace."}),
                 "backend": (list(BACKENDS), {
                     "default": "auto",
-                    "tooltip": "Attention kernel. auto: fastest dense kernel measured for this GPU (SDPA on CPU "
-                               "and unmeasured GPUs; FP8 only where checked accurate). fa3_fp8: FP8 q/k/v, "
-                               "faster, about 3-5% error. sol: sparse; pays off above about 12k tokens.",
+                    "tooltip": "Attention kernel. auto: fastest exact dense kernel measured for this GPU (SDPA on "
+                               "CPU and unmeasured GPUs). fa3_fp8: FP8 q/k/v, faster, about 3-5% error, "
+                               "chosen by name only. sol: sparse; pays off above about 12k tokens.",
                 }),
             },
             "optional": {
