@@ -148,6 +148,10 @@ class Host:
         """{feature: bool} for every name in FEATURES, probed once per process."""
         return _probe(self.version)
 
+    def package_version(self, name) -> str:
+        """The version of a distribution installed in the host's venv (e.g. "comfy-kitchen")."""
+        return _package_version(self.version, name)
+
     def lacks(self, *features):
         """None if the host has all `features`, else the skip reason "ComfyUI <v> lacks ..."."""
         unknown = set(features) - set(FEATURES)
@@ -206,6 +210,14 @@ def host_of(host) -> Host:
         if Path(host).resolve() == known.comfyui.resolve():
             return known
     raise ValueError(f"{host} is the folder of none of the hosts {[h.version for h in HOSTS]}")
+
+
+@functools.cache
+def _package_version(version, name) -> str:
+    host = next(h for h in HOSTS if h.version == version)
+    host.check()
+    return subprocess.run([str(host.python), "-c", "import sys, importlib.metadata as m; print(m.version(sys.argv[1]))",
+                           name], capture_output=True, text=True, check=True).stdout.strip()
 
 
 @functools.cache
