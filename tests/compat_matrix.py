@@ -1,0 +1,120 @@
+"""The README's host x feature matrix, from a JUnit report of the integration suite.
+
+    python -m pytest tests -q --junitxml=suite.xml     (or BIGDIT_REPORTS=dir bash .ci/run)
+    python tests/compat_matrix.py suite.xml            prints the Markdown table
+
+Each cell counts the tests behind a feature that ran on that host: "pass N", "FAIL N" when any
+failed, or the skip reason when every one of them was skipped. A feature whose tests are missing
+from the report is an error, so a renamed test cannot quietly empty a cell.
+"""
+import re
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+
+# feature -> tests (module::name prefix, optionally "[param prefix"); the host id is stripped first
+FEATURES = [
+    ("QuantizeModelINT8 (INT8 ConvRot, in place)",
+     ["test_quantize_int8_workflow::test_quantized_run_is_close_but_not_identical",
+      "test_quantize_int8_workflow::test_other_branch_keeps_original_weights"]),
+    ("Quantize while loading: int8_convrot", ["test_checkpoint_loader_workflows::test_load_h3_quantized_online_int8"]),
+    ("Quantize while loading: fp8_e4m3fn", ["test_checkpoint_loader_workflows::test_load_h3_quantized_other_formats[fp8"]),
+    ("Quantize while loading: auto", ["test_checkpoint_loader_workflows::test_load_h3_quantized_other_formats[auto"]),
+    ("MXFP4 (emulated on CPU)", ["test_mxfp4_workflow::"]),
+    ("Markers: INT8 ConvRot / row-wise (convert_to_quant)",
+     ["test_checkpoint_loader_workflows::test_convert_to_quant_file[int8_row"]),
+    ("Markers: INT8 tensor-wise", ["test_checkpoint_loader_workflows::test_convert_to_quant_file[int8_tensor"]),
+    ("Markers: FP8", ["test_checkpoint_loader_workflows::test_convert_to_quant_file[fp8"]),
+    ("Markers: NVFP4", ["test_checkpoint_loader_workflows::test_convert_to_quant_file[nvfp4",
+                        "test_checkpoint_loader_workflows::test_header_markers_with_nvfp4_requantized"]),
+    ("Markers: mixed file", ["test_checkpoint_loader_workflows::test_mixed_marker_file"]),
+    ("Quanto qint8 (optimum-quanto, mmgp)", ["test_checkpoint_loader_workflows::test_quanto_file_from_optimum_quanto_and_mmgp"]),
+    ("Bad files: clear error, server keeps serving",
+     ["test_checkpoint_loader_workflows::test_bad_file_fails_clearly_and_the_server_keeps_serving"]),
+    ("SaveQuantizedModel, reloaded by MixedCheckpointLoader",
+     ["test_save_quantized_workflow::test_int8_file_loads_through_mixed_loader_bit_identical",
+      "test_save_quantized_workflow::test_quantized_while_loading_saves_and_loads_bit_identical"]),
+    ("Saved INT8 file through the host's own UNETLoader",
+     ["test_save_quantized_workflow::test_int8_file_through_the_hosts_own_unet_loader"]),
+    ("Attention backends and their fallbacks (Wan)", ["test_attention_workflows::test_every_backend_runs_the_tiny_wan"]),
+    ("Sol sparse attention runs, dense schedule",
+     ["test_attention_workflows::test_sol_really_runs_in_the_tiny_wan",
+      "test_attention_workflows::test_dense_schedule_in_a_real_model"]),
+    ("Offload layerwise (bit-exact to resident)",
+     ["test_offload::test_layerwise_reproduces_resident_latent_exactly",
+      "test_checkpoint_loader_workflows::test_load_h3_quantized_offload_modes_agree"]),
+    ("LoRA after quantization", ["test_lora_workflows::test_lora_after_quantization_matches_lora_on_float_model"]),
+    ("LoRA before quantization", ["test_lora_workflows::test_lora_before_quantization_keeps_patched_layers"]),
+    ("Partial loading and unloading with LoRA", ["test_lora_workflows::test_partial_loading_and_unloading_with_lora"]),
+    ("Quantized clones run quantized", ["test_quantized_clones::"]),
+    ("Run-time witness (`last run:`)", ["test_run_witness::"]),
+    ("MiniMax-H3 with upstream's model class and nodes", ["test_minimax_h3::"]),
+    ("Keep patterns on the host's own module names", ["test_keep_decisions::"]),
+    ("Example workflows run on tiny models",
+     ["test_examples_and_ui::test_wan_example_runs_on_the_tiny_model",
+      "test_examples_and_ui::test_h3_example_runs_on_the_tiny_h3"]),
+    ("Examples load in the host's own frontend", ["test_examples_and_ui::test_ui_workflow_loads_to_the_api_workflow"]),
+    ("Starts without comfy-kitchen, clear message", ["test_without_kitchen::"]),
+]
+
+_HOST = re.compile(r"comfy-(\d+\.\d+\.\d+)-?")
+
+
+def outcomes(paths):
+    """{(host, "module::name[params"): (outcome, skip message)} from JUnit XML files."""
+    result = {}
+    for path in paths:
+        for case in ET.parse(path).iter("testcase"):
+            name = case.get("name", "")
+            host = _HOST.search(name)
+            if not host:
+                continue
+            test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{_HOST.sub('', name, count=1)}"
+            if case.find("failure") is not None or case.find("error") is not None:
+                result[(host.group(1), test)] = ("fail", "")
+            elif (skip := case.find("skipped")) is not None:
+                result[(host.group(1), test)] = ("skip", skip.get("message", ""))
+            else:
+                result[(host.group(1), test)] = ("pass", "")
+    return result
+
+
+def _matches(test, pattern):
+    if "[" in pattern:
+        return test.startswith(pattern)
+    return test.startswith(pattern) if pattern.endswith("::") else (test == pattern or test.startswith(pattern + "["))
+
+
+def _cell(results):
+    counts = defaultdict(int)
+    for outcome, _ in results:
+        counts[outcome] += 1
+    if counts["fail"]:
+        return f"FAIL {counts['fail']}"
+    if counts["pass"]:
+        return f"pass {counts['pass']}"
+    reasons = sorted({message.removeprefix("Skipped: ") for _, message in results})
+    return "skipped: " + "; ".join(reasons)
+
+
+def table(paths) -> str:
+    found = outcomes(paths)
+    hosts = sorted({host for host, _ in found}, key=lambda v: tuple(map(int, v.split("."))))
+    lines = ["| Feature | " + " | ".join(f"ComfyUI {h}" for h in hosts) + " |",
+             "|---|" + "---|" * len(hosts)]
+    for feature, patterns in FEATURES:
+        cells = []
+        for host in hosts:
+            results = [value for (h, test), value in found.items()
+                       if h == host and any(_matches(test, p) for p in patterns)]
+            if not results:
+                raise SystemExit(f"no test of {feature!r} ({patterns}) ran on ComfyUI {host}")
+            cells.append(_cell(results))
+        lines.append(f"| {feature} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    print(table(sys.argv[1:]))
