@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
+from .kitchen_api import is_quantized_tensor, layout_name, storage, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod
 from .patterns import first_match
@@ -84,6 +84,8 @@ def _format_of(weight: torch.Tensor) -> str:
     """The format name of a weight someone else quantized."""
     if not is_quantized_tensor(weight):
         return str(weight.dtype).replace("torch.", "")
+    if layout_name(weight).startswith("TensorCoreFP8"):
+        return str(storage(weight).dtype).replace("torch.", "")
     if layout_name(weight) == "TensorWiseINT8Layout":
         return "int8_convrot" if getattr(weight.params, "convrot", False) else "int8_tensorwise"
     return layout_name(weight)
@@ -193,8 +195,10 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
         if name in config.keep:
             plans.append(LayerPlan(name, module, None, config.keep[name], linear=isinstance(module, nn.Linear)))
             continue
-        if config.requantize_fp8 and fp8_format(module) is not None:
-            plans.append(_fp8_plan(config, name, module, dominant))
+        fmt = fp8_format(module)
+        if fmt is not None:  # before the Linear check: upstream's mixed-precision Linear is no nn.Linear
+            plans.append(_fp8_plan(config, name, module, dominant) if config.requantize_fp8 else
+                         LayerPlan(name, module, None, "already quantized", existing_format=fmt))
             continue
         if isinstance(module, QuantLinear):
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=module.method.name))

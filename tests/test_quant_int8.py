@@ -341,6 +341,15 @@ def test_progress_reports_every_layer_in_order():
     assert seen == [(1, 3), (2, 3), (3, 3)]  # the indivisible layer is not quantized, so not counted
 
 
+class ModuleLinear(nn.Module):
+    """Upstream's mixed-precision Linear: a Module, no nn.Linear, with a Linear's attributes."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight, self.bias = nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
+
+
 class Fp8Layers(nn.Module):
     """An FP8 layer of each kind QuantizeModelINT8 meets, and one bf16 Linear."""
 
@@ -361,7 +370,7 @@ class Fp8Layers(nn.Module):
                 layer.scale_weight = nn.Parameter(scale, requires_grad=False)
             elif name == "kitchen":  # upstream's FP8 marker layer
                 qdata, params = TensorCoreFP8Layout.quantize(layer.weight.detach().float())
-                layer.weight = nn.Parameter(QuantizedTensor(qdata, "TensorCoreFP8Layout", params), requires_grad=False)
+                layer = ModuleLinear(QuantizedTensor(qdata, "TensorCoreFP8Layout", params), layer.bias.detach())
             elif name == "pack":    # the pack's loaders
                 method = get_method("fp8_e4m3fn")
                 layer = QuantLinear(method, 256, 128, method.quantize_weight(layer.weight.detach().float()),
