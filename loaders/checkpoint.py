@@ -1,7 +1,7 @@
 """One entry point: a safetensors file -> CheckpointPlan (tensor access, per-layer formats, report).
 
-Auto-detects ComfyUI per-layer markers (both forms) and self-describing Quanto
-qint8 files; anything else is a plain checkpoint. Everything is validated
+Auto-detects ComfyUI per-layer markers (both forms), ComfyUI's scaled_fp8 files
+and self-describing Quanto qint8 files; anything else is a plain checkpoint. Everything is validated
 here, before a model exists; after the model is built, `require_consumed`
 checks that every quantized layer found a Linear to load into.
 """
@@ -17,10 +17,11 @@ from .errors import CheckpointError
 from .layers import Check, LayerFormat, method_tensors
 from .markers import MARKER_SUFFIX, has_markers, inspect_markers
 from .quanto import FORMAT_KEY, inspect_quanto, is_quanto
+from .scaled_fp8 import inspect_scaled_fp8, unmarked_fp8_scales
+from .scaled_fp8 import marker_keys as scaled_fp8_keys
 from .safetensors_header import HeaderReader, SafetensorsHeader, read_header
 
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
-_LEGACY_SCALED_FP8 = "scaled_fp8"
 
 
 class TensorSource:
@@ -57,7 +58,7 @@ class TensorSource:
 class CheckpointPlan:
     path: str
     header: SafetensorsHeader
-    kind: str                               # "ComfyUI per-layer markers", "Quanto qint8" or "plain"
+    kind: str                               # "ComfyUI per-layer markers", "ComfyUI scaled_fp8", "Quanto qint8", "plain"
     layers: dict[str, LayerFormat]          # by module name in the loader's namespace
     plain_keys: dict[str, str]              # loader-side key -> file key, tensors handed over as stored
     notes: list[str] = field(default_factory=list)
@@ -164,12 +165,12 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
     path = os.fspath(path)
     header = read_header(path)
     with HeaderReader(header) as source:
-        quanto, marked = is_quanto(header), has_markers(header)
-        if quanto and marked:
-            raise CheckpointError(path, "the file has both a Quanto quantization map and ComfyUI markers")
-        legacy = [k for k in header.tensors if k == _LEGACY_SCALED_FP8 or k.endswith("." + _LEGACY_SCALED_FP8)]
-        if legacy:
-            raise CheckpointError(path, "legacy scaled_fp8 checkpoint: load it with ComfyUI's own loader", legacy)
+        quanto, marked, scaled = is_quanto(header), has_markers(header), scaled_fp8_keys(header)
+        if quanto + marked + bool(scaled) > 1:
+            kinds = [kind for kind, on in (("a Quanto quantization map", quanto), ("ComfyUI markers", marked),
+                                           ("a scaled_fp8 marker", scaled)) if on]
+            raise CheckpointError(path, f"the file has both {' and '.join(kinds)}", scaled)
+        extra_claimed = set()
         if quanto:
             kind, layers = "Quanto qint8", inspect_quanto(header, source, check)
             notes = ["Quanto qint8 is a resident-memory format, not a speed format: each layer's weight is "
@@ -177,11 +178,18 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
         elif marked:
             kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source, check)
             notes = []
+        elif scaled:
+            kind = "ComfyUI scaled_fp8"
+            layers, extra_claimed, notes = inspect_scaled_fp8(header, source, check)
         elif FORMAT_KEY in header.metadata:
             raise CheckpointError(path, f"unsupported {FORMAT_KEY} {header.metadata[FORMAT_KEY]!r} (supported: quanto)")
         else:
+            unmarked = unmarked_fp8_scales(header)
+            if unmarked:
+                raise CheckpointError(path, "FP8 weights with scale_weight but no scaled_fp8 marker: the scales "
+                                            "would be ignored", unmarked)
             kind, layers, notes = "plain", {}, []
-    claimed = {key for layer in layers.values() for key in layer.tensors.values()}
+    claimed = {key for layer in layers.values() for key in layer.tensors.values()} | extra_claimed
     claimed |= {f"{name}{MARKER_SUFFIX}" for name in layers}
     claimed |= {f"{name}.{aux}" for name in layers for aux in ("input_scale", "output_scale")
                 if layers[name].format == "quanto_qint8"}

@@ -110,13 +110,18 @@ def _decoded(tensor: torch.Tensor, encoding: str) -> torch.Tensor:
     return tensor.double()
 
 
-def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, str], problems: Problems) -> None:
+def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, str], problems: Problems,
+                 names: dict[str, str] | None = None) -> None:
     """Refuse scales no quantizer writes: NaN/Inf, zero or negative per-tensor/channel scales,
     negative block scales, and scales so large that the dequantized weight leaves float16's range.
+    `names` gives a role its name in messages where the file calls it otherwise (default "<format> <role>").
 
     Only the scale tensors are read (they are small), except for a weight whose scale fails the
     cheap bound STORED_MAX x max(scale): then its real max |q| decides.
     """
+    def named(role):
+        return (names or {}).get(role, f"{layer.format} {role}")
+
     scales = {}
     for role, encoding in encodings.items():
         key = layer.tensors.get(role)
@@ -124,12 +129,12 @@ def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, st
             continue
         tensor = read(key)
         if non_finite(tensor, encoding):
-            problems.add(f"non-finite (NaN/Inf) values in {layer.format} {role}", layer.name)
+            problems.add(f"non-finite (NaN/Inf) values in {named(role)}", layer.name)
             return
         values = _decoded(tensor, encoding)
         smallest = float(values.min())
         if smallest < 0 or (smallest == 0 and encoding == "float"):
-            problems.add(f"{'negative' if smallest < 0 else 'zero'} values in {layer.format} {role} "
+            problems.add(f"{'negative' if smallest < 0 else 'zero'} values in {named(role)} "
                          f"(min {smallest:g}): no quantizer writes them", layer.name)
             return
         scales[role] = float(values.max())
@@ -142,7 +147,7 @@ def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, st
         stored = weight.to(torch.int16) if weight.dtype == torch.int8 else weight.float()
         bound = float(stored.abs().max()) * largest if weight.numel() else 0.0
     if bound > WEIGHT_LIMIT:
-        problems.add(f"{layer.format} weight_scale too large (max {largest:.3g}): the dequantized weight reaches "
+        problems.add(f"{named('weight_scale')} too large (max {largest:.3g}): the dequantized weight reaches "
                      f"{bound:.3g}, beyond float16's range ({WEIGHT_LIMIT:g})", layer.name)
 
 

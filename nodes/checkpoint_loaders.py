@@ -50,7 +50,8 @@ class MixedCheckpointLoader:
     DESCRIPTION = (
         "Loads a diffusion model saved with quantized layers: ComfyUI per-layer markers (int8_tensorwise with or "
         "without ConvRot, float8_e4m3fn, nvfp4, mxfp8, mixed in one file, markers as comfy_quant tensors or in the "
-        "header) or a self-describing Quanto qint8 file; the format is detected. ComfyUI's own model detection "
+        "header), ComfyUI's scaled_fp8 files (*_fp8_scaled) or a self-describing Quanto qint8 file; the format is "
+        "detected. ComfyUI's own model detection "
         "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these formats too. "
         "The file is checked before anything is built; a bad file fails with an error naming the layer."
     )
@@ -66,8 +67,8 @@ class MixedCheckpointLoader:
         return {
             "required": {
                 "unet_name": (folder_paths.get_filename_list("diffusion_models"), {
-                    "tooltip": "A safetensors file in models/diffusion_models with per-layer quantization markers "
-                               "or a Quanto quantization map."}),
+                    "tooltip": "A safetensors file in models/diffusion_models with per-layer quantization markers, "
+                               "a scaled_fp8 marker or a Quanto quantization map."}),
             },
             "optional": {
                 "nvfp4": (["auto", "requantize"], {"default": "auto", "tooltip": _NVFP4_TOOLTIP}),
@@ -104,7 +105,7 @@ class LoadH3Quantized:
         "it while loading, one layer at a time: each layer's weight is read from the file, quantized on the GPU and "
         "stored, so the full-precision model is never resident twice. AdaLN projections, output heads and patch "
         "projections stay in full precision, as do layers stored in fp32. Layers the file already quantized keep "
-        "their format."
+        "their format (scaled_fp8 files' layers stay FP8)."
     )
     CATEGORY = "loaders"
     FUNCTION = "load"

@@ -44,11 +44,17 @@ class QuantizeModelINT8:
                     "tooltip": "auto: on CUDA, splitting long inputs into row chunks is one of the kernels measured "
                                "per shape, and used only if faster. off: never split.",
                 }),
+                "requantize_fp8": ("BOOLEAN", {
+                    "default": False,
+                    "tooltip": "Layers that come in FP8 (an fp8 weight_dtype, a scaled_fp8 or FP8-marker file): "
+                               "off keeps them as they are; on dequantizes each and quantizes it to INT8 ConvRot "
+                               "(from the FP8 values, not the original weights). The report says which it did.",
+                }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def quantize(self, model, group_size, ignored_layers, row_split="auto", unique_id=None):
+    def quantize(self, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False, unique_id=None):
         require_kitchen("QuantizeModelINT8")
         names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
         config = QuantConfig(
@@ -56,6 +62,7 @@ class QuantizeModelINT8:
             # the layers LoadH3Quantized keeps for this architecture, then the user's
             ignored=default_keep(names) + parse_patterns(ignored_layers),
             compute_device=comfy_compat.compute_device(),
+            requantize_fp8=bool(requantize_fp8),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
         text = report.render()

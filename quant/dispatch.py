@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
+from .kitchen_api import is_quantized_tensor, layout_name, storage, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod
 from .patterns import first_match
@@ -48,6 +48,8 @@ class QuantConfig:
     include_fp32: bool = False
     compute_device: torch.device | None = None
     keep: dict[str, str] = field(default_factory=dict)  # module name -> reason to keep it as is
+    # FP8 layers (fp8_format) are dequantized and quantized with `method`, instead of kept as they are.
+    requantize_fp8: bool = False
     # Modules that stand in for the tree's at run time (ComfyUI object patches).
     overrides: dict[str, nn.Module] = field(default_factory=dict)
 
@@ -65,6 +67,7 @@ class LayerPlan:
     reason: str
     linear: bool = True
     existing_format: str | None = None  # the format of a layer quantized before this pass
+    compute_dtype: torch.dtype | None = None  # of the new layer, where the old weight's dtype is not it (FP8)
 
 
 def _weight_bytes(module: nn.Module) -> int:
@@ -81,9 +84,39 @@ def _format_of(weight: torch.Tensor) -> str:
     """The format name of a weight someone else quantized."""
     if not is_quantized_tensor(weight):
         return str(weight.dtype).replace("torch.", "")
+    if layout_name(weight).startswith("TensorCoreFP8"):
+        return str(storage(weight).dtype).replace("torch.", "")
     if layout_name(weight) == "TensorWiseINT8Layout":
         return "int8_convrot" if getattr(weight.params, "convrot", False) else "int8_tensorwise"
     return layout_name(weight)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_format(module: nn.Module) -> str | None:
+    """The format of a layer quantized to FP8 before (the pack's FP8 layers, a ComfyUI Linear with an fp8
+    weight dtype, scaled or not, or with upstream's FP8 QuantizedTensor weight), else None."""
+    if isinstance(module, QuantLinear):
+        return module.method.name if module.method.name == "float8_e4m3fn" else None
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    if is_quantized_tensor(weight):
+        return _format_of(weight) if layout_name(weight).startswith("TensorCoreFP8") else None
+    return _format_of(weight) if weight.dtype in FP8_DTYPES else None
+
+
+def dequantized_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
+    """The full-precision [out, in] weight of an FP8 layer (see fp8_format), computed on `device`."""
+    if isinstance(module, QuantLinear):
+        return module.method.dequantize(module, device)
+    weight = module.weight.detach()
+    if is_quantized_tensor(weight):
+        return weight.dequantize().to(device=device, dtype=torch.float32)
+    weight = weight.to(device=device, dtype=torch.float32)
+    scale = getattr(module, "scale_weight", None)  # ComfyUI 0.3.75's scaled_fp8 layers
+    return weight if scale is None else weight * scale.detach().to(device=device, dtype=torch.float32)
 
 
 def _dominant_dtype(model: nn.Module, overrides: dict[str, nn.Module]) -> torch.dtype | None:
@@ -162,6 +195,11 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
         if name in config.keep:
             plans.append(LayerPlan(name, module, None, config.keep[name], linear=isinstance(module, nn.Linear)))
             continue
+        fmt = fp8_format(module)
+        if fmt is not None:  # before the Linear check: upstream's mixed-precision Linear is no nn.Linear
+            plans.append(_fp8_plan(config, name, module, dominant) if config.requantize_fp8 else
+                         LayerPlan(name, module, None, "already quantized", existing_format=fmt))
+            continue
         if isinstance(module, QuantLinear):
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=module.method.name))
             continue
@@ -177,18 +215,36 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     return plans
 
 
-def quantize_linear(module: nn.Linear, method: LinearMethod, device: torch.device) -> QuantLinear:
+def _fp8_plan(config: QuantConfig, name: str, module: nn.Module, dominant: torch.dtype | None) -> LayerPlan:
+    """An FP8 layer under requantize_fp8: `method` where the float rules would choose it, else kept as it is."""
+    fmt = fp8_format(module)
+    method, reason = choose_method(config, name, torch.float8_e4m3fn, module.in_features, module.out_features,
+                                   dominant)
+    if method is None:
+        return LayerPlan(name, module, None, reason, existing_format=fmt)
+    dtype = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
+    return LayerPlan(name, module, method, f"re-quantized from {fmt}: {reason}", existing_format=fmt,
+                     compute_dtype=dtype)
+
+
+def quantize_linear(module: nn.Module, method: LinearMethod, device: torch.device,
+                    compute_dtype: torch.dtype | None = None) -> QuantLinear:
     """Quantize one layer on `device` into a QuantLinear that lives where the weight lived.
 
-    `module` itself is never modified.
+    A full-precision Linear computes in its weight's dtype; an FP8 layer (fp8_format) is dequantized
+    first and computes in `compute_dtype`. `module` itself is never modified.
     """
-    weight = module.weight.detach()
-    home = weight.device
-    with torch.no_grad():
-        tensors = method.quantize_weight(weight.to(device))
-    tensors = {k: v.to(home) for k, v in tensors.items()}
+    home = module.weight.device
     bias = None if module.bias is None else module.bias.detach()
-    return QuantLinear(method, module.in_features, module.out_features, tensors, bias, compute_dtype=weight.dtype)
+    if compute_dtype is None:
+        weight, compute_dtype = module.weight.detach().to(device), module.weight.dtype
+    else:
+        weight = dequantized_weight(module, device)
+        bias = None if bias is None else bias.to(compute_dtype)
+    with torch.no_grad():
+        tensors = method.quantize_weight(weight)
+    tensors = {k: v.to(home) for k, v in tensors.items()}
+    return QuantLinear(method, module.in_features, module.out_features, tensors, bias, compute_dtype=compute_dtype)
 
 
 def quantize_layers(model: nn.Module, config: QuantConfig,
@@ -212,7 +268,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
                                               plan.linear, earlier=plan.existing_format is not None))
             continue
         try:
-            new = quantize_linear(plan.module, plan.method, device)
+            new = quantize_linear(plan.module, plan.method, device, plan.compute_dtype)
         except Exception as exc:
             raise QuantizationError(f"quantizing layer {plan.name!r} with {plan.method.describe()} failed: {exc}") from exc
         replacements[plan.name] = new
@@ -220,9 +276,25 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
         done += 1
         if progress is not None:
             progress(done, len(todo))
+    report.notes.extend(_fp8_notes(plans, config))
     log.info("%s: %s, %.3f -> %.3f GiB", title, report.summary_line(),
              report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
     return replacements, report
+
+
+def _fp8_notes(plans: list[LayerPlan], config: QuantConfig) -> list[str]:
+    """What the pass did with the FP8 layers it found, in plain words."""
+    fp8 = [p for p in plans if p.existing_format is not None and fp8_format(p.module) is not None]
+    redone = [p for p in fp8 if p.method is not None]
+    kept = len(fp8) - len(redone)
+    notes = []
+    if redone:
+        formats = ", ".join(sorted({p.method.name for p in redone}))
+        notes.append(f"re-quantized {len(redone)} fp8 layers to {formats}")
+    if kept:
+        notes.append(f"kept {kept} fp8 layers as they were" + ("" if config.requantize_fp8 else
+                                                                " (requantize_fp8 is off)"))
+    return notes
 
 
 def apply_replacements(model: nn.Module, replacements: dict[str, nn.Module]) -> dict[str, nn.Module]:

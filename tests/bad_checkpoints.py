@@ -11,7 +11,8 @@ import struct
 
 import torch
 
-from checkpoint_files import edit_checkpoint, load, marker_tensor, quanto_map, truncate, write_markers, write_quanto
+from checkpoint_files import (edit_checkpoint, load, marker_tensor, quanto_map, truncate, write_markers, write_quanto,
+                              write_scaled_fp8)
 
 from bigdit.loaders.markers import MAX_MARKER_DEPTH
 from bigdit.loaders.safetensors_header import MAX_METADATA_BYTES
@@ -35,6 +36,18 @@ def _quanto_file(src, workdir):
 
 def _fp8_file(src, workdir):
     return write_markers(src, workdir / "fp8.safetensors", {LAYER: {"format": "float8_e4m3fn"}})
+
+
+def _scaled_fp8_file(src, workdir):
+    return write_scaled_fp8(src, workdir / "scaled_fp8.safetensors", [LAYER, "blocks.0.ffn.2"])
+
+
+def bad_scaled(tensors=None, drop=()):
+    """A bad-file writer: the scaled_fp8 file with tensors replaced (a callable gets the file's tensors)."""
+    def write(src, workdir, dst):
+        path = _scaled_fp8_file(src, workdir)
+        return edit_checkpoint(path, dst, tensors(load(path)[0]) if callable(tensors) else tensors, drop)
+    return write
 
 
 def write_raw(dst, header: bytes, data: bytes = b""):
@@ -244,6 +257,31 @@ BAD_FILES = {
                                   "zero values in nvfp4 weight_scale_2", LAYER),
     "negative NVFP4 weight_scale_2": (_with_scale(_nvfp4_file, "weight_scale_2", lambda s: -s),
                                       "negative values in nvfp4 weight_scale_2", LAYER),
+    # ComfyUI scaled_fp8 files
+    "scaled_fp8 per-channel scale": (bad_scaled(lambda sd: {f"{LAYER}.scale_weight": torch.ones(
+        sd[f"{LAYER}.weight"].shape[0], 1)}), "shape mismatch: scaled_fp8 scale_weight must be a scalar", LAYER),
+    "scaled_fp8 integer scale": (bad_scaled({f"{LAYER}.scale_weight": torch.tensor(1, dtype=torch.int32)}),
+                                 "dtype mismatch: scaled_fp8 scale_weight must be", LAYER),
+    "scaled_fp8 NaN scale": (bad_scaled({f"{LAYER}.scale_weight": torch.tensor(float("nan"))}),
+                             "non-finite (NaN/Inf) values in scaled_fp8 scale_weight", LAYER),
+    "scaled_fp8 zero scale": (bad_scaled({f"{LAYER}.scale_weight": torch.tensor(0.0)}),
+                              "zero values in scaled_fp8 scale_weight", LAYER),
+    "scaled_fp8 zero scale_input": (bad_scaled({f"{LAYER}.scale_input": torch.tensor(0.0)}),
+                                    "zero values in scaled_fp8 scale_input", LAYER),
+    "scaled_fp8 scale without weight": (bad_scaled(drop=[f"{LAYER}.weight"]),
+                                        "scaled_fp8 scale_weight without a weight", LAYER),
+    "scaled_fp8 scale_input alone": (bad_scaled({"blocks.0.self_attn.q.scale_input": torch.tensor(0.5)}),
+                                     "scaled_fp8 scale_input without a scale_weight", "blocks.0.self_attn.q"),
+    "scaled_fp8 bf16 weight": (bad_scaled(lambda sd: {f"{LAYER}.weight": sd[f"{LAYER}.weight"].to(torch.bfloat16)}),
+                               "dtype mismatch: scaled_fp8 weight must be F8_E4M3, found BF16", LAYER),
+    "scaled_fp8 e5m2": (bad_scaled({"scaled_fp8": torch.zeros(0, dtype=torch.float8_e5m2)}),
+                        "unsupported scaled_fp8 weights float8_e5m2", "scaled_fp8"),
+    "scaled_fp8 scale outside its prefix": (bad_scaled({"model.diffusion_model.scaled_fp8": torch.zeros(
+        0, dtype=torch.float8_e4m3fn)}, drop=["scaled_fp8"]), "outside the model the scaled_fp8 marker covers", LAYER),
+    "scale_weight without a marker": (bad_scaled(drop=["scaled_fp8"]),
+                                      "FP8 weights with scale_weight but no scaled_fp8 marker", LAYER),
+    "scaled_fp8 and markers": (bad_scaled({f"{LAYER}.comfy_quant": marker_tensor({"format": "float8_e4m3fn"})}),
+                               "both ComfyUI markers and a scaled_fp8 marker", "scaled_fp8"),
     # JSON that is too deep or too big
     "nested header JSON": (bad_nested_header, "the safetensors header is not valid JSON", "nested too deeply"),
     "nested marker JSON": (bad_nested_marker, "bad marker JSON in", f"{LAYER}.comfy_quant (nested too deeply)"),

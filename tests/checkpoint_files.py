@@ -1,6 +1,7 @@
 """Quantized checkpoint writers for the loader tests.
 
 From a plain state dict they write:
+- ComfyUI scaled_fp8 files (`write_scaled_fp8`, the layout of Comfy-Org's `*_fp8_scaled` files);
 - ComfyUI per-layer marker files, markers as `<layer>.comfy_quant` uint8 JSON
   tensors or in the `_quantization_metadata` header, any mix of formats, with
   tensors quantized by the pack's methods (comfy-kitchen layouts);
@@ -62,6 +63,29 @@ def write_markers(src, dst, layers: dict, form="tensor", per_tensor_fp8=False):
             sd[f"{name}.comfy_quant"] = marker_tensor(marker)
     if form in ("header", "both"):
         metadata = {**metadata, "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    save(sd, dst, metadata)
+    return Path(dst)
+
+
+def fp8_linear_names(sd) -> list[str]:
+    """The Linear layers of a plain state dict: every 2-D float `.weight`."""
+    return [k[:-len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
+            and v.is_floating_point()]
+
+
+def write_scaled_fp8(src, dst, layers=None, scale_input=None, full_precision=False):
+    """ComfyUI's scaled_fp8 layout from the plain file `src`: a `scaled_fp8` marker (E4M3, empty, or two
+    elements with `full_precision`), and for each of `layers` (default: every Linear) an E4M3 weight with a
+    per-tensor fp32 `scale_weight` (absmax / 448) and, if `scale_input` is given, that fp32 `scale_input`."""
+    sd, metadata = load(src)
+    for name in fp8_linear_names(sd) if layers is None else layers:
+        weight = sd[f"{name}.weight"].float()
+        scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+        sd[f"{name}.weight"] = (weight / scale).to(torch.float8_e4m3fn)
+        sd[f"{name}.scale_weight"] = scale.reshape(()).float()
+        if scale_input is not None:
+            sd[f"{name}.scale_input"] = torch.tensor(float(scale_input))
+    sd["scaled_fp8"] = torch.zeros(2 if full_precision else 0, dtype=torch.float8_e4m3fn)
     save(sd, dst, metadata)
     return Path(dst)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from bad_checkpoints import BAD_FILES, many_markers_file
 from checkpoint_files import (CONVERTER_MODES, converter_dequantized, edit_checkpoint, load, marker_tensor, save,
-                              write_converted, write_markers, write_quanto, write_quanto_reference)
+                              write_converted, write_markers, write_quanto, write_quanto_reference, write_scaled_fp8)
 
 from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
@@ -263,6 +263,64 @@ def test_marker_layers_stay_serialized_under_online_quantization(plain_file, tmp
     assert model.get_submodule("blocks.0.ffn.0").method.name == "mxfp8"
     assert model.get_submodule("blocks.0.ffn.2").method.name == "int8_convrot"
     assert report.summary_line() == "quantized 5/7 linear layers"
+
+
+# ---- ComfyUI scaled_fp8 files -------------------------------------------------
+
+def test_scaled_fp8_file_loads_as_fp8_layers(plain_file, tmp_path):
+    """Every Linear of the file as the pack's FP8 layer, dequantizing to exactly weight * scale_weight."""
+    path = write_scaled_fp8(plain_file, tmp_path / "wan_fp8_scaled.safetensors")
+    sd, _ = load(path)
+    model, report, plan = build(path)
+    assert plan.kind == "ComfyUI scaled_fp8" and set(plan.layers) == set(LINEARS)
+    assert not any(k == "scaled_fp8" or k.endswith((".scale_weight", ".scale_input")) for k in plan.plain_keys)
+    assert report.summary_line() == f"quantized {len(LINEARS)}/{len(LINEARS)} linear layers"
+    assert report.method_counts() == {"float8_e4m3fn": len(LINEARS)}
+    assert f"ComfyUI scaled_fp8; quantized layers in the file: float8_e4m3fn x{len(LINEARS)}" in report.render()
+    for name in LINEARS:
+        layer = model.get_submodule(name)
+        assert layer.weight_scale.shape == () and layer.weight_scale.dtype == torch.float32
+        assert not hasattr(layer, "input_scale") or layer.input_scale is None
+        expected = sd[f"{name}.weight"].float() * sd[f"{name}.scale_weight"]
+        assert torch.equal(layer.method.dequantize(layer), expected)
+        x = layer_input(name)
+        assert rel_err(layer(x), reference_output(name, x)) < TOLERANCE["float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("scale_input", [1.0, 0.02])
+def test_scaled_fp8_scale_input(plain_file, tmp_path, scale_input):
+    """1.0 is the writers' placeholder (dropped, as upstream does: activations scaled per token); any other
+    value is the layer's static activation scale."""
+    path = write_scaled_fp8(plain_file, tmp_path / "scaled.safetensors", ["blocks.0.ffn.0"], scale_input=scale_input)
+    model, report, plan = build(path)
+    layer = model.get_submodule("blocks.0.ffn.0")
+    placeholder = "scale_input 1.0 (a writer's placeholder) on 1 layer(s) ignored"
+    if scale_input == 1.0:
+        assert "input_scale" not in plan.layers["blocks.0.ffn.0"].tensors
+        assert placeholder in report.render()
+    else:
+        assert layer.input_scale.item() == pytest.approx(scale_input) and placeholder not in report.render()
+    assert "blocks.0.ffn.0.scale_input" not in plan.plain_keys
+    x = layer_input("blocks.0.ffn.0") * 0.5  # within the static scale's range (0.02 x 448)
+    assert rel_err(layer(x), reference_output("blocks.0.ffn.0", x)) < TOLERANCE["float8_e4m3fn"]
+
+
+def test_scaled_fp8_full_precision_flag_is_reported(plain_file, tmp_path):
+    path = write_scaled_fp8(plain_file, tmp_path / "scaled.safetensors", ["blocks.0.ffn.0"], full_precision=True)
+    _, report, _ = build(path)
+    assert "scaled_fp8: the file asks for full-precision matmuls" in report.render()
+
+
+def test_scaled_fp8_layers_stay_fp8_under_online_quantization(plain_file, tmp_path):
+    """LoadH3Quantized's path: the file's FP8 layers load as stored, its plain layers are quantized."""
+    path = write_scaled_fp8(plain_file, tmp_path / "scaled.safetensors", ["blocks.0.ffn.0", "blocks.0.ffn.2"])
+    config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("head.*", "time_projection.*"))
+    model, report, _ = build(path, online=config)
+    assert model.get_submodule("blocks.0.ffn.0").method.name == "float8_e4m3fn"
+    assert model.get_submodule("blocks.0.ffn.2").method.name == "float8_e4m3fn"
+    assert model.get_submodule("blocks.0.self_attn.q").method.name == "int8_convrot"
+    assert report.summary_line() == "quantized 5/7 linear layers"
+    assert report.method_counts() == {"float8_e4m3fn": 2, "int8_convrot": 3}
 
 
 # ---- bad files: each error names the file and the layer -----------------------

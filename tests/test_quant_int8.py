@@ -339,3 +339,75 @@ def test_progress_reports_every_layer_in_order():
     quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)),
                     progress=lambda done, total: seen.append((done, total)))
     assert seen == [(1, 3), (2, 3), (3, 3)]  # the indivisible layer is not quantized, so not counted
+
+
+class ModuleLinear(nn.Module):
+    """Upstream's mixed-precision Linear: a Module, no nn.Linear, with a Linear's attributes."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight, self.bias = nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
+
+
+class Fp8Layers(nn.Module):
+    """An FP8 layer of each kind QuantizeModelINT8 meets, and one bf16 Linear."""
+
+    def __init__(self):
+        super().__init__()
+        from comfy_kitchen.tensor import QuantizedTensor
+        from comfy_kitchen.tensor.fp8 import TensorCoreFP8Layout
+        from bigdit.quant import get_method
+        self.reference = {}
+        for name in ("plain", "scaled", "kitchen", "pack", "bf16"):
+            layer = make_linear(256, 128, seed=len(self.reference))
+            self.reference[name] = layer.weight.detach().float().clone()
+            scale = self.reference[name].abs().amax() / 448
+            if name == "plain":     # UNETLoader weight_dtype fp8_e4m3fn: a cast, unit scale
+                layer = layer.to(torch.float8_e4m3fn)
+            elif name == "scaled":  # ComfyUI 0.3.75's scaled_fp8 Linear
+                layer.weight = nn.Parameter((layer.weight.float() / scale).to(torch.float8_e4m3fn), requires_grad=False)
+                layer.scale_weight = nn.Parameter(scale, requires_grad=False)
+            elif name == "kitchen":  # upstream's FP8 marker layer
+                qdata, params = TensorCoreFP8Layout.quantize(layer.weight.detach().float())
+                layer = ModuleLinear(QuantizedTensor(qdata, "TensorCoreFP8Layout", params), layer.bias.detach())
+            elif name == "pack":    # the pack's loaders
+                method = get_method("fp8_e4m3fn")
+                layer = QuantLinear(method, 256, 128, method.quantize_weight(layer.weight.detach().float()),
+                                    layer.bias.detach(), torch.bfloat16)
+            self.add_module(name, layer)
+
+
+@pytest.mark.parametrize("requantize", [False, True])
+def test_fp8_layers_kept_or_requantized(requantize):
+    model = Fp8Layers()
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256),
+                                                              requantize_fp8=requantize))
+    lines = report.render().splitlines()
+    if not requantize:
+        assert set(replacements) == {"bf16"}
+        assert "kept 4 fp8 layers as they were (requantize_fp8 is off)" in lines
+        assert not any(line.startswith("re-quantized") for line in lines)
+        return
+    assert set(replacements) == {"plain", "scaled", "kitchen", "pack", "bf16"}
+    assert report.summary_line() == "quantized 5/5 linear layers"
+    assert "re-quantized 4 fp8 layers to int8_convrot" in lines and not any("kept" in line for line in lines)
+    x = torch.randn(3, 256)
+    for name, layer in replacements.items():
+        assert layer.method.name == "int8_convrot" and layer.compute_dtype == torch.bfloat16
+        reference = x @ model.reference[name].t()
+        if name == "plain":     # the cast weight is the reference of what the model ran
+            reference = x @ model.plain.weight.float().t()
+        bias = model.get_submodule(name).bias.float()
+        # INT8's rounding on top of FP8's, against the weights before FP8 (measured 0.0097 to 0.029)
+        assert rel_err(layer(x) - bias, reference) < 0.05, (name, rel_err(layer(x) - bias, reference))
+
+
+def test_ignored_fp8_layers_stay_fp8_under_requantize():
+    model = Fp8Layers()
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256), requantize_fp8=True,
+                                                              ignored=("scaled",)))
+    assert "scaled" not in replacements
+    assert "re-quantized 3 fp8 layers to int8_convrot" in report.render()
+    assert "kept 1 fp8 layers as they were" in report.render().splitlines()
+    assert [(r.name, r.method) for r in report.earlier] == [("scaled", "float8_e4m3fn")]

@@ -23,7 +23,9 @@ def rel(a, b):
 def test_node_inputs_as_documented(comfy):
     info = comfy.object_info()["QuantizeModelINT8"]
     assert list(info["input"]["required"]) == ["model", "group_size", "ignored_layers"]
-    assert list(info["input"]["optional"]) == ["row_split"]
+    assert list(info["input"]["optional"]) == ["row_split", "requantize_fp8"]
+    assert info["input"]["optional"]["requantize_fp8"][0] == "BOOLEAN"
+    assert info["input"]["optional"]["requantize_fp8"][1]["default"] is False
     assert info["input"]["required"]["group_size"][0] == ["256", "64", "16"]
     assert info["input"]["required"]["group_size"][1]["default"] == "256"
     assert info["input"]["optional"]["row_split"][0] == ["auto", "off"]
