@@ -76,6 +76,26 @@ def is_ours(override) -> bool:
     return bool(getattr(override, MARKER, False))
 
 
+def _name(override) -> str:
+    """A short name for another node's override: its function's or class's qualified name."""
+    return getattr(override, "__qualname__", None) or type(override).__qualname__
+
+
+def not_reached(current, ours: AttentionOverride) -> str:
+    """Why a sampling that ran the model sent no attention call to `ours`, for the `last run:` line.
+    `current` is the override the sampled model carried."""
+    if current is not ours:
+        if current is None:
+            why = "another node removed this attention override"
+        else:
+            why = f"another node replaced this attention override ({_name(current)})"
+    elif ours.previous is not None:
+        why = f"the override it wraps ({_name(ours.previous)}) never called it"
+    else:
+        why = "no attention call reached this override (attention patched another way)"
+    return f"{why}; its kernels did not run"
+
+
 def install(transformer_options: dict, router) -> tuple[AttentionOverride, str]:
     """Put `router` on transformer_options' attention hook, composing with
     what is there (see AttentionOverride). Returns the override and one of

@@ -5,6 +5,7 @@ import os
 import comfy.patcher_extension
 
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
+from ..attention.override import KEY as OVERRIDE_KEY, not_reached
 from ..attention.sol import MIN_TOKENS
 from .comfy_compat import show_on_node
 
@@ -83,16 +84,24 @@ class SetAttentionBackend:
                     "wrapped": f"; wrapping the existing override {override.previous!r}"}[how]
         text = f"attention: {router.describe()}{composed}"
 
+        forwards = [0]  # of the diffusion model since the last report
+
         # block counting restarts with every forward of the diffusion model
         def begin_forward(executor, *args, **kwargs):
             router.begin_forward()
+            forwards[0] += 1
             return executor(*args, **kwargs)
 
-        def report(_patcher):
+        def report(sampled):
             counts = router.stats.take_run()
+            ran, forwards[0] = forwards[0], 0
             if counts["calls"]:
                 log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
                 show_on_node(unique_id, f"{text}\nlast run: {summary(counts)}")
+            elif ran:  # the model ran, its attention went elsewhere (e.g. a later node's override)
+                line = not_reached(sampled.model_options.get("transformer_options", {}).get(OVERRIDE_KEY), override)
+                log.warning("Set Attention Backend (%s): %s", router.describe(), line)
+                show_on_node(unique_id, f"{text}\nlast run: {line}")
 
         wrappers, callbacks = comfy.patcher_extension.WrappersMP, comfy.patcher_extension.CallbacksMP
         patched.remove_wrappers_with_key(wrappers.DIFFUSION_MODEL, KEY)

@@ -99,7 +99,10 @@ class QuantLinear(nn.Module):
     # ComfyUI's weight-patch protocol (ModelPatcher looks these up by name):
     # LoRA is computed on the dequantized weight and written back quantized.
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **_) -> torch.Tensor:
-        return self.method.dequantize(self, weight.device).to(weight.dtype)
+        # `weight` is a float copy for a LoRA, or, in upstream's dynamic VRAM forced load, a copy of the
+        # stored tensor (int8, fp8, packed): a float comes back either way, never the storage dtype.
+        dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32) else self.compute_dtype
+        return self.method.dequantize(self, weight.device).to(dtype)
 
     def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed=None, return_weight: bool = False,
                    **_) -> torch.Tensor | None:

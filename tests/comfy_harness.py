@@ -66,6 +66,8 @@ FEATURES = {
     "linear_input_act": ("comfy.ops.linear_input_act", "hasattr(module('comfy.ops'), 'linear_input_act')"),
     "kitchen_sol": ("comfy-kitchen's sol_attn (Sol sparse attention) in its environment",
                     "hasattr(module('comfy_kitchen'), 'sol_attn')"),
+    "dynamic_vram": ("dynamic VRAM (comfy.model_patcher.ModelPatcherDynamic, comfy-aimdo)",
+                     "hasattr(module('comfy.model_patcher'), 'ModelPatcherDynamic')"),
     "torchaudio": ("torchaudio in its environment (ComfyUI's audio nodes)",
                    "importlib.util.find_spec('torchaudio') is not None"),
 }

@@ -113,3 +113,22 @@ def test_our_override_is_recognised_across_two_imports_of_the_pack():
     hook, how = install(options, Router("sdpa"))
     assert how == "replaced" and hook.previous is None
     assert not is_ours(Foreign())
+
+
+def test_why_no_call_reached_the_override():
+    """The `last run:` line of a sampling whose attention calls never reached our override."""
+    def kj_like(func, *args, **kwargs):  # KJNodes' Sage patch: a new override that ignores `func`
+        return comfy_sdpa(*args)
+
+    options = {}
+    hook, _ = install(options, Router("sage"))
+    assert override_module.not_reached(kj_like, hook) == (
+        "another node replaced this attention override "
+        "(test_why_no_call_reached_the_override.<locals>.kj_like); its kernels did not run")
+    assert override_module.not_reached(None, hook) == (
+        "another node removed this attention override; its kernels did not run")
+    assert override_module.not_reached(hook, hook) == (
+        "no attention call reached this override (attention patched another way); its kernels did not run")
+    wrapping, _ = install({KEY: Foreign()}, Router("sage"))
+    assert override_module.not_reached(wrapping, wrapping) == (
+        "the override it wraps (Foreign) never called it; its kernels did not run")

@@ -320,6 +320,19 @@ def test_dynamic_vram_lora_applies(method_name):
     assert rel_err(q(x), nn.functional.linear(x, layer.weight.float(), layer.bias.float())) < 0.05
 
 
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_convert_weight_of_the_stored_tensor_gives_a_float(method_name):
+    """Upstream's dynamic VRAM force-loads small layers through convert_weight on a copy of the stored
+    tensor (int8, fp8): the dequantized weight must come back as a float, not in the storage dtype."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    assert not q.weight.dtype.is_floating_point or q.weight.element_size() == 1
+    converted = q.convert_weight(q.weight.detach().clone(), inplace=True)
+    assert converted.dtype == q.compute_dtype
+    assert torch.equal(converted, q.method.dequantize(q).to(q.compute_dtype))
+
+
 def test_per_call_weight_functions_apply_on_dequantized_weight():
     layer = make_linear(256, 128)
     q, _ = quantize_one(layer)

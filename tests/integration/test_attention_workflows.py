@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from comfy_harness import ComfyServer, PromptError
-from graphs import wan_t2v_graph
+from graphs import chain_id, wan_t2v_graph
+from report_events import ReportEvents
 
 pytestmark = pytest.mark.integration
 
@@ -177,3 +178,50 @@ def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, t
     assert warnings == ["query and key lengths differ (cross-attention)"], warnings
     assert not torch.equal(latent, baseline)
     assert ((latent - baseline).norm() / baseline.norm()).item() < 1e-3
+
+
+# ---- the `last run:` line when another node takes the attention over --------------
+
+REPLACE = ("BigditReplaceAttention", {})  # as KJNodes' Sage patch: a new override that ignores `func`
+REPLACEMENT = "BigditReplaceAttention.patch.<locals>.attention_override_replacement"
+# Each test below gives sol_tau (unused by sage) its own value: ComfyUI then runs the node afresh
+# instead of reusing another test's output, so its router has warned about nothing yet.
+
+
+@pytest.fixture
+def events(comfy_sdpa):
+    with ReportEvents(comfy_sdpa.url) as listener:
+        yield listener
+
+
+def last_run(events, text_start, index=0):
+    """The `last run:` line the SetAttentionBackend at model_chain[index] sent, after its report's text."""
+    text = events.wait_for(chain_id(index), "last run:")
+    assert text.startswith(text_start), text
+    return text.split("\nlast run: ", 1)[1]
+
+
+def test_last_run_line_reports_the_kernels_that_ran(comfy_sdpa, tiny_wan, events):
+    run(comfy_sdpa, tiny_wan, [node("sage", dense_backend="sdpa", sol_tau=0.5)], seed=6)
+    line = last_run(events, "attention: backend sage, dense sdpa")
+    assert line == "ran sdpa x4; fallbacks sage -> sdpa: needs cuda, got a cpu tensor x4; scheduled dense none", line
+
+
+def test_an_override_installed_after_the_node_is_reported_not_counted(comfy_sdpa, tiny_wan, baseline, events):
+    latent, log = run(comfy_sdpa, tiny_wan, [node("sage", dense_backend="sdpa", sol_tau=0.75), REPLACE])
+    assert torch.equal(latent, baseline)  # the replacement ran ComfyUI's SDPA, as the baseline did
+    line = last_run(events, "attention: backend sage, dense sdpa")
+    assert line == f"another node replaced this attention override ({REPLACEMENT}); its kernels did not run", line
+    assert "sage cannot take this call" not in log  # never called, so no fallback either
+    assert not re.findall(r"Set Attention Backend \(.*\): ran ", log)
+    assert "Set Attention Backend (backend sage, dense sdpa): another node replaced" in log
+
+
+def test_a_wrapped_override_that_never_falls_back_is_reported(comfy_sdpa, tiny_wan, baseline, events):
+    """Installed after the other override, the node wraps it; an override that ignores its `func` decides
+    every call, so none reaches this node's kernels."""
+    latent, log = run(comfy_sdpa, tiny_wan, [REPLACE, node("sage", dense_backend="sdpa", sol_tau=1.25)])
+    assert torch.equal(latent, baseline)
+    line = last_run(events, "attention: backend sage, dense sdpa; wrapping the existing override", index=1)
+    assert line == f"the override it wraps ({REPLACEMENT}) never called it; its kernels did not run", line
+    assert "sage cannot take this call" not in log

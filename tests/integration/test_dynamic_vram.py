@@ -1,0 +1,123 @@
+"""The pack on a dynamic-VRAM model (upstream's `ModelPatcherDynamic`, `patcher.is_dynamic()` True).
+
+Upstream builds that patcher only for a GPU load device (for a CPU one its
+constructor returns a plain ModelPatcher), so a CPU server never samples one.
+This test builds the real class the way upstream does under comfy-aimdo (the
+aimdo library loaded, a CUDA load device, the model on the CPU), on the tiny
+Wan that upstream's own loader read, in the host's python, and checks what
+runs without a GPU: the pack sees the model as dynamic, its clone stays
+dynamic with truthful size accounting, and a LoRA attached as upstream's
+dynamic loading attaches it (LowVramPatch as `weight_lowvram_function`) applies
+to a QuantLinear. What needs the GPU (aimdo's faulting, the offload plan
+against the card's memory) is checked from upstream's code: ARCHITECTURE.md.
+"""
+import json
+import subprocess
+
+import pytest
+
+from comfy_harness import PACK_ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.host_feature("dynamic_vram")]
+
+PROBE = r"""
+import json, os, sys, types
+pack_root, unet = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"  # before its modules bind it
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_management, comfy.model_patcher, comfy.sd, comfy.utils
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.nodes import comfy_compat, offload
+from bigdit.quant import QuantConfig, get_method
+from bigdit.quant.linear import QuantLinear
+
+out = {}
+plain = comfy.sd.load_diffusion_model(unet)  # --cpu: a plain ModelPatcher
+Dynamic = comfy.model_patcher.ModelPatcherDynamic
+out["cpu_device_class"] = type(Dynamic(plain.model, load_device=torch.device("cpu"),
+                                       offload_device=torch.device("cpu"))).__name__
+patcher = Dynamic(plain.model, load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
+out["class"], out["is_dynamic"] = type(patcher).__name__, patcher.is_dynamic()
+out["pack_sees_dynamic"] = offload.comfy_places_weights(patcher)
+out["plain_pack_sees_dynamic"] = offload.comfy_places_weights(plain)
+size_before = patcher.model_size()
+
+config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=torch.device("cpu"))
+quantized, report, layers = comfy_compat.quantize_on_clone(patcher, config, title="test")
+out["clone_class"], out["clone_is_dynamic"] = type(quantized).__name__, quantized.is_dynamic()
+out["clone_pack_sees_dynamic"] = offload.comfy_places_weights(quantized)
+out["layers"] = len(layers)
+out["input_size_kept"] = patcher.model_size() == size_before
+# the bytes the clone really holds: ComfyUI's measure of the model, each replaced layer's bytes
+# swapped for its QuantLinear's
+size = comfy.model_management.module_size
+true_size = size(patcher.model) + sum(
+    size(module) - size(comfy.utils.get_attr(patcher.model, comfy_compat.DIFFUSION_PREFIX + name))
+    for name, module in layers.items())
+out["clone_size"], out["true_size"] = quantized.model_size(), true_size
+out["size_before"] = size_before
+out["quantized_layers_seen"] = len(comfy_compat.quantized_layers(quantized))
+
+# a LoRA-like weight patch as upstream's dynamic loading attaches it (setup_param in ModelPatcherDynamic.load)
+name, layer = next(iter(layers.items()))
+key = comfy_compat.DIFFUSION_PREFIX + name + ".weight"
+gen = torch.Generator().manual_seed(0)
+diff = 0.05 * torch.randn(layer.out_features, layer.in_features, generator=gen)
+lora = quantized.clone()
+lora.add_patches({key: (diff,)}, 0.5)
+layer.weight_lowvram_function = comfy.model_patcher.LowVramPatch(key, lora.patches)
+x = torch.randn(3, layer.in_features, generator=gen)
+with torch.no_grad():
+    got = layer(x)
+    base = layer.method.dequantize(layer, x.device).float()
+    ref = torch.nn.functional.linear(x, base + 0.5 * diff, layer.bias.float())
+    plain_out = torch.nn.functional.linear(x, base, layer.bias.float())
+layer.weight_lowvram_function = None
+out["lora_err"] = ((got - ref).norm() / ref.norm()).item()
+out["lora_effect"] = ((ref - plain_out).norm() / plain_out.norm()).item()
+
+# the forced load ModelPatcherDynamic.load gives layers of at most 16 KiB (force_load_param): the stored
+# weight copied to the device through the layer's convert_weight / set_weight, no patch involved.
+# The device here is the CPU; restoring the backup must bring back the original layer exactly.
+with torch.no_grad():
+    before = layer(x)
+quantized.patch_model(load_weights=False)  # installs the object patches, as load does first
+live = comfy.utils.get_attr(quantized.model, comfy_compat.DIFFUSION_PREFIX + name)
+out["live_is_layer"] = live is layer
+quantized.patch_weight_to_device(key, device_to=torch.device("cpu"), force_cast=True)
+with torch.no_grad():
+    forced = layer(x)
+out["forced_weight_dtype"] = str(layer.weight.dtype).replace("torch.", "")
+out["forced_err"] = ((forced - before).norm() / before.norm()).item()
+quantized.restore_loaded_backups()  # what the next load and a partial unload do first
+with torch.no_grad():
+    out["restored_exactly"] = torch.equal(layer(x), before)
+print(json.dumps(out))
+"""
+
+
+def test_dynamic_patcher_is_seen_and_accounted(comfy, tiny_wan):
+    result = subprocess.run([str(comfy.host.python), "-c", PROBE, str(PACK_ROOT), str(tiny_wan["path"])],
+                            cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["cpu_device_class"] == "ModelPatcher"  # why a CPU server never runs dynamic VRAM
+    assert (out["class"], out["is_dynamic"], out["pack_sees_dynamic"]) == ("ModelPatcherDynamic", True, True)
+    assert out["plain_pack_sees_dynamic"] is False
+    # the quantized clone stays dynamic, so offload steps aside for it too
+    assert (out["clone_class"], out["clone_is_dynamic"], out["clone_pack_sees_dynamic"]) == (
+        "ModelPatcherDynamic", True, True)
+    assert out["layers"] > 0 and out["quantized_layers_seen"] == out["layers"]
+    assert out["input_size_kept"]
+    assert out["clone_size"] == out["true_size"] < out["size_before"], out
+    assert out["lora_effect"] > 1e-2  # the patch changes the output visibly
+    assert out["lora_err"] < 1e-5, out  # and applies exactly on the dequantized weight (fp32 on CPU)
+    # the forced load requantizes the dequantized weight: the same layer up to rounding (measured 7e-8);
+    # before the fix, convert_weight cast the dequantized weight back to int8 (error 1.0)
+    assert out["live_is_layer"] and out["forced_weight_dtype"] == "int8"
+    assert out["forced_err"] < 1e-4, out
+    assert out["restored_exactly"]
