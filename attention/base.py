@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
+
 LAYOUTS = ("BHSD", "BSHD")
-FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
 class Unsupported(Exception):

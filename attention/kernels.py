@@ -8,7 +8,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .base import HALF_DTYPES, Constraints, Impl, Unsupported, convert, load
+from .base import FLOAT_DTYPES, HALF_DTYPES, Constraints, Impl, Unsupported, convert, load
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -182,7 +182,7 @@ class KitchenInt8(Impl):
         ck = kitchen()
         if not ck.int8_attention_is_available(q.device):
             raise Unsupported("comfy-kitchen has no INT8 attention kernel for this GPU (CUDA extension, sm75+)")
-        if mask is not None and mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32):
+        if mask is not None and mask.dtype != torch.bool and mask.dtype not in FLOAT_DTYPES:
             raise Unsupported(f"mask dtype {mask.dtype}")
         return super().plan(q, k, v, layout=layout, mask=mask, scale=scale, options=options)
 

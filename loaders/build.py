@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..quant.dispatch import FLOAT_DTYPES, QuantConfig, choose_method
+from ..dtypes import FLOAT_DTYPES
+from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
 from ..quant.linear import QuantLinear
 from ..quant.method import LinearMethod
 from ..quant.methods import available_methods, get_method
@@ -53,10 +54,6 @@ def fastest_native_methods(device: torch.device, in_features: int, out_features:
                 methods.append(method)
                 break
     return methods
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class LayerBuilder:
@@ -127,7 +124,7 @@ class LayerBuilder:
         built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
         self.consumed.add(name)
         self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes,
-                                               _nbytes(built.parameters())))
+                                               parameter_bytes(built)))
         return built
 
     def _block_format(self, fmt, method, tensors, in_features, out_features, compute_dtype, reason):
@@ -159,7 +156,7 @@ class LayerBuilder:
             tensors = method.quantize_weight(weight.to(self.device))
         tensors = {k: v.to(home) for k, v in tensors.items()}
         built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
-        self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, _nbytes(built.parameters())))
+        self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, parameter_bytes(built)))
         self._online_counts[reason] = self._online_counts.get(reason, 0) + 1
         return built
 

@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..quant.kitchen_api import is_quantized_tensor, layout_name, storage
+from ..quant.kitchen_api import is_quantized_tensor, layout_name
 from ..quant.linear import QuantLinear
 from .errors import name_list
 from .markers import MARKER_SUFFIX, METADATA_KEY, ROLES
@@ -100,10 +100,10 @@ def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     weight = module.weight
     layout = layout_name(weight)
     fmt = KITCHEN_FORMATS.get(layout)
-    if fmt == "float8_e4m3fn" and storage(weight).dtype != torch.float8_e4m3fn:
+    if fmt == "float8_e4m3fn" and weight.storage_dtype != torch.float8_e4m3fn:
         fmt = None
     if fmt is None:
-        raise _Unsupported(f"comfy-kitchen layout {layout} ({storage(weight).dtype}) has no marker format the "
+        raise _Unsupported(f"comfy-kitchen layout {layout} ({weight.storage_dtype}) has no marker format the "
                            f"pack's loaders read")
     params = weight.params
     if getattr(params, "transposed", False):

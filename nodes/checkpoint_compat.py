@@ -21,10 +21,7 @@ import comfy.utils
 
 from ..loaders import CheckpointError, CheckpointPlan, LayerBuilder
 from ..quant.dispatch import apply_replacements
-
-
-def compute_device() -> torch.device:
-    return comfy.model_management.get_torch_device()
+from .comfy_compat import compute_device, set_model_size  # noqa: F401 (the loaders call compat.compute_device)
 
 
 def interrupt_check():
@@ -94,12 +91,6 @@ def diffusion_namespace(plan: CheckpointPlan) -> CheckpointPlan:
     return plan.renamed([(prefix, "")], only_matching=True)
 
 
-def _reset_size(patcher) -> None:
-    # The patcher may have measured the model before the swap; memory planning must see the built layers.
-    if hasattr(patcher, "size"):
-        patcher.size = 0
-
-
 def load_diffusion_model(plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict):
     """A ModelPatcher for the diffusion model, built through `builder`. Raises CheckpointError
     if ComfyUI does not recognize the architecture or a quantized layer found no Linear."""
@@ -109,7 +100,7 @@ def load_diffusion_model(plan: CheckpointPlan, builder: LayerBuilder, state_dict
         raise CheckpointError(plan.path, "ComfyUI could not detect the model type of this diffusion model")
     builder.finish()
     install_built_layers(patcher.model.diffusion_model, operations)
-    _reset_size(patcher)
+    set_model_size(patcher)  # it may have measured the model before the swap
     return patcher
 
 
@@ -128,5 +119,5 @@ def load_text_encoder(plan: CheckpointPlan, builder: LayerBuilder, state_dict: d
         model_options={"custom_operations": operations})
     builder.finish()
     install_built_layers(clip.cond_stage_model, operations)
-    _reset_size(clip.patcher)
+    set_model_size(clip.patcher)
     return clip

@@ -5,6 +5,7 @@ import copy
 import logging
 import uuid
 
+import torch
 from torch import nn
 
 import comfy.model_management
@@ -42,8 +43,15 @@ def show_on_node(node_id, text: str) -> None:
     instance.send_sync(REPORT_EVENT, {"node": str(node_id), "text": text}, getattr(instance, "client_id", None))
 
 
-def compute_device():
+def compute_device() -> torch.device:
     return comfy.model_management.get_torch_device()
+
+
+def set_model_size(patcher, size: int = 0) -> None:
+    """Set the size ModelPatcher caches from the modules it measured first, so memory planning sees the
+    quantized or built layers; 0 has ComfyUI measure the modules again at its next model_size()."""
+    if hasattr(patcher, "size"):
+        patcher.size = size
 
 
 def _layers_with_weight_patches(model) -> dict[str, str]:
@@ -129,7 +137,7 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
         patched.patches_uuid = uuid.uuid4()
     for name, module in replacements.items():
         patched.add_object_patch(DIFFUSION_PREFIX + name, module)
-    _set_model_size(patched, model.model_size() - _bytes_replaced(report, replacements))
+    set_model_size(patched, model.model_size() - _bytes_replaced(report, replacements))
     return patched, report, replacements
 
 
@@ -206,10 +214,3 @@ def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], 
 
 def _bytes_replaced(report: QuantReport, replacements: dict) -> int:
     return sum(r.bytes_before - r.bytes_after for r in report.records if r.name in replacements)
-
-
-def _set_model_size(patcher, size: int) -> None:
-    # ModelPatcher caches its size from the unpatched modules; memory
-    # planning must see the quantized bytes instead.
-    if hasattr(patcher, "size"):
-        patcher.size = size

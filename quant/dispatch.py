@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-from .kitchen_api import is_quantized_tensor, layout_name, storage, tensor_bytes
+from ..dtypes import FLOAT_DTYPES
+from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
 from .linear import QuantLinear
-from .method import LinearMethod
+from .method import LinearMethod, default_device
 from .patterns import first_match
 from .report import LayerRecord, QuantReport
 
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from .auto import AutoSelector
 
 log = logging.getLogger(__name__)
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class QuantizationError(RuntimeError):
@@ -56,7 +55,7 @@ class QuantConfig:
     def device(self) -> torch.device:
         if self.compute_device is not None:
             return self.compute_device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return default_device()
 
 
 @dataclass
@@ -70,7 +69,8 @@ class LayerPlan:
     compute_dtype: torch.dtype | None = None  # of the new layer, where the old weight's dtype is not it (FP8)
 
 
-def _weight_bytes(module: nn.Module) -> int:
+def parameter_bytes(module: nn.Module) -> int:
+    """True bytes of a layer's own parameters (a QuantizedTensor by its packed data)."""
     return sum(tensor_bytes(p) for p in module.parameters(recurse=False))
 
 
@@ -85,7 +85,7 @@ def _format_of(weight: torch.Tensor) -> str:
     if not is_quantized_tensor(weight):
         return str(weight.dtype).replace("torch.", "")
     if layout_name(weight).startswith("TensorCoreFP8"):
-        return str(storage(weight).dtype).replace("torch.", "")
+        return str(weight.storage_dtype).replace("torch.", "")
     if layout_name(weight) == "TensorWiseINT8Layout":
         return "int8_convrot" if getattr(weight.params, "convrot", False) else "int8_tensorwise"
     return layout_name(weight)
@@ -262,7 +262,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
     report = QuantReport(title=title)
     done = 0
     for plan in plans:
-        before = _weight_bytes(plan.module)
+        before = parameter_bytes(plan.module)
         if plan.method is None:
             report.records.append(LayerRecord(plan.name, plan.existing_format, plan.reason, before, before,
                                               plan.linear, earlier=plan.existing_format is not None))
@@ -272,7 +272,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
         except Exception as exc:
             raise QuantizationError(f"quantizing layer {plan.name!r} with {plan.method.describe()} failed: {exc}") from exc
         replacements[plan.name] = new
-        report.records.append(LayerRecord(plan.name, plan.method.name, plan.reason, before, _weight_bytes(new)))
+        report.records.append(LayerRecord(plan.name, plan.method.name, plan.reason, before, parameter_bytes(new)))
         done += 1
         if progress is not None:
             progress(done, len(todo))

@@ -15,6 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import HALF_DTYPES
 from .method import LinearMethod, output_dtype
 
 log = logging.getLogger(__name__)
@@ -176,4 +177,4 @@ class Fp8Method(LinearMethod):
 
 
 def _sixteen_bit(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return dtype if dtype in HALF_DTYPES else torch.bfloat16

@@ -6,8 +6,10 @@
   `comfy_kitchen.backends._activations`; kitchen exports no public name for it.
 - `storage`: a QuantizedTensor's packed data (`_qdata`). Kitchen exposes its shape,
   dtype and bytes (`storage_shape`, `storage_dtype`, `nbytes`) but not the tensor,
-  which page-locking the host copy needs.
-Everything else uses public names: `QuantizedTensor.params`, `.layout_cls`, `.nbytes`.
+  which page-locking the host copy in place needs (`state_dict()[""]` is that tensor
+  in every layout today, but kitchen does not promise it is not a copy).
+Everything else uses public names: `QuantizedTensor.params`, `.layout_cls`, `.nbytes`,
+`.storage_dtype`, `.state_dict()`, `comfy_kitchen.tensor.get_layout_class`.
 comfy-kitchen is imported only when called, so the pack starts without it.
 """
 from __future__ import annotations

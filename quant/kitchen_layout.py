@@ -18,7 +18,7 @@ class KitchenLayoutMethod(LinearMethod):
     layout: str = ""
 
     def layout_class(self):
-        from comfy_kitchen.tensor.base import get_layout_class
+        from comfy_kitchen.tensor import get_layout_class
         return get_layout_class(self.layout)
 
     def native_supported(self, device: torch.device) -> bool:

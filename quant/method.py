@@ -19,16 +19,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..dtypes import FLOAT_DTYPES
+
 if TYPE_CHECKING:
     from .linear import QuantLinear
 
 
-OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def output_dtype(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype `apply` returns for input `x` (see the module docstring)."""
-    return x.dtype if x.dtype in OUTPUT_DTYPES else compute_dtype
+    return x.dtype if x.dtype in FLOAT_DTYPES else compute_dtype
+
+
+def default_device() -> torch.device:
+    """Where layers compute when no host chose a device: the GPU if there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class LinearMethod(ABC):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .method import LinearMethod
+from .method import LinearMethod, default_device
 
 
 def _int8_convrot(group_size: int = 256, row_split: str = "auto", **_) -> LinearMethod:
@@ -44,9 +44,7 @@ def _quanto_qint8(**_) -> LinearMethod:
 def _auto(group_size: int = 256, device=None, **_):
     import torch
     from .auto import AutoSelector
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return AutoSelector(torch.device(device), group_size=group_size)
+    return AutoSelector(torch.device(device) if device is not None else default_device(), group_size=group_size)
 
 
 _FACTORIES: dict[str, Callable[..., LinearMethod]] = {

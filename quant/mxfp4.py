@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod, output_dtype
+from ..dtypes import HALF_DTYPES
+from .method import LinearMethod, default_device, output_dtype
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ def _gemm_needs_out_buffer(gemm) -> bool:
 def aiter_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x2d @ W.T through AITER (the seed's calls), W in AITER's pre-shuffled layout; bf16 out."""
     quantize, _, gemm = _aiter_kernels()
-    if x2d.dtype not in (torch.bfloat16, torch.float16):  # AITER's quantizer takes 16-bit activations
+    if x2d.dtype not in HALF_DTYPES:  # AITER's quantizer takes 16-bit activations
         x2d = x2d.to(torch.bfloat16)
     x_fp4, x_scale = quantize(x2d.contiguous(), shuffle=True)
     rows, n_out = x2d.shape[0], weight.shape[0]
@@ -277,7 +278,7 @@ _DETECTED: dict[str, ExecutionPath] = {}
 
 def execution_path(device: torch.device | str | None = None) -> ExecutionPath:
     """How MXFP4 layers run on `device` (default: the first CUDA device, else CPU). Never raises."""
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else default_device()
     key = str(device)
     if key not in _DETECTED:
         try:
@@ -332,7 +333,7 @@ class Mxfp4Method(LinearMethod):
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.path.name == "aiter":
             quantize, shuffle_weight, _ = _aiter_kernels()
-            w = weight if weight.dtype in (torch.bfloat16, torch.float16) else weight.to(torch.bfloat16)
+            w = weight if weight.dtype in HALF_DTYPES else weight.to(torch.bfloat16)
             w_fp4, w_scale = quantize(w.contiguous(), shuffle=True)
             w_fp4 = shuffle_weight(w_fp4)
             self._aiter_dtypes = (w_fp4.dtype, w_scale.dtype)

@@ -61,6 +61,18 @@ def test_kitchen_quantized_tensor_counted_by_packed_data():
     assert tensor_bytes(qt) == 32 * 256 + 32 * 4
 
 
+@pytest.mark.parametrize("layout, expected", [
+    # packed e2m1 pairs + fp32 tensor scale + e4m3 block scales (rows padded to 128, one per 16 columns)
+    ("TensorCoreNVFP4Layout", 32 * 128 + 4 + 128 * 16),
+    ("TensorCoreMXFP8Layout", 32 * 256 + 128 * 8),  # e4m3 data + e8m0 scales (rows padded to 128, one per 32)
+    ("TensorCoreFP8Layout", 32 * 256 + 4),
+])
+def test_kitchen_quantized_tensor_counts_every_tensor_param(layout, expected):
+    from comfy_kitchen.tensor import QuantizedTensor
+    qt = QuantizedTensor.from_float(torch.randn(32, 256, dtype=torch.bfloat16), layout)
+    assert tensor_bytes(qt) == expected
+
+
 def test_overrides_stand_in_for_replaced_modules():
     model = Model()
     # blocks.1.fc1 (bf16 32->128, 8192 bytes) becomes int8 without bias: 128*32 + 128*4
