@@ -130,8 +130,9 @@ class QuantLinear(nn.Module):
             # An in-place restore would bring back the weight but not the scales, unnoticed.
             raise RuntimeError("in-place weight patching (weight_inplace_update) of a quantized layer is not "
                                "supported; patch the model before quantizing it instead")
-        if self._unpatched is None:  # patched again on top of a patch: what to restore is still the first
-            self._unpatched = {k: getattr(self, k) for k in fresh if k != "weight" or self.weight.device.type == "cpu"}
+        if self._unpatched is None:  # else a patch on top of a patch: the originals are still the first ones
+            in_ram = self.weight.device.type == "cpu"
+            self._unpatched = {k: getattr(self, k) for k in fresh if k != "weight" or in_ram}
         for key, tensor in fresh.items():
             # New Parameters, never writes into the old storage: ComfyUI's backup may share it. Written
             # into _parameters directly: an assignment of `weight` is ComfyUI restoring it.
