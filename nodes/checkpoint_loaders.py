@@ -13,6 +13,7 @@ from ..quant.patterns import parse_patterns
 from . import checkpoint_compat as compat
 from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
 from .kitchen import require_kitchen
+from .lora_fold import install_lora_fold
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload
 
@@ -88,6 +89,7 @@ class MixedCheckpointLoader:
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
         text = _report(builder)
         watch_quantized_layers(model, NodeRun(unique_id, text), quantized_layers(model), "MixedCheckpointLoader")
+        install_lora_fold(model)
         return {"ui": {"text": [text]}, "result": (model, text)}
 
 
@@ -171,6 +173,7 @@ class LoadH3Quantized:
         offload_text = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
         run.text = text = _report(builder, offload_text)
         watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
+        install_lora_fold(model)
         return {"ui": {"text": [text]}, "result": (model, text)}
 
 

@@ -7,6 +7,7 @@ from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
 from . import comfy_compat
 from .kitchen import require_kitchen
+from .lora_fold import install_lora_fold
 
 
 class QuantizeModelINT8:
@@ -69,6 +70,7 @@ class QuantizeModelINT8:
         # after each sampling: how many of these layers ran
         comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, text), layers,
                                             "QuantizeModelINT8")
+        install_lora_fold(patched)
         return {"ui": {"text": [text]}, "result": (patched, text)}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dtypes import FLOAT_DTYPES
 from .method import LinearMethod
 from .witness import count_run
 
@@ -34,10 +35,9 @@ class QuantLinear(nn.Module):
         # (its cast layers apply it while copying the weight in); see _patches.
         self.weight_lowvram_function = None
         self.bias_lowvram_function = None
-        # While ComfyUI has a LoRA written into this layer: (the patched weight, the
-        # scales it replaced); once `weight` is another tensor, ComfyUI restored it (see set_weight).
-        # A tuple, so that nn.Module does not register the weight as a second parameter.
-        self._patch: tuple[nn.Parameter, dict[str, nn.Parameter]] | None = None
+        # While ComfyUI has a LoRA written into this layer: the tensors it replaced (see set_weight).
+        # A plain dict, so that nn.Module does not register them as parameters.
+        self._unpatched: dict[str, nn.Parameter] | None = None
         self.runs = 0  # calls, for the run-time witness (quant/witness.py)
 
     def tensors_on(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -46,7 +46,6 @@ class QuantLinear(nn.Module):
         ComfyUI's partial loading leaves whole layers in RAM; upstream's dynamic
         VRAM leaves the weight and bias there and moves the other tensors.
         """
-        self._drop_stale_patch()
         device = self.weight.device if device is None else device
         out = {}
         for key, param in self._parameters.items():
@@ -66,8 +65,7 @@ class QuantLinear(nn.Module):
         Raises while ComfyUI has a weight patch (e.g. a LoRA) written into the
         layer: the tensors would carry it.
         """
-        self._drop_stale_patch()
-        if self._patch is not None:
+        if self._unpatched is not None:
             raise RuntimeError("a weight patch (e.g. a LoRA) is written into this layer")
         return {key: param for key, param in self._parameters.items() if param is not None and key != "bias"}
 
@@ -99,17 +97,32 @@ class QuantLinear(nn.Module):
     # ComfyUI's weight-patch protocol (ModelPatcher looks these up by name):
     # LoRA is computed on the dequantized weight and written back quantized.
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **_) -> torch.Tensor:
-        # `weight` is a float copy for a LoRA, or, in upstream's dynamic VRAM forced load, a copy of the
-        # stored tensor (int8, fp8, packed): a float comes back either way, never the storage dtype.
-        dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32) else self.compute_dtype
-        return self.method.dequantize(self, weight.device).to(dtype)
+        """The dequantized weight ComfyUI's patches apply to: the unpatched one where this layer holds it.
+
+        ComfyUI computes a weight patch from its backup of the unpatched weight
+        and expects to find that weight in the layer. A layer whose LoRA was
+        folded in while it was offloaded (nodes/lora_fold.py) and that ComfyUI
+        then loads onto the GPU is patched again: from the unpatched weight, or
+        the LoRA would be added twice. `weight` is a float copy for a LoRA, or,
+        in upstream's dynamic VRAM forced load, a copy of the stored tensor
+        (int8, fp8, packed): a float comes back either way, never the storage dtype.
+        """
+        dtype = weight.dtype if weight.dtype in FLOAT_DTYPES else self.compute_dtype
+        source = self
+        if self._unpatched is not None and "weight" in self._unpatched:
+            held = {k: v for k, v in self._parameters.items() if v is not None and k != "bias"}
+            source = QuantLinear(self.method, self.in_features, self.out_features, {**held, **self._unpatched},
+                                 None, self.compute_dtype)
+        return self.method.dequantize(source, weight.device).to(dtype)
 
     def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed=None, return_weight: bool = False,
                    **_) -> torch.Tensor | None:
         """Requantize a patched weight with fresh scales (a LoRA may widen a row's range).
 
-        ComfyUI backs up and later restores only `weight`, so the scales it
-        replaces are kept here and put back once the weight is restored.
+        ComfyUI backs up and later restores only `weight`, so the tensors it
+        replaces are kept here and put back when ComfyUI assigns the weight
+        again (register_parameter). The unpatched weight itself is kept where it
+        costs nothing: in host memory, where ComfyUI's backup is the same tensor.
         With `return_weight` (0.3.75's partial loading, model saving) nothing is
         stored: the weight this layer would compute with comes back, in `weight`'s dtype.
         """
@@ -121,27 +134,29 @@ class QuantLinear(nn.Module):
             # An in-place restore would bring back the weight but not the scales, unnoticed.
             raise RuntimeError("in-place weight patching (weight_inplace_update) of a quantized layer is not "
                                "supported; patch the model before quantizing it instead")
-        self._drop_stale_patch()
-        if self._patch is None:
-            unpatched_scales = {k: getattr(self, k) for k in fresh if k != "weight"}
-        else:  # patched again on top of a patch: the scales to restore are still the first ones
-            unpatched_scales = self._patch[1]
+        if self._unpatched is None:  # else a patch on top of a patch: the originals are still the first ones
+            in_ram = self.weight.device.type == "cpu"
+            self._unpatched = {k: getattr(self, k) for k in fresh if k != "weight" or in_ram}
         for key, tensor in fresh.items():
-            # New Parameters, never writes into the old storage: ComfyUI's backup may share it.
-            setattr(self, key, nn.Parameter(tensor.to(getattr(self, key).device), requires_grad=False))
-        self._patch = (self.weight, unpatched_scales)
+            # New Parameters, never writes into the old storage: ComfyUI's backup may share it. Written
+            # into _parameters directly: an assignment of `weight` is ComfyUI restoring it.
+            self._parameters[key] = nn.Parameter(tensor.to(getattr(self, key).device), requires_grad=False)
 
-    def _drop_stale_patch(self) -> None:
-        """Put the original scales back once ComfyUI has restored the unpatched weight.
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """Assigning `weight` while a patch is written in is ComfyUI restoring the unpatched weight
+        (unpatch_model, partially_unload): the scales it replaced come back with it.
 
-        Runs before anything reads the layer's tensors: a restored weight read
-        with the patched scales would be a wrong weight (e.g. the base of the next LoRA patch).
+        An assignment, not a comparison with the patched tensor: the pack's
+        streaming (loaders/streaming.py) swaps a streamed layer's tensors for
+        device copies in `_parameters` for the duration of a block.
         """
-        if self._patch is None or self.weight is self._patch[0]:
-            return
-        for key, param in self._patch[1].items():
-            setattr(self, key, param)
-        self._patch = None
+        unpatched = self.__dict__.get("_unpatched")
+        if name == "weight" and unpatched is not None:
+            self._unpatched = None
+            for key, tensor in unpatched.items():
+                if key != "weight":
+                    self._parameters[key] = tensor
+        super().register_parameter(name, param)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -99,9 +99,11 @@ def test_graph_check_names_the_missing_choice():
     assert comfy_e2e.unoffered_choice(graph, info) == "node BigditStepTimer is not installed"
 
 
-def _rec(config, step_s, family, capped=True, sol=False, tokens=32760, peak=None, model="wan14b", cosine=0.9995):
+def _rec(config, step_s, family, capped=True, sol=False, tokens=32760, peak=None, model="wan14b", cosine=0.9995,
+         lora=False, own_cap=False):
     return {"config": config, "family": family, "capped": capped, "sol": sol, "tokens": tokens, "length": "x",
-            "model": model, "status": "ok", "step_s": step_s, "peak_gib": peak, "cosine": cosine}
+            "model": model, "status": "ok", "step_s": step_s, "peak_gib": peak, "cosine": cosine, "lora": lora,
+            "own_cap": own_cap}
 
 
 def test_summary_follows_issue_12():
@@ -116,9 +118,17 @@ def test_summary_follows_issue_12():
         _rec("pack_auto", 0.5, "pack", tokens=7800, peak=18.5),  # shorter: only its peak counts
         {**_rec("pack_auto_flash", None, "pack"), "status": "error"},
         _rec("pack_auto", 0.1, "pack", model="other", peak=99.0),  # another model
+        # a LoRA and a smaller card: the LoRA cost, and nothing else (faster would not make them the best)
+        _rec("pack_auto_lora", 2.55, "pack", peak=16.9, cosine=0.99, lora=True),
+        _rec("pack_auto_12g", 2.4, "pack", peak=11.0, own_cap=True),
+        _rec("pack_auto_lora_12g", 2.52, "pack", peak=11.2, cosine=0.99, lora=True, own_cap=True),
     ]
     detail, summary = comfy_e2e.summarize(results, {"wan14b": {}, "other": {}})
-    assert list(summary) == ["dense_speedup", "sol_speedup", "vs_comfy_best", "peak_gib_capped"]
+    assert list(summary) == ["dense_speedup", "sol_speedup", "vs_comfy_best", "peak_gib_capped", "lora_cost"]
+    assert summary["lora_cost"] == pytest.approx(2.55 / 2.5 - 1)
+    assert [(x["config"], x["base"]) for x in detail["lora"]] == [("pack_auto_lora", "pack_auto"),
+                                                                  ("pack_auto_lora_12g", "pack_auto_12g")]
+    assert detail["lora"][1]["cost"] == pytest.approx(2.52 / 2.4 - 1)
     assert summary["dense_speedup"] == pytest.approx(3.0 / 2.5)
     assert summary["sol_speedup"] == pytest.approx(3.0 / 1.5)
     assert summary["vs_comfy_best"] == pytest.approx(2.7 / 2.5)
@@ -128,7 +138,37 @@ def test_summary_follows_issue_12():
     assert detail["fastest_pack_dense"]["config"] == "pack_auto_fp8attn"
     assert detail["fastest_pack_dense_speedup"] == pytest.approx(3.0 / 2.0)
     _, partial = comfy_e2e.summarize(results[3:4], {"wan14b": {}})
-    assert partial == {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": 16.8}
+    assert partial == {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": 16.8,
+                       "lora_cost": None}
+
+
+def test_lora_configs_chain_the_bench_lora_and_keep_their_card():
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    graph = comfy_e2e.sampling_graph(configs["pack_auto_lora_12g"], e2e_models.WAN14B, "m.safetensors",
+                                     e2e_models.WAN14B.length("long"), 3, 0, "p")
+    assert graph["m0"] == {"class_type": "LoraLoaderModelOnly", "inputs": {
+        "lora_name": e2e_models.LORA_FILE, "strength_model": 1.0, "model": ["unet", 0]}}
+    assert graph["unet"]["inputs"]["quantization"] == "auto" and graph["timer"]["inputs"]["model"] == ["m0", 0]
+    assert configs["pack_auto_lora_12g"].cap_gib == 12.0 and configs["pack_auto_lora"].cap_gib is None
+    assert {n for n, c in configs.items() if c.lora} == {"pack_auto_lora", "pack_auto_lora_12g"}
+    assert not any(configs[n].lora for n in comfy_e2e.DEFAULT_CONFIGS)
+
+
+def test_random_lora_covers_every_block_linear(tmp_path):
+    shapes = {"blocks.0.self_attn.q.weight": (256, 256), "blocks.0.ffn.0.weight": (512, 256),
+              "blocks.0.ffn.0.bias": (512,), "blocks.0.modulation": (1, 6, 256), "blocks.0.norm3.weight": (256,),
+              "head.head.weight": (64, 256), "patch_embedding.weight": (256, 16, 1, 2, 2)}
+    model = tmp_path / "m.safetensors"
+    safetensors.torch.save_file({k: torch.randn(v).bfloat16() for k, v in shapes.items()}, str(model))
+    assert e2e_models.lora_targets(shapes) == [("blocks.0.self_attn.q", 256, 256), ("blocks.0.ffn.0", 512, 256)]
+    info = e2e_models.make_lora(model, tmp_path / "loras" / "l.safetensors", rank=8, seed=1)
+    lora = safetensors.torch.load_file(str(tmp_path / "loras" / "l.safetensors"))
+    assert info["layers"] == 2 and info["rank"] == 8
+    assert lora["diffusion_model.blocks.0.ffn.0.lora_up.weight"].shape == (512, 8)
+    assert lora["diffusion_model.blocks.0.ffn.0.lora_down.weight"].shape == (8, 256)
+    delta = (lora["diffusion_model.blocks.0.ffn.0.lora_up.weight"].float()
+             @ lora["diffusion_model.blocks.0.ffn.0.lora_down.weight"].float())
+    assert 0.01 < delta.std().item() * 256 ** 0.5 < 0.04  # about 2% of a unit-variance weight's scale
 
 
 def test_compare_latents():

@@ -95,3 +95,23 @@ def test_row_split_off_is_its_own_choice(monkeypatch):
             if k[1:4] == (rows_bucket(x.shape[0]), 2048, 1024)}
     assert set(keys) == {("kitchen", "kitchen_split", "dequant"), ("kitchen", "dequant")}
     assert keys[("kitchen", "dequant")] == "kitchen"
+
+
+def test_lora_patch_math_on_the_gpu_keeps_an_offloaded_layer_in_ram(device="cuda"):
+    """nodes/lora_fold.py has ComfyUI patch a layer left in RAM with device_to = the GPU: convert_weight and
+    set_weight compute there, the patched tensors stay in host memory, the layer computes from them per call,
+    convert_weight still gives the unpatched base, and ComfyUI's restore brings back the very originals."""
+    layer, q = quantized(1024, 2048, device="cpu")
+    original = dict(q.named_parameters())
+    delta = 0.02 * torch.randn(2048, 1024, device=device)
+    temp = torch.empty(2048, 1024, device=device)  # what patch_weight_to_device hands convert_weight
+    base = q.convert_weight(temp, inplace=True)
+    assert base.device.type == device and base.dtype == torch.float32
+    q.set_weight(base + delta)
+    assert all(p.device.type == "cpu" for p in q.parameters())
+    x = torch.randn(300, 1024, device=device, dtype=torch.bfloat16)
+    ref = nn.functional.linear(x.float(), layer.weight.to(device).float() + delta, layer.bias.to(device).float())
+    assert rel(q(x), ref) < 0.02
+    assert torch.equal(q.convert_weight(temp), base)
+    q.weight = original["weight"]
+    assert all(getattr(q, k) is v for k, v in original.items())

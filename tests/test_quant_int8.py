@@ -290,6 +290,43 @@ def test_restored_weight_is_read_with_its_own_scales(method_name):
 
 
 @pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+def test_patched_layer_computes_without_per_call_work_and_restores_bit_exactly(method_name, monkeypatch):
+    """A LoRA folded in once (what nodes/lora_fold.py has ComfyUI do for an offloaded layer): forwards run the
+    method's own kernel on the patched tensors, with no dequantize or requantize per call; convert_weight still
+    gives the unpatched weight (the base ComfyUI patches from, were it to patch the layer again); ComfyUI's
+    restore of `weight` brings back every original tensor, bit for bit."""
+    from bigdit.quant import get_method
+    layer = make_linear(256, 128)
+    q, _ = quantize_one_with(layer, get_method(method_name))
+    original = {k: (v, v.detach().clone()) for k, v in q.named_parameters()}
+    unpatched_weight = q.method.dequantize(q).float()
+    delta = 0.3 * torch.randn(128, 256)
+    q.set_weight(q.convert_weight(q.weight.float()) + delta)
+    assert torch.equal(q.convert_weight(q.weight.float()), unpatched_weight)
+    with pytest.raises(RuntimeError, match="weight patch"):
+        q.stored_tensors()
+
+    work = []
+    for name in ("dequantize", "quantize_weight"):
+        real = getattr(q.method, name)
+        monkeypatch.setattr(q.method, name, lambda *a, real=real, name=name, **k: work.append(name) or real(*a, **k))
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    outs = [q(x) for _ in range(3)]
+    assert work == [] and all(torch.equal(o, outs[0]) for o in outs)
+    ref = nn.functional.linear(x.float(), layer.weight.float() + delta, layer.bias.float())
+    assert rel_err(outs[0], ref) < 0.05
+    monkeypatch.undo()
+
+    q.weight = nn.Parameter(original["weight"][0], requires_grad=False)  # ComfyUI's set_attr_param restore
+    for key, (param, saved) in original.items():
+        now = getattr(q, key)
+        assert now.dtype == saved.dtype and torch.equal(now.view(torch.uint8), saved.view(torch.uint8)), key
+        if key != "weight":
+            assert now is param  # the very tensors, not copies
+    assert set(q.stored_tensors()) == set(original) - {"bias"}  # nothing patched is left (it would raise)
+
+
+@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
 def test_set_weight_can_return_instead_of_storing(method_name):
     """return_weight (0.3.75's partial loading calls set_weight so): the weight the layer would compute with."""
     from bigdit.quant import get_method

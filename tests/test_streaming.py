@@ -160,6 +160,26 @@ def test_quantized_blocks_stream_exactly():
     assert ("swap_in", 2) in trace and ("swap_in", 3) in trace
 
 
+@torch.no_grad()
+def test_weight_patched_quantized_blocks_stream_exactly():
+    """A LoRA written into a streamed QuantLinear (set_weight, as ComfyUI and the pack's fold do) survives the
+    streamer swapping its tensors for copies, and ComfyUI's restore of the weight still brings the scales back."""
+    model = Stack(n=4, d=256)
+    quantized, _ = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(64)))
+    apply_replacements(model, quantized)
+    layer = model.blocks[2].fc1
+    unpatched = {k: v for k, v in layer.named_parameters()}
+    weight = layer.convert_weight(layer.weight.float())
+    layer.set_weight(weight + 0.3 * torch.randn_like(weight))
+    x = torch.randn(2, 7, 256)
+    ref = model(x)
+    for _ in range(2):  # attached across forwards, as in a sampling
+        with LayerwiseStreamer(model.blocks, "cpu", streamed=[2, 3]):
+            assert torch.equal(model(x), ref)
+    layer.weight = unpatched["weight"]  # ComfyUI's unpatch
+    assert all(getattr(layer, k) is v for k, v in unpatched.items())
+
+
 def test_offloaded_blocks_finds_tensors_away_from_the_device():
     model = Stack(n=3)
     model.blocks[0].to("meta")

@@ -28,15 +28,19 @@ is rewritten after every configuration, so a run killed at its time limit keeps
 what finished; a failing configuration records its error and the run goes on.
 Each server's log goes to the .log file beside it. The JSON ends with issue 12's
 
-    "summary": {"dense_speedup", "sol_speedup", "vs_comfy_best", "peak_gib_capped"}
+    "summary": {"dense_speedup", "sol_speedup", "vs_comfy_best", "peak_gib_capped", "lora_cost"}
 
 on the run's first model (wan14b in a real run) at its longest length:
 dense_speedup = comfy_resident step / the pack's best dense configuration's
 step (every pack configuration but Sol), sol_speedup the same with
 pack_auto_sol, vs_comfy_best = ComfyUI's fastest capped configuration's step /
 the pack's best dense step, peak_gib_capped = the highest peak_gib of the pack's
-configurations (all capped) at any length. "summary_detail" names the
-configurations behind each number.
+configurations (all capped) at any length; configurations with a LoRA or a card
+of their own stay out of these. lora_cost (issue 13) = pack_auto_lora's step /
+pack_auto's - 1: a random rank-32 LoRA on every block linear (e2e_models.make_lora,
+written beside the model), not in the default set (--configs ...,pack_auto,pack_auto_lora;
+pack_auto_12g and pack_auto_lora_12g on a 12 GiB card, where ComfyUI loads the model
+partially). "summary_detail" names the configurations behind each number.
 
 Models are random-weight, full size, generated on the GPU of the machine that
 runs this (tests/bench/e2e_models.py), one file at a time, deleted after their
@@ -80,7 +84,8 @@ REFERENCE = "comfy_resident"
 class Config:
     """One configuration: a loader, nodes applied to its model in order, whether it runs on the emulated card.
 
-    family "comfy" or "pack"; `sol`: the pack's sparse attention (kept out of the dense comparisons).
+    family "comfy" or "pack"; `sol`: the pack's sparse attention, `lora`: a LoRA on the model (both kept out
+    of the dense comparisons); `cap_gib`: this configuration's emulated card instead of the run's --cap-gib.
     """
     name: str
     family: str
@@ -88,6 +93,8 @@ class Config:
     loader: tuple
     chain: tuple = ()
     sol: bool = False
+    lora: bool = False
+    cap_gib: float | None = None
 
 
 def _unet(weight_dtype="default"):
@@ -97,6 +104,10 @@ def _unet(weight_dtype="default"):
 def _pack_loader(quantization, offload="auto"):
     return ("LoadH3Quantized", {"quantization": quantization, "offload": offload, "group_size": "256",
                                 "ignored_layers": ""})
+
+
+def _lora():
+    return ("LoraLoaderModelOnly", {"lora_name": e2e_models.LORA_FILE, "strength_model": 1.0})
 
 
 def _attention(backend, sol_tau=1.0):
@@ -118,6 +129,11 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("pack_auto_attn_auto", "pack", True, _pack_loader("auto"), (_attention("auto"),)),
         Config("pack_bf16_offload", "pack", True, _pack_loader("none")),
         Config("pack_auto_layerwise", "pack", True, _pack_loader("auto", "layerwise")),
+        # a LoRA's cost (issue 13): against pack_auto on the same card; on 12 GiB part of the model stays in
+        # RAM, so ComfyUI loads it partially and the pack folds the LoRA into the offloaded layers
+        Config("pack_auto_lora", "pack", True, _pack_loader("auto"), (_lora(),), lora=True),
+        Config("pack_auto_12g", "pack", True, _pack_loader("auto"), cap_gib=12.0),
+        Config("pack_auto_lora_12g", "pack", True, _pack_loader("auto"), (_lora(),), lora=True, cap_gib=12.0),
     ]
     return {c.name: c for c in configs}
 
@@ -315,14 +331,21 @@ class Bench:
         how = "reused" if info.get("reused") else f"generated in {info['seconds']:.1f} s on {info['device']}"
         print(f"model {spec.name}: {info['params'] / 1e9:.2f} B params, {info['bytes'] / 1e9:.2f} GB, {how}",
               flush=True)
+        if any(self.configs[name].lora for names in (self.opts.configs, *self.opts.configs_at.values())
+               for name in names):
+            info["lora"] = e2e_models.make_lora(path, self.base / "models" / "loras" / e2e_models.LORA_FILE,
+                                                seed=self.opts.seed)
+            print(f"lora: rank {info['lora']['rank']} on {info['lora']['layers']} layers, "
+                  f"{info['lora']['bytes'] / 1e6:.0f} MB", flush=True)
         return info
 
     # -- one configuration --
     def run_one(self, spec, length, config) -> dict:
         opts = self.opts
+        cap_gib = (config.cap_gib or opts.cap_gib) if config.capped else None
         rec = {"config": config.name, "family": config.family, "model": spec.name, "length": length.name,
-               "size": length.label, "tokens": length.tokens, "capped": config.capped,
-               "cap_gib": opts.cap_gib if config.capped else None, "sol": config.sol, "status": None}
+               "size": length.label, "tokens": length.tokens, "capped": config.capped, "cap_gib": cap_gib,
+               "sol": config.sol, "lora": config.lora, "own_cap": config.cap_gib is not None, "status": None}
         prefix = f"e2e/{spec.name}_{length.name}_{config.name}"
         graph = sampling_graph(config, spec, spec.file_name(), length, opts.steps, opts.seed, prefix)
         why = self.object_info and unoffered_choice(graph, self.object_info)
@@ -339,8 +362,8 @@ class Bench:
         run_log = self.work / "logs" / f"{spec.name}_{length.name}_{config.name}.log"
         run_log.unlink(missing_ok=True)
         try:
-            server = BenchServer(self.base, opts.comfyui, run_log, opts.cap_gib if config.capped else None,
-                                 cpu=opts.cpu, extra_args=opts.comfy_args.split())
+            server = BenchServer(self.base, opts.comfyui, run_log, cap_gib, cpu=opts.cpu,
+                                 extra_args=opts.comfy_args.split())
             rec["server_start_s"] = time.monotonic() - t0
             if self.object_info is None:
                 self.object_info = server.object_info()
@@ -426,8 +449,12 @@ MIN_COSINE = 0.999
 
 
 def summarize(results, models) -> tuple[dict, dict]:
-    """(detail, summary): issue 12's summary on the first model at its longest length (see the module doc)."""
-    summary = {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": None}
+    """(detail, summary): issue 12's summary on the first model at its longest length (see the module doc),
+    and issue 13's LoRA cost there: lora_cost = pack_auto_lora's step / pack_auto's - 1 (detail "lora": every
+    LoRA configuration against the same configuration without it). Configurations with a LoRA or their own
+    card size are kept out of issue 12's numbers."""
+    summary = {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": None,
+               "lora_cost": None}
     ok = [r for r in results if r["status"] == "ok" and r.get("step_s")]
     if not ok:
         return {}, summary
@@ -436,7 +463,8 @@ def summarize(results, models) -> tuple[dict, dict]:
     if not at_model:
         return {}, summary
     tokens = max(r["tokens"] for r in at_model)
-    at = [r for r in at_model if r["tokens"] == tokens]
+    at_all = [r for r in at_model if r["tokens"] == tokens]
+    at = [r for r in at_all if not r.get("lora") and not r.get("own_cap")]
     ref = next((r for r in at if r["config"] == REFERENCE), None)
     pack_dense = [r for r in at if r["family"] == "pack" and not r["sol"]]
     # issue 12's target is a speed-up at latent cosine >= MIN_COSINE: faster but less accurate
@@ -446,7 +474,8 @@ def summarize(results, models) -> tuple[dict, dict]:
     fastest = min(pack_dense, key=lambda r: r["step_s"], default=None)
     sol = min((r for r in at if r["family"] == "pack" and r["sol"]), key=lambda r: r["step_s"], default=None)
     comfy = min((r for r in at if r["family"] == "comfy" and r["capped"]), key=lambda r: r["step_s"], default=None)
-    peaks = [r["peak_gib"] for r in at_model if r["family"] == "pack" and r["capped"] and r.get("peak_gib")]
+    peaks = [r["peak_gib"] for r in at_model if r["family"] == "pack" and r["capped"] and r.get("peak_gib")
+             and not r.get("own_cap")]
     if ref and best:
         summary["dense_speedup"] = ref["step_s"] / best["step_s"]
     if ref and sol:
@@ -459,11 +488,21 @@ def summarize(results, models) -> tuple[dict, dict]:
     def who(r):
         return None if r is None else {k: r.get(k) for k in ("config", "step_s", "cosine", "rel_l2", "peak_gib")}
 
+    by_name = {r["config"]: r for r in at_all}
+    lora = []
+    for r in at_all:
+        base = by_name.get(r["config"].replace("_lora", "")) if r.get("lora") else None
+        if base:
+            lora.append({"config": r["config"], "base": base["config"], "cap_gib": r.get("cap_gib"),
+                         "step_s": r["step_s"], "base_step_s": base["step_s"], "peak_gib": r.get("peak_gib"),
+                         "base_peak_gib": base.get("peak_gib"), "cost": r["step_s"] / base["step_s"] - 1})
+    summary["lora_cost"] = next((x["cost"] for x in lora if x["config"] == "pack_auto_lora"), None)
+
     detail = {"model": model, "length": at[0]["length"], "tokens": tokens, "reference": who(ref),
               "min_cosine": MIN_COSINE,
               "best_pack_dense": who(best), "fastest_pack_dense": who(fastest),
               "fastest_pack_dense_speedup": ref["step_s"] / fastest["step_s"] if ref and fastest else None,
-              "pack_sol": who(sol), "best_comfy_capped": who(comfy)}
+              "pack_sol": who(sol), "best_comfy_capped": who(comfy), "lora": lora}
     return detail, summary
 
 

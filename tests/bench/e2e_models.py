@@ -14,7 +14,8 @@ modulation tables N(0, 1/dim), norm scales 1 and norm shifts 0, other vectors
 
 `MODELS` names the shapes the benchmark knows; `generate(spec, path, comfyui)`
 runs the generation in a subprocess with the host's ComfyUI importable (as
-tests/tiny_models.py does), and returns what it measured.
+tests/tiny_models.py does), and returns what it measured. `make_lora` writes a
+random LoRA for a generated model file.
 """
 from __future__ import annotations
 
@@ -208,6 +209,40 @@ class StreamingSafetensorsWriter:
 
 
 # ---- generation (subprocess with ComfyUI importable) ------------------------
+
+LORA_RANK = 32
+LORA_FILE = "bench_lora_r32.safetensors"
+
+
+def lora_targets(shapes: dict) -> list[tuple[str, int, int]]:
+    """(module, out, in) of every linear layer inside the transformer blocks, where LoRAs go."""
+    return [(name[:-len(".weight")], shape[0], shape[1]) for name, shape in shapes.items()
+            if name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2]
+
+
+def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0) -> dict:
+    """A random LoRA (kohya names, no alpha: scale 1) of `rank` on every block linear of the model file.
+
+    down ~ N(0, 1/in), up ~ N(0, 0.02^2 / rank): each layer's delta has about
+    2% of a unit-variance weight's scale, so the latent stays finite and the
+    LoRA is visible. Returns {"layers", "bytes", "rank"}.
+    """
+    import safetensors
+    import safetensors.torch
+    import torch
+    with safetensors.safe_open(str(model_path), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, n_out, n_in in lora_targets(shapes):
+        tensors[f"diffusion_model.{module}.lora_down.weight"] = (
+            torch.randn(rank, n_in, generator=gen) * n_in ** -0.5).bfloat16()
+        tensors[f"diffusion_model.{module}.lora_up.weight"] = (
+            torch.randn(n_out, rank, generator=gen) * (0.02 / rank ** 0.5)).bfloat16()
+    Path(lora_path).parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(lora_path))
+    return {"layers": len(tensors) // 2, "bytes": sum(t.nbytes for t in tensors.values()), "rank": rank}
+
 
 def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False) -> dict:
     """Write `spec`'s random model to `path`; returns {"seconds", "bytes", "tensors", "params", "device"}."""

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from comfy_harness import PromptError
 from graphs import add_preview, chain_id, wan_t2v_graph
@@ -26,8 +27,10 @@ def tiny_wan4(comfy, tiny_vae):
     return {"unet_name": name, "vae_name": tiny_vae}
 
 
-def offload_graph(tiny, mode, quantize, **offload_inputs):
+def offload_graph(tiny, mode, quantize, lora=None, **offload_inputs):
     chain = [("QuantizeModelINT8", {"group_size": "64", "ignored_layers": ""})] if quantize else []
+    if lora:
+        chain.append(("LoraLoaderModelOnly", {"lora_name": lora, "strength_model": 1.0}))
     chain.append(("SetOffload", {"mode": mode, "reserve_gib": 0.0, **offload_inputs}))
     graph = wan_t2v_graph(tiny["unet_name"], tiny["vae_name"], model_chain=chain, seed=3)
     return graph, add_preview(graph, chain_id(len(chain) - 1), 1)
@@ -39,9 +42,27 @@ def size(text, label):
     return float(number) * UNITS[unit]
 
 
-@pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "int8"])
-def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize):
-    graph, report_id = offload_graph(tiny_wan4, "none", quantize)
+@pytest.fixture(scope="module")
+def lora4(comfy):
+    """A rank-4 LoRA on quantized layers of the blocks that stream (1-3) and of the one that does not (0)."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for module, (out_f, in_f) in {"blocks.0.ffn.0": (256, 128), "blocks.1.ffn.2": (128, 256),
+                                  "blocks.2.self_attn.q": (128, 128), "blocks.3.ffn.0": (256, 128)}.items():
+        tensors[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, 4, generator=gen) * 0.3
+        tensors[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, in_f, generator=gen) * 0.3
+    path = comfy.models_dir / "loras" / "tiny_wan4_lora.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path.name
+
+
+@pytest.mark.parametrize("quantize,lora", [(False, False), (True, False), (True, True)],
+                         ids=["bf16", "int8", "int8-lora"])
+def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, lora4, quantize, lora):
+    """With a LoRA written into the quantized weights, the streamed copies carry it too."""
+    lora = lora4 if lora else None
+    graph, report_id = offload_graph(tiny_wan4, "none", quantize, lora)
     resident = comfy.run(graph)
     report = resident["outputs"][report_id]["text"][0]
     assert "resident 4/4 blocks, streaming 0" in report
@@ -52,12 +73,13 @@ def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize
     # three blocks stream, the first of each run of 4/3 blocks: 1, 2, 3.
     largest = size(report, "(")  # "(<size> the largest)"
     budget = size(report, "+ rest") + 3.5 * largest
-    graph, _ = offload_graph(tiny_wan4, "layerwise", quantize, vram_gib=budget / UNITS["GiB"])
+    graph, _ = offload_graph(tiny_wan4, "layerwise", quantize, lora, vram_gib=budget / UNITS["GiB"])
     log_start = len(comfy.log_text())
     streamed = comfy.run(graph)
     log = comfy.log_text()[log_start:]
 
     assert torch.equal(comfy.latent(resident, "save_latent"), comfy.latent(streamed, "save_latent"))
+    assert "lora key not loaded" not in log  # every LoRA key found its layer
     # One INFO line for the sampler's plan (with activations) and one for what the streamer did:
     # three blocks, each copy issued ahead of its block.
     assert "resident 1/4 blocks, streaming 3; estimated peak" in log, log[-3000:]
