@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..quant.kitchen_api import is_quantized_tensor, layout_name
+from ..quant.kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype
 from ..quant.linear import QuantLinear
 from .errors import name_list
 from .markers import MARKER_SUFFIX, METADATA_KEY, ROLES
@@ -100,15 +100,18 @@ def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     weight = module.weight
     layout = layout_name(weight)
     fmt = KITCHEN_FORMATS.get(layout)
-    if fmt == "float8_e4m3fn" and weight.storage_dtype != torch.float8_e4m3fn:
+    if fmt == "float8_e4m3fn" and storage_dtype(weight) != torch.float8_e4m3fn:
         fmt = None
     if fmt is None:
-        raise _Unsupported(f"comfy-kitchen layout {layout} ({weight.storage_dtype}) has no marker format the "
+        raise _Unsupported(f"comfy-kitchen layout {layout} ({storage_dtype(weight)}) has no marker format the "
                            f"pack's loaders read")
-    params = weight.params
-    if getattr(params, "transposed", False):
+    if not hasattr(weight, "state_dict"):
+        raise _Unsupported(f"{layout} weight is ComfyUI's own QuantizedTensor (no comfy-kitchen); load the file "
+                           f"with MixedCheckpointLoader to save it")
+    params = layout_params(weight)
+    if params.get("transposed", False):
         raise _Unsupported(f"comfy-kitchen {layout} weight is held transposed; files store it untransposed")
-    marker = (_int8_marker(getattr(params, "convrot", False), getattr(params, "convrot_groupsize", 256))
+    marker = (_int8_marker(params.get("convrot", False), params.get("convrot_groupsize", 256))
               if fmt == "int8_tensorwise" else {"format": fmt})
     tensors = {key: t for key, t in weight.state_dict("weight").items()}
     for key, param in module._parameters.items():

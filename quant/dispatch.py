@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
-from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
+from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod, default_device
 from .patterns import first_match
@@ -85,9 +85,9 @@ def _format_of(weight: torch.Tensor) -> str:
     if not is_quantized_tensor(weight):
         return str(weight.dtype).replace("torch.", "")
     if layout_name(weight).startswith("TensorCoreFP8"):
-        return str(weight.storage_dtype).replace("torch.", "")
+        return str(storage_dtype(weight)).replace("torch.", "")
     if layout_name(weight) == "TensorWiseINT8Layout":
-        return "int8_convrot" if getattr(weight.params, "convrot", False) else "int8_tensorwise"
+        return "int8_convrot" if layout_params(weight).get("convrot", False) else "int8_tensorwise"
     return layout_name(weight)
 
 
@@ -124,7 +124,7 @@ def _dominant_dtype(model: nn.Module, overrides: dict[str, nn.Module]) -> torch.
     for _, module in walk_modules(model, overrides):
         if isinstance(module, QuantLinear):
             counts[module.compute_dtype] += module.in_features * module.out_features
-        elif isinstance(module, nn.Linear) and module.weight is not None and module.weight.dtype in FLOAT_DTYPES:
+        elif _linear_like(module) and module.weight.dtype in FLOAT_DTYPES:
             counts[module.weight.dtype] += module.weight.numel()
     return counts.most_common(1)[0][0] if counts else None
 
@@ -155,6 +155,16 @@ def iter_weight_modules(model: nn.Module, overrides: dict[str, nn.Module] | None
             yield name, module
         elif isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() >= 2:
             yield name, module
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """An nn.Linear, or a layer that computes as one without subclassing it (ComfyUI's mixed-precision Linear,
+    which UNETLoader builds for every layer of a file with comfy_quant markers)."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight, ins, outs = (getattr(module, a, None) for a in ("weight", "in_features", "out_features"))
+    return (isinstance(ins, int) and isinstance(outs, int) and isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (outs, ins))
 
 
 def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
@@ -193,7 +203,7 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     plans = []
     for name, module in iter_weight_modules(model, config.overrides):
         if name in config.keep:
-            plans.append(LayerPlan(name, module, None, config.keep[name], linear=isinstance(module, nn.Linear)))
+            plans.append(LayerPlan(name, module, None, config.keep[name], linear=_linear_like(module)))
             continue
         fmt = fp8_format(module)
         if fmt is not None:  # before the Linear check: upstream's mixed-precision Linear is no nn.Linear
@@ -203,7 +213,7 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
         if isinstance(module, QuantLinear):
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=module.method.name))
             continue
-        if not isinstance(module, nn.Linear):
+        if not _linear_like(module):
             plans.append(LayerPlan(name, module, None, f"not Linear-like ({type(module).__name__})", linear=False))
             continue
         weight = module.weight

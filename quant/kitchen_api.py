@@ -11,6 +11,10 @@
 Everything else uses public names: `QuantizedTensor.params`, `.layout_cls`, `.nbytes`,
 `.storage_dtype`, `.state_dict()`, `comfy_kitchen.tensor.get_layout_class`.
 comfy-kitchen is imported only when called, so the pack starts without it.
+
+ComfyUI 0.3.75 has a QuantizedTensor of its own (comfy.quant_ops, before kitchen), which its
+UNETLoader builds for comfy_quant marker files: a layout name string in `layout_type` and a
+dict `_layout_params` instead of `layout_cls` and `params`. The functions here read both.
 """
 from __future__ import annotations
 
@@ -36,15 +40,27 @@ def storage(t: torch.Tensor) -> torch.Tensor:
 
 def layout_name(t: torch.Tensor) -> str:
     """A QuantizedTensor's layout, e.g. "TensorWiseINT8Layout"."""
-    return t.layout_cls.__name__
+    layout = getattr(t, "layout_cls", None) or t.layout_type
+    return layout if isinstance(layout, str) else layout.__name__
+
+
+def storage_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a QuantizedTensor stores its data in (its own dtype is the dequantized one)."""
+    return getattr(t, "storage_dtype", None) or storage(t).dtype
+
+
+def layout_params(t: torch.Tensor) -> dict:
+    """A QuantizedTensor's layout parameters by name (scales, flags)."""
+    params = getattr(t, "params", None)
+    if params is None:
+        return dict(t._layout_params)
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor really occupies: a QuantizedTensor's packed data plus its tensor params
     (its numel and element_size describe the dequantized tensor)."""
     if is_quantized_tensor(t):
-        params = t.params
         return t.nbytes + sum(value.numel() * value.element_size()
-                              for value in (getattr(params, f.name) for f in dataclasses.fields(params))
-                              if isinstance(value, torch.Tensor))
+                              for value in layout_params(t).values() if isinstance(value, torch.Tensor))
     return t.numel() * t.element_size()

@@ -111,3 +111,16 @@ def test_marker_loader_output_counts_only_the_new_layers(comfy, tiny_wan2):
     assert lines[0] == "quantized 21/26 linear layers"  # 3 from the file, head and time projection kept
     assert "formats: int8_convrot x21" in lines
     assert "already quantized, left alone: float8_e4m3fn x2, int8_tensorwise x1" in lines
+
+
+def test_unetloaders_marker_layers_are_linear_like(comfy, tiny_wan2):
+    """UNETLoader builds ComfyUI's mixed-precision Linear (no nn.Linear subclass) for every layer of a marker
+    file: its full-precision layers are quantized like any Linear, its FP8 layers counted as earlier."""
+    markers = {"blocks.0.ffn.0": {"format": "float8_e4m3fn"}, "blocks.1.ffn.2": {"format": "float8_e4m3fn"}}
+    path = write_markers(tiny_wan2["path"], comfy.models_dir / "diffusion_models" / "wan2_two_fp8_markers.safetensors",
+                         markers, form="both", per_tensor_fp8=True)  # both forms: each host reads its own
+    graph = wan_t2v_graph(path.name, tiny_wan2["vae_name"], model_chain=[quantize_node()])
+    lines = report_of(comfy.run(graph)).splitlines()
+    assert lines[0] == "quantized 22/26 linear layers", lines  # 2 FP8 from the file, head and time projection kept
+    assert "already quantized, left alone: float8_e4m3fn x2" in lines, lines
+    assert [line.strip() for line in lines if "not Linear-like" in line] == ["patch_embedding: not Linear-like (Conv3d)"]
