@@ -2,17 +2,17 @@
 else SDPA; plus the dense schedule and per-model statistics."""
 from __future__ import annotations
 
-import logging
 from collections import Counter
 
 import torch
 
+from ..pack_logging import pack_logger
 from . import registry
 from .base import Unsupported
 from .schedule import DenseSchedule, parse_layers
 from .sol import MIN_TOKENS
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 
 class AttentionStats:
@@ -122,5 +122,5 @@ class Router:
         self.stats.add("fallbacks", f"{name} -> {ran}: {reason}")
         if (name, reason) not in self._warned:
             self._warned.add((name, reason))
-            log.warning("bigdit attention: %s cannot take this call (%s); running %s instead. "
+            log.warning("attention: %s cannot take this call (%s); running %s instead. "
                         "Warned once per reason.", name, reason, ran)

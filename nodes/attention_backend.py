@@ -1,14 +1,14 @@
 """SetAttentionBackend: choose the attention kernel of a model."""
-import logging
 import os
 
 import comfy.patcher_extension
 
+from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.sol import MIN_TOKENS
 from .comfy_compat import show_on_node
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 # key of our DIFFUSION_MODEL wrapper, ON_CLEANUP callback and attachment
 KEY = "bigdit_attention"

@@ -1,10 +1,10 @@
 """Loaders for quantized checkpoints: per-layer markers and Quanto files, and online quantization while loading."""
 from __future__ import annotations
 
-import logging
 
 import folder_paths
 
+from ..pack_logging import pack_logger
 from ..loaders import LayerBuilder, inspect_checkpoint
 from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
@@ -16,7 +16,7 @@ from .kitchen import require_kitchen
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 ONLINE_FORMATS = ("auto", "int8_convrot", "fp8_e4m3fn", "mxfp4", "none")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import uuid
 
 from torch import nn
@@ -11,13 +10,14 @@ import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 
+from ..pack_logging import pack_logger
 from ..quant import QuantConfig, quantize_layers
 from ..quant.dispatch import walk_modules
 from ..quant.linear import QuantLinear
 from ..quant.report import QuantReport
 from ..quant.witness import RunWitness
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 DIFFUSION_PREFIX = "diffusion_model."
 WITNESS_KEY = "bigdit_witness"  # ON_PRE_RUN / ON_CLEANUP callbacks of the run-time witness

@@ -28,7 +28,6 @@ How it shares the work with ComfyUI (features detected, never versions):
 from __future__ import annotations
 
 import importlib.util
-import logging
 from contextlib import contextmanager
 from typing import Callable
 
@@ -37,13 +36,14 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
+from ..pack_logging import pack_logger
 from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, MemoryPlan, RunShape, block_ranges,
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
 from .comfy_compat import module_view, quantized_layers, show_on_node
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 MODES = ("auto", "layerwise", "none")
 WRAPPER_KEY = "bigdit_offload"
@@ -183,8 +183,8 @@ class _Offload:
     def outer_sample(self, executor, noise, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
         plan = self.plan(patcher, tuple(noise.shape))
-        log.info("bigdit offload (%s): %s", self.mode, plan.summary_line())
-        log.debug("bigdit offload plan:\n%s", plan.render())
+        log.info("offload (%s): %s", self.mode, plan.summary_line())
+        log.debug("offload plan:\n%s", plan.render())
         if self.mode == "none" and not plan.fits:
             raise OffloadError("offload 'none' needs every block resident, which does not fit; use 'auto' or "
                                "'layerwise'.\n" + plan.render())
@@ -203,7 +203,7 @@ class _Offload:
             self.session = None
             summary = session.close()
             if summary:
-                log.info("bigdit offload: %s", summary)
+                log.info("offload: %s", summary)
             self._ran(f"{plan.summary_line()}; {summary or 'nothing streamed'}")
 
     def _ran(self, line: str) -> None:

@@ -8,19 +8,19 @@ instead of a quantization pass.
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 
 import comfy.model_management
 import folder_paths
 
+from ..pack_logging import pack_logger
 from ..loaders.safetensors_writer import write_safetensors
 from ..loaders.saving import SaveError, plan_save
 from .checkpoint_compat import progress_counter
 from .comfy_compat import DIFFUSION_PREFIX
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 SUFFIX = ".safetensors"
 NODE_NAME = "SaveQuantizedModel"

@@ -6,7 +6,6 @@ failure half-way leaves the model exactly as it was.
 """
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
+from ..pack_logging import pack_logger
 from .kitchen_api import is_quantized_tensor, layout_name, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod
@@ -23,7 +23,7 @@ from .report import LayerRecord, QuantReport
 if TYPE_CHECKING:
     from .auto import AutoSelector
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

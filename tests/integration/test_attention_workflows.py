@@ -98,7 +98,7 @@ def test_every_backend_runs_the_tiny_wan(comfy_sdpa, tiny_wan, baseline, backend
     # 2 steps at cfg 1: one forward each, one self- and one cross-attention
     ran = "ran sdpa x4" if backend == "sdpa" else "ran auto:sdpa x4"
     assert ran in line, line
-    warnings = re.findall(rf"bigdit attention: {backend} cannot take this call \((.*)\); running", log)
+    warnings = re.findall(rf"\[BigDiT\] attention: {backend} cannot take this call \((.*)\); running", log)
     expected = cpu_fallbacks(comfy_sdpa.host, backend)
     assert len(warnings) == len(expected), warnings
     for reason in expected:
@@ -166,14 +166,14 @@ def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, t
     line = summary(log)
     if not comfy.host.features()["kitchen_sol"]:
         assert "ran sdpa x4" in line, line
-        warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)
+        warnings = re.findall(r"\[BigDiT\] attention: sol cannot take this call \((.*)\); running", log)
         assert len(warnings) == 2 and NO_KITCHEN_SOL in warnings[0], warnings
         assert warnings[1] == "query and key lengths differ (cross-attention)", warnings
         assert torch.equal(latent, baseline)
         return
     assert "ran sol x2, sdpa x2" in line, line
     assert "fewer than" not in log
-    warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)
+    warnings = re.findall(r"\[BigDiT\] attention: sol cannot take this call \((.*)\); running", log)
     assert warnings == ["query and key lengths differ (cross-attention)"], warnings
     assert not torch.equal(latent, baseline)
     assert ((latent - baseline).norm() / baseline.norm()).item() < 1e-3

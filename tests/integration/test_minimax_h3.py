@@ -102,7 +102,7 @@ def test_h3_blocks_stream_layerwise_exactly(comfy, tiny_h3):
     log = comfy.log_text()[start:]
     assert_same(streamed[:2], resident[:2])
     assert "resident 0/2 blocks, streaming 2; estimated peak" in log, log[-3000:]
-    assert re.search(r"bigdit offload: streamed 2 of 2 blocks \(0-1\); 4 streamed block loads in 2 forwards, "
+    assert re.search(r"\[BigDiT\] offload: streamed 2 of 2 blocks \(0-1\); 4 streamed block loads in 2 forwards, "
                      r"4 prefetched ahead, 0 late", log), log[-3000:]
 
 
@@ -199,7 +199,7 @@ def test_every_backend_on_h3_attention(comfy, tiny_h3, sdpa_reference, backend):
         assert "fallbacks none" in line, line
     else:
         assert f"fallbacks {backend} -> auto:sdpa: {reason} x4" in line, line
-        warnings = re.findall(rf"bigdit attention: {backend} cannot take this call \((.*)\); running", log)
+        warnings = re.findall(rf"\[BigDiT\] attention: {backend} cannot take this call \((.*)\); running", log)
         assert warnings == [reason], warnings
 
 

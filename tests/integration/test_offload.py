@@ -61,7 +61,7 @@ def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize
     # One INFO line for the sampler's plan (with activations) and one for what the streamer did:
     # three blocks, each copy issued ahead of its block.
     assert "resident 1/4 blocks, streaming 3; estimated peak" in log, log[-3000:]
-    done = re.search(r"bigdit offload: streamed 3 of 4 blocks \(1-3\); (\d+) streamed block loads in (\d+) forwards, "
+    done = re.search(r"\[BigDiT\] offload: streamed 3 of 4 blocks \(1-3\); (\d+) streamed block loads in (\d+) forwards, "
                      r"(\d+) prefetched ahead, 0 late; [\d.]+ MiB copied; at most 2 streamed blocks", log)
     assert done, log[-3000:]
     loads, forwards, prefetched = map(int, done.groups())
