@@ -15,6 +15,13 @@ from .sol import MIN_TOKENS
 log = pack_logger(__name__)
 
 
+def steps_text(dense_steps: int) -> str:
+    """The dense steps as a person counts them: "dense steps none", "dense step 0", "dense steps 0-2"."""
+    if dense_steps <= 0:
+        return "dense steps none"
+    return "dense step 0" if dense_steps == 1 else f"dense steps 0-{dense_steps - 1}"
+
+
 class AttentionStats:
     """Calls per kernel that actually ran ("flash:fa3_fwd", "sol", "sdpa"),
     fallbacks ("sage -> sdpa: takes no attention mask") and calls sent dense
@@ -71,8 +78,8 @@ class Router:
         if self.backend.name == "sol":
             parts.append(f"tau {self.sol_tau:g}")
         parts.append(f"dense {self.dense.name}")
-        if self.schedule.dense_steps:
-            parts.append(f"dense steps 0-{self.schedule.dense_steps - 1}")
+        if self.schedule.dense_steps or self.backend.name == "sol":  # sol's users look for its dense steps
+            parts.append(steps_text(self.schedule.dense_steps))
         if self.schedule.dense_layers:
             parts.append(f"dense blocks {self.schedule.dense_layers}")
         return ", ".join(parts)

@@ -6,6 +6,7 @@ import comfy.patcher_extension
 from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.sol import MIN_TOKENS
+from . import categories
 from .comfy_compat import show_on_node
 
 log = pack_logger(__name__)
@@ -30,7 +31,7 @@ class SetAttentionBackend:
         "with one warning per reason. An attention override already on the model is kept and gets this "
         "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
     )
-    CATEGORY = "attention"
+    CATEGORY = categories.MODEL_PATCHES
     FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The model with the attention backend installed (the input model is unchanged).",)

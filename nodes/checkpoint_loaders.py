@@ -10,15 +10,17 @@ from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
-from . import checkpoint_compat as compat
+from . import categories, checkpoint_compat as compat
 from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
 from .kitchen import require_kitchen
 from .offload import MODES as OFFLOAD_MODES
-from .offload import install_offload
+from .offload import install_offload, mode_problem
 
 log = pack_logger(__name__)
 
-ONLINE_FORMATS = ("auto", "int8_convrot", "fp8_e4m3fn", "mxfp4", "none")
+ONLINE_FORMATS = ("auto", "int8_convrot", "float8_e4m3fn", "mxfp4", "none")
+# Option values of earlier versions that saved workflows may hold -> today's spelling (the markers' and reports').
+OLD_FORMATS = {"fp8_e4m3fn": "float8_e4m3fn"}
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
@@ -54,7 +56,7 @@ class MixedCheckpointLoader:
         "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these formats too. "
         "The file is checked before anything is built; a bad file fails with an error naming the layer."
     )
-    CATEGORY = "loaders"
+    CATEGORY = categories.LOADERS
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -106,7 +108,7 @@ class LoadH3Quantized:
         "projections stay in full precision, as do layers stored in fp32. Layers the file already quantized keep "
         "their format."
     )
-    CATEGORY = "loaders"
+    CATEGORY = categories.LOADERS
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -124,14 +126,14 @@ class LoadH3Quantized:
                     "default": "auto",
                     "tooltip": "auto: the fastest native format of this GPU, measured per layer shape (a layer "
                                "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
-                               "fp8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
+                               "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
                                "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
                                "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
                                "GPU's fastest native format where it has no NVFP4 GEMM."}),
                 "offload": (list(OFFLOAD_MODES), {
                     "default": "auto",
                     "tooltip": "auto: keep the model resident when it fits, else stream the blocks that do not "
-                               "fit. layerwise: stream them. none: everything resident (fails if it cannot fit)."}),
+                               "fit. none: everything resident (fails if it cannot fit)."}),
             },
             "optional": {
                 "group_size": ([str(g) for g in reversed(GROUP_SIZES)], {
@@ -146,7 +148,18 @@ class LoadH3Quantized:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    # Naming `quantization` and `offload` here replaces ComfyUI's list check of them, so old values of
+    # saved workflows still load; they are checked here instead.
+    @classmethod
+    def VALIDATE_INPUTS(cls, quantization="auto", offload="auto"):
+        if quantization not in ONLINE_FORMATS and quantization not in OLD_FORMATS:
+            return f"quantization must be one of {', '.join(ONLINE_FORMATS)}, got {quantization!r}"
+        return mode_problem(offload) or True
+
     def load(self, unet_name, quantization, offload, group_size="256", ignored_layers="", unique_id=None):
+        if quantization in OLD_FORMATS:
+            log.info("LoadH3Quantized: quantization %r is read as %r", quantization, OLD_FORMATS[quantization])
+            quantization = OLD_FORMATS[quantization]
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         device = compat.compute_device()
         method = None
@@ -192,7 +205,7 @@ class QuantizedCLIPLoader:
         "with ComfyUI per-layer markers (int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8), as CLIPLoader loads a "
         "plain one. Quanto qint8 saves memory, not time: each layer's weight is dequantized just before its matmul."
     )
-    CATEGORY = "loaders"
+    CATEGORY = categories.LOADERS
     FUNCTION = "load"
     RETURN_TYPES = ("CLIP", "STRING")
     RETURN_NAMES = ("clip", "report")
@@ -234,7 +247,7 @@ class QuantizedCLIPLoader:
 
 
 NODES = {
-    "MixedCheckpointLoader": (MixedCheckpointLoader, "Load Quantized Checkpoint (markers / Quanto)"),
-    "LoadH3Quantized": (LoadH3Quantized, "Load Diffusion Model Quantized (H3)"),
+    "MixedCheckpointLoader": (MixedCheckpointLoader, "Load Quantized Diffusion Model (markers / Quanto)"),
+    "LoadH3Quantized": (LoadH3Quantized, "Load Diffusion Model (quantize while loading)"),
     "QuantizedCLIPLoader": (QuantizedCLIPLoader, "Load Quantized Text Encoder (Quanto / markers)"),
 }

@@ -5,7 +5,7 @@ from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
 from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
-from . import comfy_compat
+from . import categories, comfy_compat
 from .kitchen import require_kitchen
 
 
@@ -15,7 +15,7 @@ class QuantizeModelINT8:
         "on a clone: other branches that use the input MODEL keep the original weights. Halves the Linear "
         "weights' memory; on GPUs with INT8 tensor cores the fastest measured INT8 kernel runs per shape."
     )
-    CATEGORY = "quantization"
+    CATEGORY = categories.MODEL_PATCHES
     FUNCTION = "quantize"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")

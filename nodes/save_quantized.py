@@ -17,6 +17,7 @@ import folder_paths
 from ..pack_logging import pack_logger
 from ..loaders.safetensors_writer import write_safetensors
 from ..loaders.saving import SaveError, plan_save
+from . import categories
 from .checkpoint_compat import progress_counter
 from .comfy_compat import DIFFUSION_PREFIX
 
@@ -99,7 +100,7 @@ class SaveQuantizedModel:
         "Quantized Checkpoint on any), not a new quantization. Written one tensor at a time; the file appears "
         "only when complete."
     )
-    CATEGORY = "quantization"
+    CATEGORY = categories.MODEL_SAVE
     FUNCTION = "save"
     OUTPUT_NODE = True
     RETURN_TYPES = ()

@@ -117,7 +117,6 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # not in the default set
         Config("pack_auto_attn_auto", "pack", True, _pack_loader("auto"), (_attention("auto"),)),
         Config("pack_bf16_offload", "pack", True, _pack_loader("none")),
-        Config("pack_auto_layerwise", "pack", True, _pack_loader("auto", "layerwise")),
     ]
     return {c.name: c for c in configs}
 

@@ -151,7 +151,7 @@ def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
     graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
                           model_chain=[node("sol", dense_backend="sdpa", dense_steps=1, dense_layers="0")])
     text = comfy_sdpa.run(graph)["outputs"]["m0"]["text"][0]
-    assert text == "attention: backend sol, tau 1, dense sdpa, dense steps 0-0, dense blocks [0]"
+    assert text == "attention: backend sol, tau 1, dense sdpa, dense step 0, dense blocks [0]"
 
 
 def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, tmp_path):

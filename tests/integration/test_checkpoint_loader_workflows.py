@@ -39,7 +39,7 @@ MIXED = {
 # Relative L2 difference of the final latent from the bf16 baseline (measured on CPU:
 # mixed 0.0019, header int8 + requantized nvfp4 0.0013, Quanto 0.00017, LoadH3Quantized int8 0.0012,
 # fp8 0.0040, auto (INT8 on CPU) 0.0012).
-TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01, "fp8_e4m3fn": 0.05,
+TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01, "float8_e4m3fn": 0.05,
              "auto": 0.01}
 
 
@@ -119,7 +119,7 @@ def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
 
 
 @pytest.mark.parametrize("quantization, formats, how", [
-    ("fp8_e4m3fn", "float8_e4m3fn x24", "float8_e4m3fn (per-channel weights, per-token activations) x24"),
+    ("float8_e4m3fn", "float8_e4m3fn x24", "float8_e4m3fn (per-channel weights, per-token activations) x24"),
     # auto on CPU: the table's INT8 ConvRot (no fast format to measure here)
     ("auto", "int8_convrot x24", "auto: int8_convrot (table) x24"),
 ])

@@ -25,8 +25,8 @@ QUANTIZABLE = [f"{block}.{name}" for block in ("token_refiner.blocks.0", "blocks
                for name in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")] + ["condition_proj"]
 
 # Relative L2 distance of both latents from the bf16 baseline, measured on CPU:
-# int8_convrot (and auto, INT8 ConvRot on CPU) 0.0024, fp8_e4m3fn 0.0082.
-ONLINE_TOLERANCE = {"int8_convrot": 0.01, "auto": 0.01, "fp8_e4m3fn": 0.03}
+# int8_convrot (and auto, INT8 ConvRot on CPU) 0.0024, float8_e4m3fn 0.0082.
+ONLINE_TOLERANCE = {"int8_convrot": 0.01, "auto": 0.01, "float8_e4m3fn": 0.03}
 # A quantized run must differ from the baseline by more than float noise.
 DIFFERS = 1e-4
 
@@ -71,7 +71,7 @@ def h3_loader(quantization, offload, group_size="256", ignored_layers=""):
                                 "offload": offload, "group_size": group_size, "ignored_layers": ignored_layers})
 
 
-@pytest.mark.parametrize("quantization", ["int8_convrot", "fp8_e4m3fn", "auto", "none"])
+@pytest.mark.parametrize("quantization", ["int8_convrot", "float8_e4m3fn", "auto", "none"])
 def test_load_h3_quantized_against_unetloader(comfy, tiny_h3, baseline, quantization):
     """Each quantization with each offload mode: offload only moves weights, so the three runs of one
     quantization must be bit-identical (which also makes each reproducible)."""
@@ -226,7 +226,7 @@ MLPS = {"token_refiner.blocks.0.mlp", "blocks.0.mlp", "blocks.1.mlp"}
 
 
 @pytest.mark.parametrize("producer", [
-    "QuantizeModelINT8", "LoadH3Quantized-int8_convrot", "LoadH3Quantized-fp8_e4m3fn"])
+    "QuantizeModelINT8", "LoadH3Quantized-int8_convrot", "LoadH3Quantized-float8_e4m3fn"])
 def test_h3s_swiglu_on_quantized_layers(comfy, tiny_h3, baseline, producer):
     """Every node's quantized layers are the pack's QuantLinear (weight: a plain tensor): upstream's
     linear_input_act then applies the SwiGLU eagerly and calls the layer (its fused INT8 kernel takes only a
@@ -240,7 +240,7 @@ def test_h3s_swiglu_on_quantized_layers(comfy, tiny_h3, baseline, producer):
     video, audio, history, _ = run(comfy, tiny_h3, chain, loader=loader, extra=probe(model_node))
     mlps = json.loads(history["outputs"]["probe"]["text"][0])
     assert set(mlps) == MLPS
-    storage = {"int8_convrot": "int8", "fp8_e4m3fn": "float8_e4m3fn"}[fmt]
+    storage = {"int8_convrot": "int8", "float8_e4m3fn": "float8_e4m3fn"}[fmt]
     for name, found in mlps.items():
         assert found["fc2"] == f"QuantLinear/Parameter({storage})", (name, found)
         assert found["fused"] == 0 and found["unfused"] == 0.0, (name, found)
