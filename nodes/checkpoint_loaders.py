@@ -11,7 +11,7 @@ from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
 from . import categories, checkpoint_compat as compat
-from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
+from .comfy_compat import NodeRun, node_output, quantized_layers, watch_quantized_layers
 from .kitchen import require_kitchen
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload, mode_problem
@@ -26,14 +26,6 @@ _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native t
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
                   "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
                   "the report says which happened.")
-
-
-def _report(builder: LayerBuilder, *extra: str) -> str:
-    report = builder.report
-    # One INFO line per load; the whole report is on the node.
-    log.info("%s: %s, %.3f -> %.3f GiB", report.title, report.summary_line(),
-             report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
-    return "\n".join([report.render(), *extra])
 
 
 def _module_names(plan) -> set[str]:
@@ -87,9 +79,9 @@ class MixedCheckpointLoader:
                                    progress=compat.progress_counter(_progress_total(plan)))
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        text = _report(builder)
-        watch_quantized_layers(model, NodeRun(unique_id, text), quantized_layers(model), "MixedCheckpointLoader")
-        return {"ui": {"text": [text]}, "result": (model, text)}
+        short, full = "\n".join(builder.report.brief()), builder.report.render()
+        watch_quantized_layers(model, NodeRun(unique_id, short), quantized_layers(model), "MixedCheckpointLoader")
+        return node_output("MixedCheckpointLoader", short, full, (model, full))
 
 
 def online_method(name: str, group_size: int, device):
@@ -179,11 +171,12 @@ class LoadH3Quantized:
                                    progress=compat.progress_counter(_progress_total(plan)))
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        run = NodeRun(unique_id)
-        offload_text = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
-        run.text = text = _report(builder, offload_text)
+        # on the node: the layers' two lines, then the plan, which each sampling's `last run:` line replaces
+        run = NodeRun(unique_id, "\n".join(builder.report.brief()))
+        offload_report = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
+        full = "\n".join([builder.report.render(), offload_report.full])
         watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
-        return {"ui": {"text": [text]}, "result": (model, text)}
+        return node_output("LoadH3Quantized", f"{run.text}\n{offload_report.brief}", full, (model, full))
 
 
 def parse_prefix_rules(text: str) -> list[tuple[str, str]]:
@@ -242,8 +235,8 @@ class QuantizedCLIPLoader:
             builder.resolve_methods()
             clip = compat.load_text_encoder(plan, builder, plan.state_dict(source), type,
                                             folder_paths.get_folder_paths("embeddings"))
-        text = _report(builder)
-        return {"ui": {"text": [text]}, "result": (clip, text)}
+        full = builder.report.render()
+        return node_output("QuantizedCLIPLoader", "\n".join(builder.report.brief()), full, (clip, full))
 
 
 NODES = {

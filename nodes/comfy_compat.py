@@ -42,6 +42,14 @@ def show_on_node(node_id, text: str) -> None:
     instance.send_sync(REPORT_EVENT, {"node": str(node_id), "text": text}, getattr(instance, "client_id", None))
 
 
+def node_output(title: str, short: str, full: str, result: tuple | None = None) -> dict:
+    """What a pack node returns: `short` (1-3 lines) shown on the node, `full` in the log and in the
+    prompt's history (`ui.report`, where the web extension offers it collapsed under the short one)."""
+    log.info("%s report:\n%s", title, full)
+    ui = {"text": [short], "report": [full]}
+    return {"ui": ui} if result is None else {"ui": ui, "result": result}
+
+
 def compute_device():
     return comfy.model_management.get_torch_device()
 

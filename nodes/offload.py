@@ -1,7 +1,7 @@
 """Offload for ComfyUI: a memory plan per run and, where ComfyUI has no block prefetch, block streaming.
 
-`install_offload(model_patcher, mode, reserve_gib=None) -> report` is what loaders
-call; `SetOffload` does the same on a clone of any MODEL.
+`install_offload(model_patcher, mode, reserve_gib=None) -> OffloadReport` is what
+loaders call; `SetOffload` does the same on a clone of any MODEL.
 
 How it shares the work with ComfyUI (features detected, never versions):
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -46,7 +46,7 @@ from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, 
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
 from . import categories
-from .comfy_compat import module_view, quantized_layers, show_on_node
+from .comfy_compat import module_view, node_output, quantized_layers, show_on_node
 
 log = pack_logger(__name__)
 
@@ -54,6 +54,11 @@ MODES = ("auto", "none")
 # Values of earlier versions that saved workflows may hold -> the mode that behaves as they did.
 OLD_MODES = {"layerwise": "auto"}
 WRAPPER_KEY = "bigdit_offload"
+
+
+class OffloadReport(NamedTuple):
+    brief: str  # one line for the node: mode, device, the plan's summary
+    full: str   # the whole plan, for the log and the help page
 
 
 class OffloadError(RuntimeError):
@@ -160,6 +165,10 @@ class _Offload:
         capacity, _ = self.capacity(device)
         workspace = CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0
         return plan_for_model(diffusion, blocks, shape, capacity, self.reserve(), overrides, workspace)
+
+    def brief(self, patcher, plan: MemoryPlan) -> str:
+        dynamic = "; ComfyUI's dynamic VRAM places the weights" if comfy_places_weights(patcher) else ""
+        return f"offload: {self.mode} on {normalize_device(patcher.load_device)}; {plan.summary_line()}{dynamic}"
 
     def describe(self, patcher, plan: MemoryPlan) -> str:
         device = normalize_device(patcher.load_device)
@@ -274,8 +283,8 @@ def read_mode(mode: str) -> str:
 
 
 def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, *,
-                    vram_gib: float | None = None, on_run: Callable[[str], None] | None = None) -> str:
-    """Plan and install offload on `model_patcher` (the caller's clone); returns the report.
+                    vram_gib: float | None = None, on_run: Callable[[str], None] | None = None) -> OffloadReport:
+    """Plan and install offload on `model_patcher` (the caller's clone); returns the report, brief and full.
 
     mode "none": everything resident, OffloadError with the plan if it cannot fit;
     "auto": resident when it fits, else stream the blocks that do not (an old "layerwise" reads as "auto").
@@ -295,7 +304,7 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
                                   (comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, offload.diffusion_model)):
         model_patcher.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
         model_patcher.add_wrapper_with_key(wrapper_type, WRAPPER_KEY, wrapper)
-    return report
+    return OffloadReport(offload.brief(model_patcher, plan), report)
 
 
 class SetOffload:
@@ -362,8 +371,8 @@ class SetOffload:
             raise ValueError(f"SetOffload: {problem}")
         patched = model.clone()
         report = install_offload(patched, mode, None if reserve_gib < 0 else reserve_gib, vram_gib=vram_gib or None,
-                                 on_run=lambda line: show_on_node(unique_id, f"{report}\nlast run: {line}"))
-        return {"ui": {"text": [report]}, "result": (patched, report)}
+                                 on_run=lambda line: show_on_node(unique_id, f"{report.brief}\nlast run: {line}"))
+        return node_output("SetOffload", report.brief, report.full, (patched, report.full))
 
 
 NODES = {"SetOffload": (SetOffload, "Set Offload")}

@@ -58,11 +58,11 @@ class QuantizeModelINT8:
             compute_device=comfy_compat.compute_device(),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
-        text = report.render()
+        short, full = "\n".join(report.brief()), report.render()
         # after each sampling: how many of these layers ran
-        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, text), layers,
+        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, short), layers,
                                             "QuantizeModelINT8")
-        return {"ui": {"text": [text]}, "result": (patched, text)}
+        return comfy_compat.node_output("QuantizeModelINT8", short, full, (patched, full))
 
 
 NODES = {"QuantizeModelINT8": (QuantizeModelINT8, "Quantize Model (INT8 ConvRot)")}

@@ -14,14 +14,12 @@ import re
 import comfy.model_management
 import folder_paths
 
-from ..pack_logging import pack_logger
 from ..loaders.safetensors_writer import write_safetensors
 from ..loaders.saving import SaveError, plan_save
 from . import categories
 from .checkpoint_compat import progress_counter
-from .comfy_compat import DIFFUSION_PREFIX
+from .comfy_compat import DIFFUSION_PREFIX, node_output
 
-log = pack_logger(__name__)
 
 SUFFIX = ".safetensors"
 NODE_NAME = "SaveQuantizedModel"
@@ -140,10 +138,9 @@ class SaveQuantizedModel:
         step = progress_counter(len(plan.tensors))
         size = write_safetensors(path, plan.tensors, plan.metadata(NODE_NAME), overwrite=overwrite,
                                  on_tensor=lambda _: step())
-        text = "\n".join([f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", *plan.describe(),
-                          "markers: comfy_quant tensors and the _quantization_metadata header"])
-        log.info("%s: %s", NODE_NAME, text.replace("\n", "; "))
-        return {"ui": {"text": [text]}}
+        saved, (layers, others) = f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", plan.describe()
+        full = "\n".join([saved, layers, others, "markers: comfy_quant tensors and the _quantization_metadata header"])
+        return node_output(NODE_NAME, f"{saved}\n{layers}", full)
 
 
 NODES = {"SaveQuantizedModel": (SaveQuantizedModel, "Save Quantized Model")}

@@ -60,6 +60,21 @@ class QuantReport:
     def summary_line(self) -> str:
         return f"quantized {len(self.quantized)}/{self.linear_count} linear layers"
 
+    def brief(self) -> list[str]:
+        """The report in two lines for the node: the formats; the memory saved, the layers kept and the notes
+        (what ran differently than asked, e.g. NVFP4 re-quantized at load)."""
+        counts, earlier = self.method_counts(), self.method_counts(self.earlier)
+        first = self.summary_line()
+        if counts:
+            first += ": " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        if earlier:
+            first += "; already quantized: " + ", ".join(f"{k} x{v}" for k, v in sorted(earlier.items()))
+        before, after = self.bytes_before(), self.bytes_after()
+        second = f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})"
+        if self.kept:
+            second += f"; {len(self.kept)} kept in original precision"
+        return [first, "; ".join([second, *self.notes])]
+
     def render(self) -> str:
         before, after = self.bytes_before(), self.bytes_after()
         lines = [
