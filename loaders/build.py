@@ -174,6 +174,6 @@ class LayerBuilder:
         for fmt, paths in self._paths.items():
             where = f"{self.device.type}" + (f" sm{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
                                             if self.device.type == "cuda" else "")
-            self.report.notes.append(f"{fmt} layers on {where}: " + ", ".join(f"{label} x{n}"
-                                                                               for label, n in paths.items()))
+            self.report.headline_notes.append(f"{fmt} layers on {where}: " + ", ".join(
+                f"{label} x{n}" for label, n in paths.items()))
         return self.report

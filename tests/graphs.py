@@ -24,7 +24,9 @@ def node_report(history, node_id) -> str:
     (short,), (full,) = history["outputs"][node_id]["text"], history["outputs"][node_id]["report"]
     lines = short.splitlines()
     assert 1 <= len(lines) <= MAX_NODE_LINES, short
-    assert full.split(":")[0].split(" (")[0] == lines[0].split(":")[0].split(" (")[0], (short, full)
+    def first_words(line):
+        return line.split(":")[0].split(" (")[0]
+    assert first_words(full.splitlines()[0]) == first_words(lines[0]), (short, full)
     return full
 
 

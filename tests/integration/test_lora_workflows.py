@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphs import chain_id, wan_t2v_graph
+from graphs import chain_id, node_report, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ def test_lora_after_quantization_matches_lora_on_float_model(comfy, tiny_wan2, l
 
 def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name, float_latents):
     history, lora_then_quantized = latent(comfy, tiny_wan2, [lora(lora_name), QUANTIZE])
-    report = history["outputs"][chain_id(1)]["text"][0]
+    report = node_report(history, chain_id(1))
     for module in TARGETS:
         assert f"{module}: has weight patches" in report
     assert not torch.equal(lora_then_quantized, float_latents["lora"])  # the other layers are quantized

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from comfy_harness import PromptError
-from graphs import wan_t2v_graph
+from graphs import node_report, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def save_graph(loader, chain=(), filename="x.safetensors", overwrite=False):
 
 def save(comfy, loader, chain=(), filename="x.safetensors", overwrite=False) -> str:
     history = comfy.run(save_graph(loader, chain, filename, overwrite))
-    return history["outputs"]["save"]["text"][0]
+    return node_report(history, "save")
 
 
 def unet_loader(name):
