@@ -201,7 +201,7 @@ class _Offload:
         plan = self.plan(patcher, tuple(noise.shape))
         log.info("offload (%s): %s", self.mode, plan.summary_line())
         log.debug("offload plan:\n%s", plan.render())
-        if self.mode == "none" and not plan.fits:
+        if self.mode == "none" and not fits_resident(plan):
             raise OffloadError("offload 'none' needs every block resident, which does not fit; use 'auto'.\n"
                                + plan.render())
         if comfy_places_weights(patcher):
@@ -264,6 +264,11 @@ def _memory_estimate_at_least(base_model, estimate):
             base_model.memory_required = previous
 
 
+def fits_resident(plan: MemoryPlan) -> bool:
+    """Whether every block fits on the device (what mode "none" needs; a plan that fits by streaming does not)."""
+    return plan.fits and plan.all_resident
+
+
 def mode_problem(mode) -> str | None:
     """Why `mode` is not an offload mode, or None (for VALIDATE_INPUTS, which replaces ComfyUI's list check)."""
     if mode in MODES or mode in OLD_MODES:
@@ -297,7 +302,7 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
     offload = _Offload(mode, reserve_gib, vram_gib, on_run)
     plan = offload.plan(model_patcher)
     report = offload.describe(model_patcher, plan)
-    if mode == "none" and not plan.fits:
+    if mode == "none" and not fits_resident(plan):
         raise OffloadError("offload 'none' needs every block resident, and the weights alone do not fit; use "
                            "'auto'.\n" + report)
     for wrapper_type, wrapper in ((comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, offload.outer_sample),

@@ -73,10 +73,10 @@ def h3_loader(quantization, offload, group_size="256", ignored_layers=""):
 
 @pytest.mark.parametrize("quantization", ["int8_convrot", "float8_e4m3fn", "auto", "none"])
 def test_load_h3_quantized_against_unetloader(comfy, tiny_h3, baseline, quantization):
-    """Each quantization with each offload mode: offload only moves weights, so the three runs of one
+    """Each quantization with each offload mode: offload only moves weights, so the two runs of one
     quantization must be bit-identical (which also makes each reproducible)."""
     runs = {offload: run(comfy, tiny_h3, loader=h3_loader(quantization, offload))
-            for offload in ("none", "auto", "layerwise")}
+            for offload in ("none", "auto")}
     for offload, (video, audio, history, report_id) in runs.items():
         report = history["outputs"][report_id]["text"][0]
         assert report.splitlines()[0] == ("quantized 0/22 linear layers" if quantization == "none"
@@ -91,13 +91,13 @@ def test_load_h3_quantized_against_unetloader(comfy, tiny_h3, baseline, quantiza
         assert DIFFERS < rel(ours, reference) < ONLINE_TOLERANCE[quantization], rel(ours, reference)
 
 
-def test_h3_blocks_stream_layerwise_exactly(comfy, tiny_h3):
+def test_h3_blocks_stream_exactly(comfy, tiny_h3):
     """On CPU nothing needs streaming; a 10 MiB budget (SetOffload's vram_gib) makes both INT8 H3
     blocks stream host-to-host through the same hooks as on a GPU, bit-identical to resident."""
     loader = h3_loader("int8_convrot", "none")
     resident = run(comfy, tiny_h3, loader=loader)
     start = len(comfy.log_text())
-    streamed = run(comfy, tiny_h3, [("SetOffload", {"mode": "layerwise", "reserve_gib": 0.0, "vram_gib": 0.01})],
+    streamed = run(comfy, tiny_h3, [("SetOffload", {"mode": "auto", "reserve_gib": 0.0, "vram_gib": 0.01})],
                    loader=loader)
     log = comfy.log_text()[start:]
     assert_same(streamed[:2], resident[:2])

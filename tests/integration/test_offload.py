@@ -1,9 +1,10 @@
-"""SetOffload in a real ComfyUI 0.3.75 (CPU): layerwise streaming reproduces the resident run exactly.
+"""SetOffload in a real ComfyUI (CPU): "auto" streams what does not fit and reproduces the resident run
+exactly; "none" under the same budget refuses to run.
 
-On a CPU load device ComfyUI offloads nothing, so "layerwise" streams the
-plan's blocks host-to-host through the same hooks as on a GPU. `vram_gib`
-shrinks the plan's memory so that 3 of the 4 blocks must stream (streaming
-one or two saves nothing: their two staging slots hold as much).
+On a CPU load device ComfyUI offloads nothing, so "auto" streams the plan's
+blocks host-to-host through the same hooks as on a GPU. `vram_gib` shrinks
+the plan's memory so that 3 of the 4 blocks must stream (streaming one or two
+saves nothing: their two staging slots hold as much).
 """
 import re
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from comfy_harness import PromptError
-from graphs import add_preview, chain_id, wan_t2v_graph
+from graphs import add_preview, chain_id, node_report, wan_t2v_graph
 from tiny_models import make_tiny_wan
 
 pytestmark = pytest.mark.integration
@@ -40,7 +41,7 @@ def size(text, label):
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "int8"])
-def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize):
+def test_auto_streams_what_does_not_fit_exactly_where_none_refuses(comfy, tiny_wan4, quantize):
     graph, report_id = offload_graph(tiny_wan4, "none", quantize)
     resident = comfy.run(graph)
     report = resident["outputs"][report_id]["text"][0]
@@ -52,10 +53,16 @@ def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize
     # three blocks stream, the first of each run of 4/3 blocks: 1, 2, 3.
     largest = size(report, "(")  # "(<size> the largest)"
     budget = size(report, "+ rest") + 3.5 * largest
-    graph, _ = offload_graph(tiny_wan4, "layerwise", quantize, vram_gib=budget / UNITS["GiB"])
+    graph, report_id = offload_graph(tiny_wan4, "auto", quantize, vram_gib=budget / UNITS["GiB"])
     log_start = len(comfy.log_text())
     streamed = comfy.run(graph)
     log = comfy.log_text()[log_start:]
+    offload_node = chain_id(1 if quantize else 0)
+    node_report(streamed, offload_node)
+    # on the node, one line until a sampling ends: the plan of the weights (the sampler adds the activations)
+    short = streamed["outputs"][offload_node]["text"][0]
+    assert re.fullmatch(r"offload: auto on cpu; resident 1/4 blocks, streaming 3; peak before activations "
+                        r"[\d.]+ MiB of [\d.]+ MiB", short), short
 
     assert torch.equal(comfy.latent(resident, "save_latent"), comfy.latent(streamed, "save_latent"))
     # One INFO line for the sampler's plan (with activations) and one for what the streamer did:
@@ -66,6 +73,12 @@ def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, quantize
     assert done, log[-3000:]
     loads, forwards, prefetched = map(int, done.groups())
     assert forwards == 2 and loads == 3 * forwards == prefetched
+
+    # the same budget with "none": nothing streams, the run is refused with the plan
+    graph, _ = offload_graph(tiny_wan4, "none", quantize, vram_gib=budget / UNITS["GiB"])
+    with pytest.raises(PromptError, match="offload 'none' needs every block resident") as info:
+        comfy.run(graph)
+    assert "resident 1/4 blocks, streaming 3" in info.value.message
 
 
 def test_none_that_cannot_fit_fails_with_the_plan(comfy, tiny_wan4):
