@@ -95,7 +95,7 @@ class SaveQuantizedModel:
         "Saves a quantized diffusion model (from Quantize Model INT8 or the quantizing loaders) as a safetensors "
         "file in models/diffusion_models, with ComfyUI per-layer markers in the layouts upstream ComfyUI loads "
         "natively: the next load is a plain read (Load Diffusion Model on a ComfyUI with these formats, or Load "
-        "Quantized Checkpoint on any), not a new quantization. Written one tensor at a time; the file appears "
+        "Quantized Diffusion Model on any), not a new quantization. Written one tensor at a time; the file appears "
         "only when complete."
     )
     CATEGORY = categories.MODEL_SAVE
