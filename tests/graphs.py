@@ -14,6 +14,7 @@ PreviewAny to any output (e.g. a STRING report of a chain node). After
 `history["outputs"][node_id]`; PreviewAny's text is `...["text"][0]`. A pack node's
 full report is `node_report(history, node_id)`, its on-node one `...["text"][0]`.
 """
+import re
 
 MAX_NODE_LINES = 3  # a pack node shows its report in at most this many lines
 
@@ -25,7 +26,7 @@ def node_report(history, node_id) -> str:
     lines = short.splitlines()
     assert 1 <= len(lines) <= MAX_NODE_LINES, short
     def first_words(line):
-        return line.split(":")[0].split(" (")[0]
+        return re.split(r"[:;(]", line)[0].strip()
     assert first_words(full.splitlines()[0]) == first_words(lines[0]), (short, full)
     return full
 

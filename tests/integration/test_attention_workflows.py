@@ -57,7 +57,7 @@ def baseline(comfy_sdpa, tiny_wan):
 
 def test_object_info_lists_the_node(comfy):
     info = comfy.object_info()[NODE]
-    assert info["category"] == "attention" and info["output"] == ["MODEL"]
+    assert info["category"] == "model/patch" and info["output"] == ["MODEL"]
     assert info["description"]
     required, optional = info["input"]["required"], info["input"]["optional"]
     assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol"]

@@ -210,7 +210,7 @@ def test_loading_logs_no_missing_or_unexpected_keys(comfy, tiny_wan, tiny_wan2, 
     log_start = len(comfy.log_text())
     run_loader(comfy, tiny_wan if loader == "LoadH3Quantized" else tiny_wan2, loader, inputs)
     log = comfy.log_text()[log_start:]
-    assert f"{loader}: quantized" in log  # the load's own line: this is the load's log
+    assert f"[BigDiT] {loader} report:\nquantized" in log  # the load's own report: this is the load's log
     assert not re.search(r"unet (missing|unexpected)", log), log[:2000]
 
 

@@ -27,7 +27,7 @@ def test_node_inputs_as_documented(comfy):
     assert info["input"]["required"]["group_size"][0] == ["256", "64", "16"]
     assert info["input"]["required"]["group_size"][1]["default"] == "256"
     assert info["input"]["optional"]["row_split"][0] == ["auto", "off"]
-    assert info["output"] == ["MODEL", "STRING"] and info["category"] == "quantization"
+    assert info["output"] == ["MODEL", "STRING"] and info["category"] == "model/patch"
 
 
 @pytest.fixture(scope="module")
