@@ -35,8 +35,8 @@ def run(comfy, graph):
 def test_quantize_node_reports_every_layer_ran(comfy, tiny_wan2, events):
     log = run(comfy, wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[QUANTIZE]))
     text = events.wait_for(chain_id(0), "last run:")
-    # the short report (the head and time projection are kept), then the run's line
-    assert re.fullmatch(r"quantized 24/26 linear layers: int8_convrot x24\nweights: .*; 2 kept in original precision\n"
+    # the short report (the head, the time projection and the Conv3d patch embedding are kept), then the run's line
+    assert re.fullmatch(r"quantized 24/26 linear layers: int8_convrot x24\nweights: .*; 3 kept in original precision\n"
                         r"last run: ran 24/24 quantized layers", text), text
     assert not WARNING.search(log), log
 
