@@ -2,17 +2,24 @@
 else SDPA; plus the dense schedule and per-model statistics."""
 from __future__ import annotations
 
-import logging
 from collections import Counter
 
 import torch
 
+from ..pack_logging import pack_logger
 from . import registry
 from .base import Unsupported
 from .schedule import DenseSchedule, parse_layers
 from .sol import MIN_TOKENS
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
+
+
+def steps_text(dense_steps: int) -> str:
+    """The dense steps as a person counts them: "dense steps none", "dense step 0", "dense steps 0-2"."""
+    if dense_steps <= 0:
+        return "dense steps none"
+    return "dense step 0" if dense_steps == 1 else f"dense steps 0-{dense_steps - 1}"
 
 
 class AttentionStats:
@@ -71,8 +78,8 @@ class Router:
         if self.backend.name == "sol":
             parts.append(f"tau {self.sol_tau:g}")
         parts.append(f"dense {self.dense.name}")
-        if self.schedule.dense_steps:
-            parts.append(f"dense steps 0-{self.schedule.dense_steps - 1}")
+        if self.schedule.dense_steps or self.backend.name == "sol":  # sol's users look for its dense steps
+            parts.append(steps_text(self.schedule.dense_steps))
         if self.schedule.dense_layers:
             parts.append(f"dense blocks {self.schedule.dense_layers}")
         return ", ".join(parts)
@@ -122,5 +129,5 @@ class Router:
         self.stats.add("fallbacks", f"{name} -> {ran}: {reason}")
         if (name, reason) not in self._warned:
             self._warned.add((name, reason))
-            log.warning("bigdit attention: %s cannot take this call (%s); running %s instead. "
+            log.warning("attention: %s cannot take this call (%s); running %s instead. "
                         "Warned once per reason.", name, reason, ran)

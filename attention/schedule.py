@@ -19,10 +19,11 @@ wrapper at the start of every forward.
 from __future__ import annotations
 
 import bisect
-import logging
 import re
 
-log = logging.getLogger(__name__)
+from ..pack_logging import pack_logger
+
+log = pack_logger(__name__)
 
 # A block list is typed by hand: a few ranges. Bounds keep parsing a hostile string cheap.
 MAX_PARTS = 1024
@@ -118,7 +119,7 @@ class DenseSchedule:
             if step is None:
                 if not self._warned:
                     self._warned = True
-                    log.warning("bigdit attention: no sampling step in transformer_options "
+                    log.warning("attention: no sampling step in transformer_options "
                                 "(sigmas/sample_sigmas); dense_steps is not applied to these calls")
             elif step < self.dense_steps:
                 return "step"

@@ -24,14 +24,6 @@ from ..quant.report import LayerRecord, QuantReport
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
 
-# Checkpoint format -> quant registry name.
-METHOD_FOR_FORMAT = {
-    "int8_tensorwise": "int8_tensorwise",
-    "float8_e4m3fn": "fp8_e4m3fn",
-    "nvfp4": "nvfp4",
-    "mxfp8": "mxfp8",
-    "quanto_qint8": "quanto_qint8",
-}
 NVFP4_MODES = ("auto", "requantize")
 # Block formats with a native comfy-kitchen GEMM only on some GPUs.
 NATIVE_BLOCK_FORMAT = {"nvfp4": native_nvfp4_supported, "mxfp8": native_mxfp8_supported}
@@ -76,7 +68,7 @@ class LayerBuilder:
     def resolve_methods(self) -> None:
         """Every format the checkpoint uses must have a method here; checked before any model exists."""
         missing = [name for name, layer in self.plan.layers.items()
-                   if METHOD_FOR_FORMAT[layer.format] not in available_methods()]
+                   if layer.format not in available_methods()]  # a file's format names its method
         if missing:
             formats = sorted({self.plan.layers[n].format for n in missing})
             raise CheckpointError(self.plan.path, f"format(s) {', '.join(formats)} not available in this build", missing)
@@ -86,7 +78,7 @@ class LayerBuilder:
     def _method(self, fmt: str, options: dict) -> LinearMethod:
         key = (fmt, tuple(sorted(options.items())))
         if key not in self._methods:
-            self._methods[key] = get_method(METHOD_FOR_FORMAT[fmt], **options)
+            self._methods[key] = get_method(fmt, **options)
         return self._methods[key]
 
     # -- per layer ---------------------------------------------------------------
@@ -179,6 +171,6 @@ class LayerBuilder:
         for fmt, paths in self._paths.items():
             where = f"{self.device.type}" + (f" sm{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
                                             if self.device.type == "cuda" else "")
-            self.report.notes.append(f"{fmt} layers on {where}: " + ", ".join(f"{label} x{n}"
-                                                                               for label, n in paths.items()))
+            self.report.headline_notes.append(f"{fmt} layers on {where}: " + ", ".join(
+                f"{label} x{n}" for label, n in paths.items()))
         return self.report

@@ -249,8 +249,10 @@ class MemoryPlan:
 
     def summary_line(self) -> str:
         unit, name = (GIB, "GiB") if self.budget_bytes >= GIB else (MIB, "MiB")
+        # without a run's shape the activations are unknown: the peak is the weights' part of it
+        peak = "estimated peak" if self.shape is not None else "peak before activations"
         return (f"resident {len(self.resident)}/{self.n_blocks} blocks, streaming {len(self.streamed)}; "
-                f"estimated peak {self.estimated_peak / unit:.1f} {name} of {self.budget_bytes / unit:.1f} {name}")
+                f"{peak} {self.estimated_peak / unit:.1f} {name} of {self.budget_bytes / unit:.1f} {name}")
 
     def render(self) -> str:
         blocks = sum(self.block_bytes)
@@ -264,7 +266,8 @@ class MemoryPlan:
             f"+ rest {size_text(self.rest_bytes)}",
             f"on the GPU: resident blocks {size_text(self.resident_bytes)}, rest {size_text(self.rest_bytes)}, "
             f"staging {size_text(self.staging_bytes)} ({min(2, len(self.streamed))} streamed blocks), "
-            f"activations {size_text(self.activation_bytes)}, workspace {size_text(self.workspace_bytes)}",
+            + (f"activations {size_text(self.activation_bytes)}, " if self.shape is not None else "")
+            + f"workspace {size_text(self.workspace_bytes)}",
             f"budget: {size_text(self.budget_bytes)} = {size_text(self.capacity_bytes)} available "
             f"- {size_text(self.reserve_bytes)} reserve",
         ]

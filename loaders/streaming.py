@@ -28,16 +28,16 @@ outputs match exactly. A `trace` list records ("issue" | "enter" | "swap_in" |
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from ..pack_logging import pack_logger
 from ..quant.kitchen_api import is_quantized_tensor, storage
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 MAX_ON_DEVICE = 2  # the streamed block computing and the next one being copied
 # Tensors below this are not page-locked in place (they could share a page

@@ -1,15 +1,16 @@
 """SetAttentionBackend: choose the attention kernel of a model."""
-import logging
 import os
 
 import comfy.patcher_extension
 
+from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.override import KEY as OVERRIDE_KEY, not_reached
 from ..attention.sol import MIN_TOKENS
+from . import categories
 from .comfy_compat import show_on_node
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 # key of our DIFFUSION_MODEL wrapper, ON_CLEANUP callback and attachment
 KEY = "bigdit_attention"
@@ -31,7 +32,7 @@ class SetAttentionBackend:
         "with one warning per reason. An attention override already on the model is kept and gets this "
         "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
     )
-    CATEGORY = "attention"
+    CATEGORY = categories.MODEL_PATCHES
     FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The model with the attention backend installed (the input model is unchanged).",)

@@ -1,38 +1,32 @@
 """Loaders for quantized checkpoints: per-layer markers and Quanto files, and online quantization while loading."""
 from __future__ import annotations
 
-import logging
 
 import folder_paths
 
+from ..pack_logging import pack_logger
 from ..loaders import LayerBuilder, inspect_checkpoint
 from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
-from . import checkpoint_compat as compat
-from .comfy_compat import NodeRun, quantized_layers, watch_quantized_layers
+from . import categories, checkpoint_compat as compat
+from .comfy_compat import NodeRun, node_output, quantized_layers, watch_quantized_layers
 from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 from .offload import MODES as OFFLOAD_MODES
-from .offload import install_offload
+from .offload import install_offload, mode_problem
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
-ONLINE_FORMATS = ("auto", "int8_convrot", "fp8_e4m3fn", "mxfp4", "none")
+ONLINE_FORMATS = ("auto", "int8_convrot", "float8_e4m3fn", "mxfp4", "none")
+# Option values of earlier versions that saved workflows may hold -> today's spelling (the markers' and reports').
+OLD_FORMATS = {"fp8_e4m3fn": "float8_e4m3fn"}
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
                   "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
                   "the report says which happened.")
-
-
-def _report(builder: LayerBuilder, *extra: str) -> str:
-    report = builder.report
-    # One INFO line per load; the whole report is on the node.
-    log.info("%s: %s, %.3f -> %.3f GiB", report.title, report.summary_line(),
-             report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
-    return "\n".join([report.render(), *extra])
 
 
 def _module_names(plan) -> set[str]:
@@ -56,7 +50,7 @@ class MixedCheckpointLoader:
         "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these formats too. "
         "The file is checked before anything is built; a bad file fails with an error naming the layer."
     )
-    CATEGORY = "loaders"
+    CATEGORY = categories.LOADERS
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -87,10 +81,10 @@ class MixedCheckpointLoader:
                                    progress=compat.progress_counter(_progress_total(plan)))
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        text = _report(builder)
-        watch_quantized_layers(model, NodeRun(unique_id, text), quantized_layers(model), "MixedCheckpointLoader")
+        short, full = "\n".join(builder.report.brief()), builder.report.render()
+        watch_quantized_layers(model, NodeRun(unique_id, short), quantized_layers(model), "MixedCheckpointLoader")
         install_lora_fold(model)
-        return {"ui": {"text": [text]}, "result": (model, text)}
+        return node_output("MixedCheckpointLoader", short, full, (model, full))
 
 
 def online_method(name: str, group_size: int, device):
@@ -109,7 +103,7 @@ class LoadH3Quantized:
         "projections stay in full precision, as do layers stored in fp32. Layers the file already quantized keep "
         "their format (scaled_fp8 files' layers stay FP8)."
     )
-    CATEGORY = "loaders"
+    CATEGORY = categories.LOADERS
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -127,14 +121,14 @@ class LoadH3Quantized:
                     "default": "auto",
                     "tooltip": "auto: the fastest native format of this GPU, measured per layer shape (a layer "
                                "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
-                               "fp8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
+                               "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
                                "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
                                "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
                                "GPU's fastest native format where it has no NVFP4 GEMM."}),
                 "offload": (list(OFFLOAD_MODES), {
                     "default": "auto",
                     "tooltip": "auto: keep the model resident when it fits, else stream the blocks that do not "
-                               "fit. layerwise: stream them. none: everything resident (fails if it cannot fit)."}),
+                               "fit. none: everything resident (fails if it cannot fit)."}),
             },
             "optional": {
                 "group_size": ([str(g) for g in reversed(GROUP_SIZES)], {
@@ -149,7 +143,18 @@ class LoadH3Quantized:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    # Naming `quantization` and `offload` here replaces ComfyUI's list check of them, so old values of
+    # saved workflows still load; they are checked here instead.
+    @classmethod
+    def VALIDATE_INPUTS(cls, quantization="auto", offload="auto"):
+        if quantization not in ONLINE_FORMATS and quantization not in OLD_FORMATS:
+            return f"quantization must be one of {', '.join(ONLINE_FORMATS)}, got {quantization!r}"
+        return mode_problem(offload) or True
+
     def load(self, unet_name, quantization, offload, group_size="256", ignored_layers="", unique_id=None):
+        if quantization in OLD_FORMATS:
+            log.info("LoadH3Quantized: quantization %r is read as %r", quantization, OLD_FORMATS[quantization])
+            quantization = OLD_FORMATS[quantization]
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         device = compat.compute_device()
         method = None
@@ -169,12 +174,13 @@ class LoadH3Quantized:
                                    progress=compat.progress_counter(_progress_total(plan)))
             builder.resolve_methods()
             model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        run = NodeRun(unique_id)
-        offload_text = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
-        run.text = text = _report(builder, offload_text)
+        # on the node: the layers' two lines, then the plan, which each sampling's `last run:` line replaces
+        run = NodeRun(unique_id, "\n".join(builder.report.brief()))
+        offload_report = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
+        full = "\n".join([builder.report.render(), offload_report.full])
         watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
         install_lora_fold(model)
-        return {"ui": {"text": [text]}, "result": (model, text)}
+        return node_output("LoadH3Quantized", f"{run.text}\n{offload_report.brief}", full, (model, full))
 
 
 def parse_prefix_rules(text: str) -> list[tuple[str, str]]:
@@ -196,7 +202,7 @@ class QuantizedCLIPLoader:
         "with ComfyUI per-layer markers (int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8), as CLIPLoader loads a "
         "plain one. Quanto qint8 saves memory, not time: each layer's weight is dequantized just before its matmul."
     )
-    CATEGORY = "loaders"
+    CATEGORY = categories.LOADERS
     FUNCTION = "load"
     RETURN_TYPES = ("CLIP", "STRING")
     RETURN_NAMES = ("clip", "report")
@@ -233,12 +239,12 @@ class QuantizedCLIPLoader:
             builder.resolve_methods()
             clip = compat.load_text_encoder(plan, builder, plan.state_dict(source), type,
                                             folder_paths.get_folder_paths("embeddings"))
-        text = _report(builder)
-        return {"ui": {"text": [text]}, "result": (clip, text)}
+        full = builder.report.render()
+        return node_output("QuantizedCLIPLoader", "\n".join(builder.report.brief()), full, (clip, full))
 
 
 NODES = {
-    "MixedCheckpointLoader": (MixedCheckpointLoader, "Load Quantized Checkpoint (markers / Quanto)"),
-    "LoadH3Quantized": (LoadH3Quantized, "Load Diffusion Model Quantized (H3)"),
+    "MixedCheckpointLoader": (MixedCheckpointLoader, "Load Quantized Diffusion Model (markers / Quanto)"),
+    "LoadH3Quantized": (LoadH3Quantized, "Load Diffusion Model (quantize while loading)"),
     "QuantizedCLIPLoader": (QuantizedCLIPLoader, "Load Quantized Text Encoder (Quanto / markers)"),
 }

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import uuid
 
 import torch
@@ -12,13 +11,14 @@ import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 
+from ..pack_logging import pack_logger
 from ..quant import QuantConfig, quantize_layers
 from ..quant.dispatch import walk_modules
 from ..quant.linear import QuantLinear
 from ..quant.report import QuantReport
 from ..quant.witness import RunWitness
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 DIFFUSION_PREFIX = "diffusion_model."
 WITNESS_KEY = "bigdit_witness"  # ON_PRE_RUN / ON_CLEANUP callbacks of the run-time witness
@@ -41,6 +41,14 @@ def show_on_node(node_id, text: str) -> None:
     if instance is None or node_id is None:
         return
     instance.send_sync(REPORT_EVENT, {"node": str(node_id), "text": text}, getattr(instance, "client_id", None))
+
+
+def node_output(title: str, short: str, full: str, result: tuple | None = None) -> dict:
+    """What a pack node returns: `short` (1-3 lines) shown on the node, `full` in the log and in the
+    prompt's history (`ui.report`, where the web extension offers it collapsed under the short one)."""
+    log.info("%s report:\n%s", title, full)
+    ui = {"text": [short], "report": [full]}
+    return {"ui": ui} if result is None else {"ui": ui, "result": result}
 
 
 def compute_device() -> torch.device:

@@ -20,14 +20,13 @@ differently (weight_lowvram_function); it is left per call there.
 """
 from __future__ import annotations
 
-import logging
-
 import comfy.model_patcher
 import comfy.patcher_extension
 
+from ..pack_logging import pack_logger
 from ..quant.linear import QuantLinear
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 FOLD_KEY = "bigdit_lora_fold"
 
@@ -63,7 +62,7 @@ def fold_offloaded_patches(patcher, device_to=None, *_) -> int:
         counter = getattr(patcher.model, "lowvram_patch_counter", None)
         if isinstance(counter, int):
             patcher.model.lowvram_patch_counter = max(0, counter - folded)
-        log.info("bigdit: folded the weight patches (LoRA) of %d offloaded quantized tensors into their weights",
+        log.info("folded the weight patches (LoRA) of %d offloaded quantized tensors into their weights",
                  folded)
     return folded
 

@@ -1,7 +1,7 @@
-"""Offload for ComfyUI: a memory plan per run and, where ComfyUI has no block prefetch, layerwise streaming.
+"""Offload for ComfyUI: a memory plan per run and, where ComfyUI has no block prefetch, block streaming.
 
-`install_offload(model_patcher, mode, reserve_gib=None) -> report` is what loaders
-call; `SetOffload` does the same on a clone of any MODEL.
+`install_offload(model_patcher, mode, reserve_gib=None) -> OffloadReport` is what
+loaders call; `SetOffload` does the same on a clone of any MODEL.
 
 How it shares the work with ComfyUI (features detected, never versions):
 
@@ -22,31 +22,43 @@ How it shares the work with ComfyUI (features detected, never versions):
   What is loaded, `model_size`, loaded memory and partial unloads for other
   models stay ComfyUI's own accounting: the pack moves no tensor ComfyUI counts
   as loaded and holds no GPU memory between samplings.
-- On a CPU load device nothing is offloaded; "layerwise" then streams the
-  plan's blocks host-to-host, which runs the same hooks (used by the tests).
+- On a CPU load device nothing is offloaded; "auto" then streams the plan's
+  streamed blocks host-to-host, which runs the same hooks (used by the tests).
+
+Two modes: "auto" streams what does not fit, "none" streams nothing and fails
+when the model does not fit. An old "layerwise" (which ran as "auto") is read as
+"auto", with a log line.
 """
 from __future__ import annotations
 
 import importlib.util
-import logging
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 import comfy.model_management
 import comfy.patcher_extension
 
+from ..pack_logging import pack_logger
 from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, MemoryPlan, RunShape, block_ranges,
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
-from .comfy_compat import module_view, quantized_layers, show_on_node
+from . import categories
+from .comfy_compat import module_view, node_output, quantized_layers, show_on_node
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
-MODES = ("auto", "layerwise", "none")
+MODES = ("auto", "none")
+# Values of earlier versions that saved workflows may hold -> the mode that behaves as they did.
+OLD_MODES = {"layerwise": "auto"}
 WRAPPER_KEY = "bigdit_offload"
+
+
+class OffloadReport(NamedTuple):
+    brief: str  # one line for the node: mode, device, the plan's summary
+    full: str   # the whole plan, for the log and the help page
 
 
 class OffloadError(RuntimeError):
@@ -154,6 +166,10 @@ class _Offload:
         workspace = CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0
         return plan_for_model(diffusion, blocks, shape, capacity, self.reserve(), overrides, workspace)
 
+    def brief(self, patcher, plan: MemoryPlan) -> str:
+        dynamic = "; ComfyUI's dynamic VRAM places the weights" if comfy_places_weights(patcher) else ""
+        return f"offload: {self.mode} on {normalize_device(patcher.load_device)}; {plan.summary_line()}{dynamic}"
+
     def describe(self, patcher, plan: MemoryPlan) -> str:
         device = normalize_device(patcher.load_device)
         if comfy_places_weights(patcher):
@@ -183,17 +199,16 @@ class _Offload:
     def outer_sample(self, executor, noise, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
         plan = self.plan(patcher, tuple(noise.shape))
-        log.info("bigdit offload (%s): %s", self.mode, plan.summary_line())
-        log.debug("bigdit offload plan:\n%s", plan.render())
-        if self.mode == "none" and not plan.fits:
-            raise OffloadError("offload 'none' needs every block resident, which does not fit; use 'auto' or "
-                               "'layerwise'.\n" + plan.render())
+        log.info("offload (%s): %s", self.mode, plan.summary_line())
+        log.debug("offload plan:\n%s", plan.render())
+        if self.mode == "none" and not fits_resident(plan):
+            raise OffloadError("offload 'none' needs every block resident, which does not fit; use 'auto'.\n"
+                               + plan.render())
         if comfy_places_weights(patcher):
             try:
                 return executor(noise, *args, **kwargs)
             finally:
                 self._ran(f"{plan.summary_line()}; ComfyUI's dynamic VRAM placed the weights")
-        # auto and layerwise behave alike: the plan keeps resident what fits, so what streams is the rest.
         session = _Session(plan, normalize_device(patcher.load_device), streams=self.mode != "none")
         self.session = session
         try:
@@ -203,7 +218,7 @@ class _Offload:
             self.session = None
             summary = session.close()
             if summary:
-                log.info("bigdit offload: %s", summary)
+                log.info("offload: %s", summary)
             self._ran(f"{plan.summary_line()}; {summary or 'nothing streamed'}")
 
     def _ran(self, line: str) -> None:
@@ -249,32 +264,52 @@ def _memory_estimate_at_least(base_model, estimate):
             base_model.memory_required = previous
 
 
+def fits_resident(plan: MemoryPlan) -> bool:
+    """Whether every block fits on the device (what mode "none" needs; a plan that fits by streaming does not)."""
+    return plan.fits and plan.all_resident
+
+
+def mode_problem(mode) -> str | None:
+    """Why `mode` is not an offload mode, or None (for VALIDATE_INPUTS, which replaces ComfyUI's list check)."""
+    if mode in MODES or mode in OLD_MODES:
+        return None
+    return f"offload mode must be one of {', '.join(MODES)}, got {mode!r}"
+
+
+def read_mode(mode: str) -> str:
+    """`mode` as one of MODES: an old value of a saved workflow becomes the mode that behaves as it did."""
+    problem = mode_problem(mode)
+    if problem:
+        raise ValueError(problem)
+    if mode in OLD_MODES:
+        log.info("offload %r is read as %r: they always ran alike (stream what does not fit)", mode, OLD_MODES[mode])
+        return OLD_MODES[mode]
+    return mode
+
+
 def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, *,
-                    vram_gib: float | None = None, on_run: Callable[[str], None] | None = None) -> str:
-    """Plan and install offload on `model_patcher` (the caller's clone); returns the report.
+                    vram_gib: float | None = None, on_run: Callable[[str], None] | None = None) -> OffloadReport:
+    """Plan and install offload on `model_patcher` (the caller's clone); returns the report, brief and full.
 
     mode "none": everything resident, OffloadError with the plan if it cannot fit;
-    "layerwise": stream what does not fit; "auto": resident when it fits, else layerwise.
+    "auto": resident when it fits, else stream the blocks that do not (an old "layerwise" reads as "auto").
     reserve_gib: VRAM to leave free (None: ComfyUI's --reserve-vram). vram_gib:
     plan as if the device had this much memory (None: what is free). on_run: called
     after each sampling with one line, the run's plan and what streamed.
     Installing again replaces the previous install.
     """
-    if mode not in MODES:
-        raise ValueError(f"offload mode must be one of {MODES}, got {mode!r}")
+    mode = read_mode(mode)
     offload = _Offload(mode, reserve_gib, vram_gib, on_run)
     plan = offload.plan(model_patcher)
     report = offload.describe(model_patcher, plan)
-    if mode == "none" and not plan.fits:
+    if mode == "none" and not fits_resident(plan):
         raise OffloadError("offload 'none' needs every block resident, and the weights alone do not fit; use "
-                           "'auto' or 'layerwise'.\n" + report)
-    if mode == "layerwise" and not plan.n_blocks:
-        raise OffloadError("offload 'layerwise' streams transformer blocks; use 'auto' or 'none'.\n" + report)
+                           "'auto'.\n" + report)
     for wrapper_type, wrapper in ((comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, offload.outer_sample),
                                   (comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, offload.diffusion_model)):
         model_patcher.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
         model_patcher.add_wrapper_with_key(wrapper_type, WRAPPER_KEY, wrapper)
-    return report
+    return OffloadReport(offload.brief(model_patcher, plan), report)
 
 
 class SetOffload:
@@ -283,7 +318,7 @@ class SetOffload:
         "from host memory, one block ahead of the compute, on a copy of the MODEL. Works on models from any "
         "loader. Where ComfyUI's dynamic VRAM already manages the weights, it only plans and reports."
     )
-    CATEGORY = "memory"
+    CATEGORY = categories.MODEL_PATCHES
     FUNCTION = "apply"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -297,9 +332,9 @@ class SetOffload:
                 "model": ("MODEL", {"tooltip": "The diffusion model. It is cloned, never changed."}),
                 "mode": (list(MODES), {
                     "default": "auto",
-                    "tooltip": "auto: keep everything on the GPU when it fits, else stream. layerwise: stream the "
-                               "blocks that do not fit. none: everything on the GPU; fails with the plan if it "
-                               "cannot fit.",
+                    "tooltip": "auto: keep everything on the GPU when it fits, else stream the blocks that do "
+                               "not fit, one block ahead of the compute. none: everything on the GPU; fails with "
+                               "the plan if it cannot fit.",
                 }),
                 "reserve_gib": ("FLOAT", {
                     "default": -1.0, "min": -1.0, "max": 1024.0, "step": 0.1,
@@ -317,13 +352,14 @@ class SetOffload:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    # Naming an input here replaces ComfyUI's own min/max check of it, so the ranges are checked here too.
+    # Naming an input here replaces ComfyUI's own min/max (or list) check of it, so it is checked here too
+    # (`mode` is named so that an old value of a saved workflow still loads).
     # NaN passes every comparison: without this it would plan with a NaN reserve.
     _RANGES = {"reserve_gib": (-1.0, 1024.0), "vram_gib": (0.0, 1024.0)}
 
     @classmethod
-    def VALIDATE_INPUTS(cls, reserve_gib=-1.0, vram_gib=0.0):
-        problems = [problem for problem in (cls._out_of_range("reserve_gib", reserve_gib),
+    def VALIDATE_INPUTS(cls, mode="auto", reserve_gib=-1.0, vram_gib=0.0):
+        problems = [problem for problem in (mode_problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
                                             cls._out_of_range("vram_gib", vram_gib)) if problem]
         return "; ".join(problems) or True
 
@@ -340,8 +376,8 @@ class SetOffload:
             raise ValueError(f"SetOffload: {problem}")
         patched = model.clone()
         report = install_offload(patched, mode, None if reserve_gib < 0 else reserve_gib, vram_gib=vram_gib or None,
-                                 on_run=lambda line: show_on_node(unique_id, f"{report}\nlast run: {line}"))
-        return {"ui": {"text": [report]}, "result": (patched, report)}
+                                 on_run=lambda line: show_on_node(unique_id, f"{report.brief}\nlast run: {line}"))
+        return node_output("SetOffload", report.brief, report.full, (patched, report.full))
 
 
-NODES = {"SetOffload": (SetOffload, "Set Offload (layerwise streaming)")}
+NODES = {"SetOffload": (SetOffload, "Set Offload")}

@@ -5,7 +5,7 @@ from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
 from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
-from . import comfy_compat
+from . import categories, comfy_compat
 from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 
@@ -16,7 +16,7 @@ class QuantizeModelINT8:
         "on a clone: other branches that use the input MODEL keep the original weights. Halves the Linear "
         "weights' memory; on GPUs with INT8 tensor cores the fastest measured INT8 kernel runs per shape."
     )
-    CATEGORY = "quantization"
+    CATEGORY = categories.MODEL_PATCHES
     FUNCTION = "quantize"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -66,12 +66,12 @@ class QuantizeModelINT8:
             requantize_fp8=bool(requantize_fp8),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
-        text = report.render()
+        short, full = "\n".join(report.brief()), report.render()
         # after each sampling: how many of these layers ran
-        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, text), layers,
+        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, short), layers,
                                             "QuantizeModelINT8")
         install_lora_fold(patched)
-        return {"ui": {"text": [text]}, "result": (patched, text)}
+        return comfy_compat.node_output("QuantizeModelINT8", short, full, (patched, full))
 
 
 NODES = {"QuantizeModelINT8": (QuantizeModelINT8, "Quantize Model (INT8 ConvRot)")}

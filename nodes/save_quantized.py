@@ -8,7 +8,6 @@ instead of a quantization pass.
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 
@@ -17,10 +16,10 @@ import folder_paths
 
 from ..loaders.safetensors_writer import write_safetensors
 from ..loaders.saving import SaveError, plan_save
+from . import categories
 from .checkpoint_compat import progress_counter
-from .comfy_compat import DIFFUSION_PREFIX
+from .comfy_compat import DIFFUSION_PREFIX, node_output
 
-log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 NODE_NAME = "SaveQuantizedModel"
@@ -96,10 +95,10 @@ class SaveQuantizedModel:
         "Saves a quantized diffusion model (from Quantize Model INT8 or the quantizing loaders) as a safetensors "
         "file in models/diffusion_models, with ComfyUI per-layer markers in the layouts upstream ComfyUI loads "
         "natively: the next load is a plain read (Load Diffusion Model on a ComfyUI with these formats, or Load "
-        "Quantized Checkpoint on any), not a new quantization. Written one tensor at a time; the file appears "
+        "Quantized Diffusion Model on any), not a new quantization. Written one tensor at a time; the file appears "
         "only when complete."
     )
-    CATEGORY = "quantization"
+    CATEGORY = categories.MODEL_SAVE
     FUNCTION = "save"
     OUTPUT_NODE = True
     RETURN_TYPES = ()
@@ -139,10 +138,9 @@ class SaveQuantizedModel:
         step = progress_counter(len(plan.tensors))
         size = write_safetensors(path, plan.tensors, plan.metadata(NODE_NAME), overwrite=overwrite,
                                  on_tensor=lambda _: step())
-        text = "\n".join([f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", *plan.describe(),
-                          "markers: comfy_quant tensors and the _quantization_metadata header"])
-        log.info("%s: %s", NODE_NAME, text.replace("\n", "; "))
-        return {"ui": {"text": [text]}}
+        saved, (layers, others) = f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", plan.describe()
+        full = "\n".join([saved, layers, others, "markers: comfy_quant tensors and the _quantization_metadata header"])
+        return node_output(NODE_NAME, f"{saved}\n{layers}", full)
 
 
 NODES = {"SaveQuantizedModel": (SaveQuantizedModel, "Save Quantized Model")}

@@ -21,7 +21,7 @@ from .method import LinearMethod
 
 # Preference order by compute capability (first match from the top).
 PREFERENCE = (
-    ((8, 9), ("fp8_e4m3fn", "int8_convrot")),
+    ((8, 9), ("float8_e4m3fn", "int8_convrot")),
     ((7, 5), ("int8_convrot",)),
 )
 DEFAULT_ROWS = 8192
@@ -53,7 +53,7 @@ class AutoSelector:
         self.device = device
         self.group_size = group_size
         self.methods: dict[str, LinearMethod] = {
-            "fp8_e4m3fn": Fp8Method(),
+            "float8_e4m3fn": Fp8Method(),
             "int8_convrot": Int8ConvRotMethod(group_size),
         }
         self.order = preferred_formats(device)

@@ -6,7 +6,6 @@ failure half-way leaves the model exactly as it was.
 """
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
+from ..pack_logging import pack_logger
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear
 from .method import LinearMethod, default_device
@@ -24,7 +24,7 @@ from .report import LayerRecord, QuantReport
 if TYPE_CHECKING:
     from .auto import AutoSelector
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 
 class QuantizationError(RuntimeError):

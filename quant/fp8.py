@@ -10,15 +10,15 @@ Every path quantizes rows by one formula (`quantize_rows`), bit for bit.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
+from ..pack_logging import pack_logger
 from .method import LinearMethod, output_dtype
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

@@ -8,13 +8,14 @@ candidate on the real inputs and caches the winner for the process.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from ..pack_logging import pack_logger
+
+log = pack_logger(__name__)
 
 
 def rows_bucket(rows: int) -> int:

@@ -49,7 +49,7 @@ def _auto(group_size: int = 256, device=None, **_):
 
 _FACTORIES: dict[str, Callable[..., LinearMethod]] = {
     "int8_convrot": _int8_convrot,
-    "fp8_e4m3fn": _fp8,
+    "float8_e4m3fn": _fp8,
     "mxfp4": _mxfp4,
     "auto": _auto,
     "int8_tensorwise": _int8_tensorwise,

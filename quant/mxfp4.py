@@ -28,16 +28,16 @@ comfy-kitchen 0.2.40 offers no MXFP4 GEMM (its cuBLAS FP4 entry refuses E8M0 sca
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
+from ..pack_logging import pack_logger
 from .method import LinearMethod, default_device, output_dtype
 
-log = logging.getLogger(__name__)
+log = pack_logger(__name__)
 
 BLOCK_SIZE = 32          # MX block size k (spec: 32 for every concrete MX format)
 E2M1_EMAX = 2            # emax_elem: the largest E2M1 normal is 6.0 = 1.5 * 2^2

@@ -26,6 +26,8 @@ class QuantReport:
     title: str = "quantization"
     records: list[LayerRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # notes the short report shows too: where layers run otherwise than stored (e.g. NVFP4 re-quantized at load)
+    headline_notes: list[str] = field(default_factory=list)
 
     @property
     def quantized(self) -> list[LayerRecord]:
@@ -60,6 +62,21 @@ class QuantReport:
     def summary_line(self) -> str:
         return f"quantized {len(self.quantized)}/{self.linear_count} linear layers"
 
+    def brief(self) -> list[str]:
+        """The report in two lines for the node: the formats; the memory saved, the layers kept and the
+        headline notes."""
+        counts, earlier = self.method_counts(), self.method_counts(self.earlier)
+        first = self.summary_line()
+        if counts:
+            first += ": " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        if earlier:
+            first += "; already quantized: " + ", ".join(f"{k} x{v}" for k, v in sorted(earlier.items()))
+        before, after = self.bytes_before(), self.bytes_after()
+        second = f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})"
+        if self.kept:
+            second += f"; {len(self.kept)} kept in original precision"
+        return [first, "; ".join([second, *self.headline_notes])]
+
     def render(self) -> str:
         before, after = self.bytes_before(), self.bytes_after()
         lines = [
@@ -73,6 +90,7 @@ class QuantReport:
         if earlier:
             lines.append("already quantized, left alone: " + ", ".join(f"{k} x{v}" for k, v in sorted(earlier.items())))
         lines.extend(self.notes)
+        lines.extend(self.headline_notes)
         if self.kept:
             lines.append(f"kept in original precision ({len(self.kept)}):")
             lines.extend(f"  {r.name}: {r.reason}" for r in self.kept)

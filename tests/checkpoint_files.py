@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 # Marker format -> the pack's registry name of the method that writes it.
-WRITERS = {"int8_tensorwise": "int8_tensorwise", "float8_e4m3fn": "fp8_e4m3fn", "nvfp4": "nvfp4", "mxfp8": "mxfp8"}
+WRITERS = {"int8_tensorwise": "int8_tensorwise", "float8_e4m3fn": "float8_e4m3fn", "nvfp4": "nvfp4", "mxfp8": "mxfp8"}
 
 
 def load(path):

@@ -18,7 +18,7 @@ FEATURES = [
      ["test_quantize_int8_workflow::test_quantized_run_is_close_but_not_identical",
       "test_quantize_int8_workflow::test_other_branch_keeps_original_weights"]),
     ("Quantize while loading: int8_convrot", ["test_checkpoint_loader_workflows::test_load_h3_quantized_online_int8"]),
-    ("Quantize while loading: fp8_e4m3fn", ["test_checkpoint_loader_workflows::test_load_h3_quantized_other_formats[fp8"]),
+    ("Quantize while loading: float8_e4m3fn", ["test_checkpoint_loader_workflows::test_load_h3_quantized_other_formats[float8"]),
     ("Quantize while loading: auto", ["test_checkpoint_loader_workflows::test_load_h3_quantized_other_formats[auto"]),
     ("MXFP4 (emulated on CPU)", ["test_mxfp4_workflow::"]),
     ("Markers: INT8 ConvRot / row-wise (convert_to_quant)",

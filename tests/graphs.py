@@ -11,8 +11,24 @@ A chain node gets `"model": [previous id, 0]` added to its inputs, so its output
 0 must be the MODEL. `chain_id(i)` names chain node i; `add_preview` attaches a
 PreviewAny to any output (e.g. a STRING report of a chain node). After
 `history = comfy.run(graph)`, an output node's ui dict is
-`history["outputs"][node_id]`; PreviewAny's text is `...["text"][0]`.
+`history["outputs"][node_id]`; PreviewAny's text is `...["text"][0]`. A pack node's
+full report is `node_report(history, node_id)`, its on-node one `...["text"][0]`.
 """
+import re
+
+MAX_NODE_LINES = 3  # a pack node shows its report in at most this many lines
+
+
+def node_report(history, node_id) -> str:
+    """The full report of a pack node (ui.report), once its on-node report (ui.text) is checked to be
+    1-3 lines that the full one details (the same first words: `quantized N/M linear layers`, `saved ...`)."""
+    (short,), (full,) = history["outputs"][node_id]["text"], history["outputs"][node_id]["report"]
+    lines = short.splitlines()
+    assert 1 <= len(lines) <= MAX_NODE_LINES, short
+    def first_words(line):
+        return re.split(r"[:;(]", line)[0].strip()
+    assert first_words(full.splitlines()[0]) == first_words(lines[0]), (short, full)
+    return full
 
 
 def chain_id(index: int) -> str:

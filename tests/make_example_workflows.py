@@ -156,12 +156,12 @@ models/vae/wan_2.1_vae.safetensors (Comfy-Org's Wan 2.1 repackage).
 Any other model ComfyUI loads works the same way.
 
 RAM: the original weights stay in RAM beside the quantized ones while both are
-referenced. To avoid that, load with "Load Diffusion Model Quantized (H3)"
+referenced. To avoid that, load with "Load Diffusion Model (quantize while loading)"
 instead, which quantizes while loading."""),
     "bigdit-2-load-mixed-quantized-checkpoint": (mixed_checkpoint, """\
 Load a checkpoint whose layers are stored quantized (BigDiT).
 
-"Load Quantized Checkpoint" reads ComfyUI per-layer markers (INT8 with or without
+"Load Quantized Diffusion Model" reads ComfyUI per-layer markers (INT8 with or without
 ConvRot, FP8, NVFP4, MXFP8, mixed in one file) or a self-describing Quanto qint8
 file, checks the whole file first, and builds each layer in its format. The
 architecture is detected by ComfyUI, so this works for any model ComfyUI knows,
@@ -177,7 +177,7 @@ NVFP4 layers to this GPU's fastest native format at load."""),
 MiniMax-H3 (33B video + audio) on one 24 GB GPU (BigDiT). Needs a ComfyUI with
 native MiniMax-H3 (its MiniMax H3 Image to Video and ModelSamplingMiniMaxH3 nodes).
 
-- Load Diffusion Model Quantized (H3): reads the bf16 file layer by layer and
+- Load Diffusion Model (quantize while loading): reads the bf16 file layer by layer and
   quantizes each layer to INT8 ConvRot on the GPU (the pruned DiT: 40 GB in
   bf16, about 21 GB in INT8), so the bf16 model is never resident twice;
   offload "auto" streams the transformer blocks that do not fit in VRAM from

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from bigdit.attention import Constraints, Router, Unsupported, auto, base, kernels, registry
 from bigdit.attention.base import Backend, Impl
+from bigdit.pack_logging import PREFIX
 
 WARN_LOGGER = "bigdit.attention.router"
 
@@ -19,7 +20,7 @@ def qkv(b=1, h=2, s=64, d=64, dtype=torch.float32, seed=0):
 
 def fallback_warnings(caplog, name):
     return [r for r in caplog.records
-            if r.levelno == logging.WARNING and r.getMessage().startswith(f"bigdit attention: {name} cannot")]
+            if r.levelno == logging.WARNING and r.getMessage().startswith(f"{PREFIX}attention: {name} cannot")]
 
 
 @pytest.mark.parametrize("spelling, name", [

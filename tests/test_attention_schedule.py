@@ -131,3 +131,11 @@ def test_schedule_applies_to_any_backend():
 def test_negative_dense_steps_rejected():
     with pytest.raises(ValueError, match="dense_steps"):
         Router("sol", dense_steps=-1)
+
+
+@pytest.mark.parametrize("dense_steps, text", [(0, "dense steps none"), (1, "dense step 0"), (3, "dense steps 0-2")])
+def test_dense_steps_read_as_counted(dense_steps, text):
+    described = Router("sol", "sdpa", dense_steps=dense_steps).describe()
+    assert described == f"backend sol, tau 1, dense sdpa, {text}"
+    # other backends name their dense steps only when there are some
+    assert (text in Router("sage", "sdpa", dense_steps=dense_steps).describe()) == (dense_steps > 0)

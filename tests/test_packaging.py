@@ -105,7 +105,7 @@ def published_files() -> set[str]:
 
 def test_registry_archive_holds_the_pack_and_no_tests():
     files = published_files()
-    for kept in ("__init__.py", "dtypes.py", "pyproject.toml", "requirements.txt", "LICENSE", "README.md",
+    for kept in ("__init__.py", "dtypes.py", "pack_logging.py", "pyproject.toml", "requirements.txt", "LICENSE", "README.md",
                  "web/js/bigdit_report.js", "web/icon.png"):
         assert kept in files, kept
     for package in ("nodes", "quant", "loaders", "attention"):

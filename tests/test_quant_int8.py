@@ -248,7 +248,7 @@ def test_kitchen_weights_of_upstream_are_already_quantized():
     assert report.earlier[0].bytes_after == 256 * 512 + params.scale.nbytes + 512 * 2  # packed, not 256 * 512 * 2
 
 
-@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_weight_patch_protocol_applies_lora(method_name):
     """What ComfyUI's ModelPatcher does for a LoRA: convert_weight, add the delta, set_weight."""
     from bigdit.quant import get_method
@@ -271,7 +271,7 @@ def test_weight_patch_protocol_applies_lora(method_name):
         q.set_weight(patched, inplace_update=True)
 
 
-@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_restored_weight_is_read_with_its_own_scales(method_name):
     """Patch, restore `weight` only (as ComfyUI's unpatch does), patch again: the second patch starts from the
     original weight, and the layer holds no extra parameter (its size is what ComfyUI counts)."""
@@ -289,7 +289,7 @@ def test_restored_weight_is_read_with_its_own_scales(method_name):
     assert rel_err(q.method.dequantize(q), layer.weight.float() + delta) < 0.05
 
 
-@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_patched_layer_computes_without_per_call_work_and_restores_bit_exactly(method_name, monkeypatch):
     """A LoRA folded in once (what nodes/lora_fold.py has ComfyUI do for an offloaded layer): forwards run the
     method's own kernel on the patched tensors, with no dequantize or requantize per call; convert_weight still
@@ -326,7 +326,7 @@ def test_patched_layer_computes_without_per_call_work_and_restores_bit_exactly(m
     assert set(q.stored_tensors()) == set(original) - {"bias"}  # nothing patched is left (it would raise)
 
 
-@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_set_weight_can_return_instead_of_storing(method_name):
     """return_weight (0.3.75's partial loading calls set_weight so): the weight the layer would compute with."""
     from bigdit.quant import get_method
@@ -341,7 +341,7 @@ def test_set_weight_can_return_instead_of_storing(method_name):
     assert torch.equal(returned, q.method.dequantize(q).float())  # what set_weight stores, exactly
 
 
-@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_dynamic_vram_lora_applies(method_name):
     """Upstream's dynamic VRAM attaches a LoRA as weight_lowvram_function, beside weight_function."""
     from bigdit.quant import get_method
@@ -357,7 +357,7 @@ def test_dynamic_vram_lora_applies(method_name):
     assert rel_err(q(x), nn.functional.linear(x, layer.weight.float(), layer.bias.float())) < 0.05
 
 
-@pytest.mark.parametrize("method_name", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_convert_weight_of_the_stored_tensor_gives_a_float(method_name):
     """Upstream's dynamic VRAM force-loads small layers through convert_weight on a copy of the stored
     tensor (int8, fp8): the dequantized weight must come back as a float, not in the storage dtype."""
@@ -422,7 +422,7 @@ class Fp8Layers(nn.Module):
                 qdata, params = TensorCoreFP8Layout.quantize(layer.weight.detach().float())
                 layer = ModuleLinear(QuantizedTensor(qdata, "TensorCoreFP8Layout", params), layer.bias.detach())
             elif name == "pack":    # the pack's loaders
-                method = get_method("fp8_e4m3fn")
+                method = get_method("float8_e4m3fn")
                 layer = QuantLinear(method, 256, 128, method.quantize_weight(layer.weight.detach().float()),
                                     layer.bias.detach(), torch.bfloat16)
             self.add_module(name, layer)

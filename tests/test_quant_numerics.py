@@ -18,14 +18,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # all three run on CPU
 METHODS = {
     "int8_convrot": {"group_size": 64},
     "int8_tensorwise": {},
-    "fp8_e4m3fn": {},
+    "float8_e4m3fn": {},
     "mxfp4": {"min_output_dim": 0, "path": "emulated"},
     "nvfp4": {},
     "mxfp8": {},
     "quanto_qint8": {},
 }
 # Relative error of each format against the fp32 layer on these random shapes (measured ~0.4x of these).
-TOLERANCE = {"int8_convrot": 0.03, "int8_tensorwise": 0.03, "fp8_e4m3fn": 0.08, "mxfp4": 0.25, "nvfp4": 0.2,
+TOLERANCE = {"int8_convrot": 0.03, "int8_tensorwise": 0.03, "float8_e4m3fn": 0.08, "mxfp4": 0.25, "nvfp4": 0.2,
              "mxfp8": 0.06, "quanto_qint8": 0.015}
 
 
@@ -57,7 +57,7 @@ def test_every_method_returns_the_input_dtype(name, compute_dtype):
 
 
 def test_fp8_static_input_scale_returns_the_input_dtype():
-    _, layer = layer_pair("fp8_e4m3fn", torch.bfloat16)
+    _, layer = layer_pair("float8_e4m3fn", torch.bfloat16)
     layer.input_scale = nn.Parameter(torch.tensor(0.01), requires_grad=False)
     for dtype in DTYPES:
         assert layer(torch.randn(4, 128, dtype=dtype)).dtype == dtype
@@ -65,7 +65,7 @@ def test_fp8_static_input_scale_returns_the_input_dtype():
 
 def test_mixed_formats_feed_sdpa():
     """The failure this rule fixes: FP8 q and k with INT8 v, fp32 activations, into SDPA."""
-    projections = [layer_pair(name, torch.bfloat16)[1] for name in ("fp8_e4m3fn", "fp8_e4m3fn", "int8_convrot")]
+    projections = [layer_pair(name, torch.bfloat16)[1] for name in ("float8_e4m3fn", "float8_e4m3fn", "int8_convrot")]
     x = torch.randn(1, 7, 128)
     q, k, v = (p(x).reshape(1, 7, 1, 64).transpose(1, 2) for p in projections)
     assert F.scaled_dot_product_attention(q, k, v).dtype == torch.float32
@@ -122,7 +122,7 @@ def test_fp8_rows_saturate_at_448_and_round_trip_within_half_a_step():
 
 def test_fp8_static_input_scale_saturates_instead_of_overflowing():
     """A checkpoint's static input scale can be exceeded at run time: values clamp to +-448 (never NaN)."""
-    _, layer = layer_pair("fp8_e4m3fn", torch.bfloat16)
+    _, layer = layer_pair("float8_e4m3fn", torch.bfloat16)
     layer.input_scale = nn.Parameter(torch.tensor(1e-3), requires_grad=False)  # covers |x| <= 0.448
     x = torch.randn(4, 128) * 100
     clamped = x.clamp(-0.448, 0.448)
@@ -141,14 +141,14 @@ def test_fp8_swiglu_folded_is_the_unfused_activation_in_the_input_dtype(dtype):
     q, scale = fp8.quantize_rows(x, "swiglu")
     ref_q, ref_scale = definition(unfused)
     assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    layer = quantize_linear(nn.Linear(256, 64).to(dtype), get_method("fp8_e4m3fn"), torch.device("cpu"))
+    layer = quantize_linear(nn.Linear(256, 64).to(dtype), get_method("float8_e4m3fn"), torch.device("cpu"))
     assert torch.equal(layer(x, input_act="swiglu"), layer(unfused))
 
 
 def test_fp8_weights_use_the_same_row_formula():
     torch.manual_seed(3)
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
-    stored = get_method("fp8_e4m3fn").quantize_weight(weight)
+    stored = get_method("float8_e4m3fn").quantize_weight(weight)
     ref_q, ref_scale = definition(weight)
     assert stored["weight_scale"].shape == (64, 1) and torch.equal(stored["weight_scale"], ref_scale)
     assert torch.equal(stored["weight"].view(torch.uint8), ref_q.view(torch.uint8))

@@ -25,7 +25,7 @@ from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_metho
 METHODS = {
     "blocks.0.self_attn.q": ("int8_convrot", {"group_size": 64}),
     "blocks.0.self_attn.o": ("int8_tensorwise", {}),
-    "blocks.0.cross_attn.k": ("fp8_e4m3fn", {}),
+    "blocks.0.cross_attn.k": ("float8_e4m3fn", {}),
     "blocks.0.ffn.0": ("nvfp4", {}),
     "blocks.0.ffn.2": ("mxfp8", {}),
 }

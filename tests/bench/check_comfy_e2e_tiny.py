@@ -40,7 +40,7 @@ def test_tiny_run_measures_compares_and_records(tmp_path):
     assert re.search(r"quantized 24/26 linear layers", sol["pack_reports"]["unet"])
     assert sol["pack_reports"]["m0"].startswith("attention: backend sol, tau 1")
     # 72 tokens: Sol hands every call to the dense backend, and the log says what ran
-    assert any(line.startswith("Set Attention Backend (backend sol") and "ran auto:sdpa" in line
+    assert any(line.startswith("[BigDiT] Set Attention Backend (backend sol") and "ran auto:sdpa" in line
                for line in sol["log_lines"])
     assert 0 < sol["rel_l2"] < 0.05 and sol["cosine"] > 0.999 and sol["capped"]
     assert sol["cap_applied"] is False  # no CUDA here: vram_cap says so and runs ComfyUI as is

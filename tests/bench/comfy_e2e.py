@@ -128,7 +128,6 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # not in the default set
         Config("pack_auto_attn_auto", "pack", True, _pack_loader("auto"), (_attention("auto"),)),
         Config("pack_bf16_offload", "pack", True, _pack_loader("none")),
-        Config("pack_auto_layerwise", "pack", True, _pack_loader("auto", "layerwise")),
         # a LoRA's cost (issue 13): against pack_auto on the same card; on 12 GiB part of the model stays in
         # RAM, so ComfyUI loads it partially and the pack folds the LoRA into the offloaded layers
         Config("pack_auto_lora", "pack", True, _pack_loader("auto"), (_lora(),), lora=True),

@@ -26,7 +26,7 @@ SHAPES = {  # name: (K, N, input_act)
     "fc2": (14336, 5376, None),
     "fc2+swiglu": (14336, 5376, "swiglu"),
 }
-FORMATS = ("int8_convrot", "fp8_e4m3fn", "auto")
+FORMATS = ("int8_convrot", "float8_e4m3fn", "auto")
 
 
 def cosine(a, b):

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 1024 ** 3
-FORMAT_COLUMNS = {"int8_convrot": "INT8 ConvRot", "fp8_e4m3fn": "FP8 e4m3", "auto": "auto", "mxfp4": "MXFP4"}
+FORMAT_COLUMNS = {"int8_convrot": "INT8 ConvRot", "float8_e4m3fn": "FP8 e4m3", "auto": "auto", "mxfp4": "MXFP4"}
 
 
 def gpu_name(data) -> str:

@@ -58,7 +58,7 @@ def baseline(comfy_sdpa, tiny_wan):
 
 def test_object_info_lists_the_node(comfy):
     info = comfy.object_info()[NODE]
-    assert info["category"] == "attention" and info["output"] == ["MODEL"]
+    assert info["category"] == "model/patch" and info["output"] == ["MODEL"]
     assert info["description"]
     required, optional = info["input"]["required"], info["input"]["optional"]
     assert required["backend"][0] == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol"]
@@ -99,7 +99,7 @@ def test_every_backend_runs_the_tiny_wan(comfy_sdpa, tiny_wan, baseline, backend
     # 2 steps at cfg 1: one forward each, one self- and one cross-attention
     ran = "ran sdpa x4" if backend == "sdpa" else "ran auto:sdpa x4"
     assert ran in line, line
-    warnings = re.findall(rf"bigdit attention: {backend} cannot take this call \((.*)\); running", log)
+    warnings = re.findall(rf"\[BigDiT\] attention: {backend} cannot take this call \((.*)\); running", log)
     expected = cpu_fallbacks(comfy_sdpa.host, backend)
     assert len(warnings) == len(expected), warnings
     for reason in expected:
@@ -152,7 +152,7 @@ def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):
     graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"],
                           model_chain=[node("sol", dense_backend="sdpa", dense_steps=1, dense_layers="0")])
     text = comfy_sdpa.run(graph)["outputs"]["m0"]["text"][0]
-    assert text == "attention: backend sol, tau 1, dense sdpa, dense steps 0-0, dense blocks [0]"
+    assert text == "attention: backend sol, tau 1, dense sdpa, dense step 0, dense blocks [0]"
 
 
 def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, tmp_path):
@@ -167,14 +167,14 @@ def test_sol_really_runs_in_the_tiny_wan(comfy, tiny_wan, tiny_wan2, baseline, t
     line = summary(log)
     if not comfy.host.features()["kitchen_sol"]:
         assert "ran sdpa x4" in line, line
-        warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)
+        warnings = re.findall(r"\[BigDiT\] attention: sol cannot take this call \((.*)\); running", log)
         assert len(warnings) == 2 and NO_KITCHEN_SOL in warnings[0], warnings
         assert warnings[1] == "query and key lengths differ (cross-attention)", warnings
         assert torch.equal(latent, baseline)
         return
     assert "ran sol x2, sdpa x2" in line, line
     assert "fewer than" not in log
-    warnings = re.findall(r"bigdit attention: sol cannot take this call \((.*)\); running", log)
+    warnings = re.findall(r"\[BigDiT\] attention: sol cannot take this call \((.*)\); running", log)
     assert warnings == ["query and key lengths differ (cross-attention)"], warnings
     assert not torch.equal(latent, baseline)
     assert ((latent - baseline).norm() / baseline.norm()).item() < 1e-3

@@ -39,7 +39,7 @@ MIXED = {
 # Relative L2 difference of the final latent from the bf16 baseline (measured on CPU:
 # mixed 0.0019, header int8 + requantized nvfp4 0.0013, Quanto 0.00017, LoadH3Quantized int8 0.0012,
 # fp8 0.0040, auto (INT8 on CPU) 0.0012).
-TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01, "fp8_e4m3fn": 0.05,
+TOLERANCE = {"mixed": 0.01, "header": 0.01, "quanto": 0.002, "online_int8": 0.01, "float8_e4m3fn": 0.05,
              "auto": 0.01}
 
 
@@ -107,19 +107,19 @@ def test_quanto_file_from_optimum_quanto_and_mmgp(comfy, tiny_wan2, files, basel
 
 def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
     latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
-        "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": "layerwise",
+        "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": "auto",
         "group_size": "256", "ignored_layers": "text_embedding.*"})
     lines = report.splitlines()
     assert lines[0] == "quantized 22/26 linear layers"
     assert "  head.head: ignored (matches 'head.*')" in lines
     assert "  time_projection.1: ignored (matches 'time_projection.*')" in lines
     assert "  text_embedding.0: ignored (matches 'text_embedding.*')" in lines
-    assert any(line.startswith("offload: layerwise") for line in lines)
+    assert any(line.startswith("offload: auto on cpu") for line in lines)
     assert rel(latent, baseline) < TOLERANCE["online_int8"]
 
 
 @pytest.mark.parametrize("quantization, formats, how", [
-    ("fp8_e4m3fn", "float8_e4m3fn x24", "float8_e4m3fn (per-channel weights, per-token activations) x24"),
+    ("float8_e4m3fn", "float8_e4m3fn x24", "float8_e4m3fn (per-channel weights, per-token activations) x24"),
     # auto on CPU: the table's INT8 ConvRot (no fast format to measure here)
     ("auto", "int8_convrot x24", "auto: int8_convrot (table) x24"),
 ])
@@ -134,14 +134,33 @@ def test_load_h3_quantized_other_formats(comfy, tiny_wan2, baseline, quantizatio
 
 
 def test_load_h3_quantized_offload_modes_agree(comfy, tiny_wan2):
-    """offload=layerwise and auto run the same model as offload=none (on CPU nothing needs to stream)."""
+    """offload=auto runs the same model as offload=none (on CPU nothing needs to stream)."""
     latents = {}
-    for mode in ("none", "layerwise", "auto"):
+    for mode in ("none", "auto"):
         latents[mode], report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
             "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": mode})
         assert any(line.startswith(f"offload: {mode} on cpu") for line in report.splitlines()), report
         assert "resident 2/2 blocks, streaming 0" in report, report
-    assert torch.equal(latents["none"], latents["layerwise"]) and torch.equal(latents["none"], latents["auto"])
+    assert torch.equal(latents["none"], latents["auto"])
+
+
+def test_old_option_values_of_saved_workflows_still_load(comfy, tiny_wan2):
+    """A workflow saved with the earlier spellings (quantization fp8_e4m3fn, offload layerwise) runs as
+    float8_e4m3fn / auto, and the log says how it read them; a value neither spelling knows is refused."""
+    today, _ = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+        "unet_name": tiny_wan2["unet_name"], "quantization": "float8_e4m3fn", "offload": "auto"})
+    start = len(comfy.log_text())
+    old, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+        "unet_name": tiny_wan2["unet_name"], "quantization": "fp8_e4m3fn", "offload": "layerwise"})
+    log = comfy.log_text()[start:]
+    assert torch.equal(old, today)
+    assert "formats: float8_e4m3fn x24" in report.splitlines() and "\noffload: auto on cpu" in report, report
+    assert "[BigDiT] LoadH3Quantized: quantization 'fp8_e4m3fn' is read as 'float8_e4m3fn'" in log, log[-3000:]
+    assert "[BigDiT] offload 'layerwise' is read as 'auto'" in log, log[-3000:]
+    for name, value in (("quantization", "fp8"), ("offload", "sometimes")):
+        inputs = {"unet_name": tiny_wan2["unet_name"], "quantization": "auto", "offload": "auto", name: value}
+        with pytest.raises(PromptError, match=f"{name}.* must be one of .*got '{value}'"):
+            run_loader(comfy, tiny_wan2, "LoadH3Quantized", inputs)
 
 
 # ---- files written by convert_to_quant 1.3.4 -----------------------------------
@@ -191,7 +210,7 @@ def test_loading_logs_no_missing_or_unexpected_keys(comfy, tiny_wan, tiny_wan2, 
     log_start = len(comfy.log_text())
     run_loader(comfy, tiny_wan if loader == "LoadH3Quantized" else tiny_wan2, loader, inputs)
     log = comfy.log_text()[log_start:]
-    assert f"{loader}: quantized" in log  # the load's own line: this is the load's log
+    assert f"[BigDiT] {loader} report:\nquantized" in log  # the load's own report: this is the load's log
     assert not re.search(r"unet (missing|unexpected)", log), log[:2000]
 
 

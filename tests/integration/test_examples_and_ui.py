@@ -27,7 +27,7 @@ import torch
 from browser import CHROMIUM, Browser
 from checkpoint_files import write_markers
 from comfy_harness import PromptError
-from graphs import H3_TEXT_LENGTH, wan_t2v_graph
+from graphs import H3_TEXT_LENGTH, node_report, wan_t2v_graph
 from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, screenshot_node
 
 pytestmark = pytest.mark.integration
@@ -185,9 +185,12 @@ def test_wan_example_runs_on_the_tiny_model(comfy, tiny_wan, tiny_mixed, name, r
         (image,) = comfy.output_files(history, save)
         assert image.read_bytes()[8:12] == b"WEBP"
     (reporter,) = [k for k, n in graph.items() if n["class_type"] == report_node]
-    report = history["outputs"][reporter]["text"][0]  # the ui text the web extension renders
+    report = node_report(history, reporter)
     assert re.match(r"quantized \d+/\d+ linear layers$", report.splitlines()[0])
-    assert "weights: " in report and "saved" in report
+    assert "kept in original precision" in report
+    short = history["outputs"][reporter]["text"][0]  # the ui text the web extension renders
+    assert re.match(r"quantized \d+/\d+ linear layers: \w+ x\d+", short.splitlines()[0]), short
+    assert re.search(r"^weights: .* \(saved [\d.]+ GiB\); \d+ kept in original precision", short, re.M), short
 
 
 # ---- the MiniMax-H3 example, run on the tiny H3 ---------------------------------
@@ -234,7 +237,7 @@ def test_h3_example_runs_on_the_tiny_h3(comfy, tiny_h3):
     assert tuple(video.shape) == (1, 24, 2, 4, 4) and tuple(audio.shape) == (1, 32, 2, 8)
     assert torch.isfinite(video).all() and torch.isfinite(audio).all()
     by_type = {n["class_type"]: k for k, n in graph.items()}
-    report = history["outputs"][by_type["LoadH3Quantized"]]["text"][0]
+    report = node_report(history, by_type["LoadH3Quantized"])
     assert report.splitlines()[0] == "quantized 13/22 linear layers"
     assert "formats: int8_convrot x13" in report and "offload: auto on cpu" in report
     attention = history["outputs"][by_type["SetAttentionBackend"]]["text"][0]
@@ -292,7 +295,10 @@ REPORT_JS = r"""
   if (!element?.isConnected || !element.textContent) return null;
   const headline = element.querySelector(".bigdit-headline");
   const box = element.getBoundingClientRect();
-  return {text: element.textContent, headline: headline.textContent,
+  const full = element.querySelector("details.bigdit-full");
+  const short = [...element.children].filter((child) => child !== full);
+  return {text: element.textContent, headline: headline.textContent, shortLines: short.length,
+          full: full?.textContent ?? null, fullOpen: full?.open ?? null,
           headlineWeight: getComputedStyle(headline).fontWeight,
           saved: element.querySelector(".bigdit-saved")?.textContent ?? null,
           visible: box.width > 100 && box.height > 30,
@@ -358,10 +364,13 @@ def test_report_appears_on_the_node(browser, comfy, tiny_wan):
     # once laid out, the node grows until the whole report shows without scrolling
     browser.wait_for(FITS_JS, timeout=5)
 
-    assert re.fullmatch(r"quantized \d+/\d+ linear layers", shown["headline"])
+    assert re.fullmatch(r"quantized \d+/\d+ linear layers: int8_convrot x\d+", shown["headline"])
     assert int(shown["headlineWeight"]) >= 600
     assert shown["saved"].startswith("saved ") and shown["saved"].endswith("GiB")
-    assert "kept in original precision" in shown["text"] and "head.head: ignored" in shown["text"]
+    assert shown["shortLines"] == 2  # the formats; the memory saved and the layers kept
+    # the full report, collapsed under the short one
+    assert shown["fullOpen"] is False
+    assert "kept in original precision" in shown["full"] and "head.head: ignored" in shown["full"]
     assert shown["visible"]
     assert shown["headline"] not in shown["saved_workflow"]  # a run's output is not saved with the workflow
 
@@ -372,17 +381,20 @@ def test_report_appears_on_the_node(browser, comfy, tiny_wan):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(picture, target)
     # after the sampling, the same report with the count of the quantized layers that ran
-    quantized = re.fullmatch(r"quantized (\d+)/\d+ linear layers", shown["headline"]).group(1)
+    quantized = re.match(r"quantized (\d+)/\d+ linear layers", shown["headline"]).group(1)
     text = browser.wait_for(node_report_js("QuantizeModelINT8", "last run:"), timeout=40)
     assert text.endswith(f"last run: ran {quantized}/{quantized} quantized layers"), text
 
 
 def node_report_js(node_type: str, must_contain: str) -> str:
-    """JS: the report text on the first node of `node_type` once it contains `must_contain`, else null."""
+    """JS: the short report on the first node of `node_type` (its lines, without the collapsed full
+    report) once it contains `must_contain`, else null."""
     return r"""
 (() => {
   const node = window.comfyAPI.app.app.graph.nodes.find((n) => n.type === %s);
-  const text = node?.widgets?.find((w) => w.name === "bigdit_report")?.element?.textContent ?? "";
+  const element = node?.widgets?.find((w) => w.name === "bigdit_report")?.element;
+  const lines = [...(element?.children ?? [])].filter((child) => !child.classList.contains("bigdit-full"));
+  const text = lines.map((line) => line.textContent).join("\n");
   return text.includes(%s) ? text : null;
 })()
 """ % (json.dumps(node_type), json.dumps(must_contain))
@@ -413,10 +425,15 @@ def test_loader_report_with_offload_plan_appears_on_the_node(browser, comfy, tin
     # the line's last part (the offload plan's) arrives after the count of the layers that ran
     text = browser.wait_for(node_report_js("LoadH3Quantized", "nothing streamed"), timeout=40)
     quantized = re.match(r"quantized (\d+)/\d+ linear layers", text).group(1)
-    assert "offload: auto on cpu" in text and "resident 1/1 blocks, streaming 0" in text, text
-    # after sampling: the plan with the run's activations, what streamed, and how many quantized layers ran
-    assert re.search(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
-                     rf"nothing streamed; ran {quantized}/{quantized} quantized layers", text), text
+    # after sampling, three lines: the formats, the memory saved, and in place of the load's plan the run's (with
+    # its activations), what streamed, and how many quantized layers ran
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("weights: "), text
+    assert re.fullmatch(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
+                        rf"nothing streamed; ran {quantized}/{quantized} quantized layers", lines[2]), text
+    full = browser.evaluate(r"""window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "LoadH3Quantized")
+      .widgets.find((w) => w.name === "bigdit_report").element.querySelector("details.bigdit-full").textContent""")
+    assert "offload: auto on cpu" in full and "resident 1/1 blocks, streaming 0" in full, full
     screenshot_node(browser, "LoadH3Quantized", ARTIFACTS / "loader-report.png")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from bigdit.quant.keep import architectures, default_keep
 from bigdit.quant.patterns import first_match
-from graphs import add_preview, chain_id, h3_graph, wan_t2v_graph
+from graphs import add_preview, chain_id, h3_graph, node_report, wan_t2v_graph
 from tiny_models import linear_layers
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def kept_section(report: str) -> list[str]:
 
 
 def same_decisions(comfy, quantize_graph, loader_graph):
-    quantize_report = comfy.run(quantize_graph)["outputs"][chain_id(0)]["text"][0]
+    quantize_report = node_report(comfy.run(quantize_graph), chain_id(0))
     report_id = add_preview(loader_graph, "unet", 1)
     loader_report = comfy.run(loader_graph)["outputs"][report_id]["text"][0]
     assert quantize_report.splitlines()[0] == loader_report.splitlines()[0]

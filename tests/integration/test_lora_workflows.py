@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphs import chain_id, wan_t2v_graph
+from graphs import chain_id, node_report, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -37,11 +37,11 @@ def load_h3(unet_name, fmt):
 PRODUCERS = {
     "QuantizeModelINT8": ("int8_convrot", [QUANTIZE], None),
     "LoadH3Quantized-int8_convrot": ("int8_convrot", [], "int8_convrot"),
-    "LoadH3Quantized-fp8_e4m3fn": ("fp8_e4m3fn", [], "fp8_e4m3fn"),
+    "LoadH3Quantized-float8_e4m3fn": ("float8_e4m3fn", [], "float8_e4m3fn"),
 }
 # Latent after 2 steps, quantized + LoRA against float + LoRA (relative L2). Measured on both hosts:
 # QuantizeModelINT8 0.0075, LoadH3Quantized INT8 0.0062, FP8 0.023 (the LoRA-widened rows cost FP8 more).
-TOLERANCE = {"int8_convrot": 0.02, "fp8_e4m3fn": 0.06}
+TOLERANCE = {"int8_convrot": 0.02, "float8_e4m3fn": 0.06}
 # The LoRA's effect on the quantized model against its effect on the float model
 # (quantized+LoRA - quantized vs float+LoRA - float); measured 0.016-0.059.
 EFFECT_TOLERANCE = 0.12
@@ -100,7 +100,7 @@ def test_lora_after_quantization_matches_lora_on_float_model(comfy, tiny_wan2, l
 
 def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name, float_latents):
     history, lora_then_quantized = latent(comfy, tiny_wan2, [lora(lora_name), QUANTIZE])
-    report = history["outputs"][chain_id(1)]["text"][0]
+    report = node_report(history, chain_id(1))
     for module in TARGETS:
         assert f"{module}: has weight patches" in report
     assert not torch.equal(lora_then_quantized, float_latents["lora"])  # the other layers are quantized

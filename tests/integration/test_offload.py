@@ -1,9 +1,10 @@
-"""SetOffload in a real ComfyUI 0.3.75 (CPU): layerwise streaming reproduces the resident run exactly.
+"""SetOffload in a real ComfyUI (CPU): "auto" streams what does not fit and reproduces the resident run
+exactly; "none" under the same budget refuses to run.
 
-On a CPU load device ComfyUI offloads nothing, so "layerwise" streams the
-plan's blocks host-to-host through the same hooks as on a GPU. `vram_gib`
-shrinks the plan's memory so that 3 of the 4 blocks must stream (streaming
-one or two saves nothing: their two staging slots hold as much).
+On a CPU load device ComfyUI offloads nothing, so "auto" streams the plan's
+blocks host-to-host through the same hooks as on a GPU. `vram_gib` shrinks
+the plan's memory so that 3 of the 4 blocks must stream (streaming one or two
+saves nothing: their two staging slots hold as much).
 """
 import re
 
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from comfy_harness import PromptError
-from graphs import add_preview, chain_id, wan_t2v_graph
+from graphs import add_preview, chain_id, node_report, wan_t2v_graph
 from tiny_models import make_tiny_wan
 
 pytestmark = pytest.mark.integration
@@ -59,7 +60,7 @@ def lora4(comfy):
 
 @pytest.mark.parametrize("quantize,lora", [(False, False), (True, False), (True, True)],
                          ids=["bf16", "int8", "int8-lora"])
-def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, lora4, quantize, lora):
+def test_auto_streams_what_does_not_fit_exactly_where_none_refuses(comfy, tiny_wan4, lora4, quantize, lora):
     """With a LoRA written into the quantized weights, the streamed copies carry it too."""
     lora = lora4 if lora else None
     graph, report_id = offload_graph(tiny_wan4, "none", quantize, lora)
@@ -73,21 +74,33 @@ def test_layerwise_reproduces_resident_latent_exactly(comfy, tiny_wan4, lora4, q
     # three blocks stream, the first of each run of 4/3 blocks: 1, 2, 3.
     largest = size(report, "(")  # "(<size> the largest)"
     budget = size(report, "+ rest") + 3.5 * largest
-    graph, _ = offload_graph(tiny_wan4, "layerwise", quantize, lora, vram_gib=budget / UNITS["GiB"])
+    graph, report_id = offload_graph(tiny_wan4, "auto", quantize, lora, vram_gib=budget / UNITS["GiB"])
     log_start = len(comfy.log_text())
     streamed = comfy.run(graph)
     log = comfy.log_text()[log_start:]
+    offload_node = chain_id(int(quantize) + int(lora is not None))
+    node_report(streamed, offload_node)
+    # on the node, one line until a sampling ends: the plan of the weights (the sampler adds the activations)
+    short = streamed["outputs"][offload_node]["text"][0]
+    assert re.fullmatch(r"offload: auto on cpu; resident 1/4 blocks, streaming 3; peak before activations "
+                        r"[\d.]+ MiB of [\d.]+ MiB", short), short
 
     assert torch.equal(comfy.latent(resident, "save_latent"), comfy.latent(streamed, "save_latent"))
     assert "lora key not loaded" not in log  # every LoRA key found its layer
     # One INFO line for the sampler's plan (with activations) and one for what the streamer did:
     # three blocks, each copy issued ahead of its block.
     assert "resident 1/4 blocks, streaming 3; estimated peak" in log, log[-3000:]
-    done = re.search(r"bigdit offload: streamed 3 of 4 blocks \(1-3\); (\d+) streamed block loads in (\d+) forwards, "
+    done = re.search(r"\[BigDiT\] offload: streamed 3 of 4 blocks \(1-3\); (\d+) streamed block loads in (\d+) forwards, "
                      r"(\d+) prefetched ahead, 0 late; [\d.]+ MiB copied; at most 2 streamed blocks", log)
     assert done, log[-3000:]
     loads, forwards, prefetched = map(int, done.groups())
     assert forwards == 2 and loads == 3 * forwards == prefetched
+
+    # the same budget with "none": nothing streams, the run is refused with the plan
+    graph, _ = offload_graph(tiny_wan4, "none", quantize, lora, vram_gib=budget / UNITS["GiB"])
+    with pytest.raises(PromptError, match="offload 'none' needs every block resident") as info:
+        comfy.run(graph)
+    assert "resident 1/4 blocks, streaming 3" in info.value.message
 
 
 def test_none_that_cannot_fit_fails_with_the_plan(comfy, tiny_wan4):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from checkpoint_files import write_markers
-from graphs import chain_id, wan_t2v_graph
+from graphs import chain_id, node_report, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -13,7 +13,7 @@ def quantize_node(group_size="16", ignored_layers="", **extra):
 
 
 def report_of(history, node_id=chain_id(0)) -> str:
-    return history["outputs"][node_id]["text"][0]
+    return node_report(history, node_id)
 
 
 def rel(a, b):
@@ -29,7 +29,7 @@ def test_node_inputs_as_documented(comfy):
     assert info["input"]["required"]["group_size"][0] == ["256", "64", "16"]
     assert info["input"]["required"]["group_size"][1]["default"] == "256"
     assert info["input"]["optional"]["row_split"][0] == ["auto", "off"]
-    assert info["output"] == ["MODEL", "STRING"] and info["category"] == "quantization"
+    assert info["output"] == ["MODEL", "STRING"] and info["category"] == "model/patch"
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,9 @@ def run(comfy, graph):
 def test_quantize_node_reports_every_layer_ran(comfy, tiny_wan2, events):
     log = run(comfy, wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[QUANTIZE]))
     text = events.wait_for(chain_id(0), "last run:")
-    assert text.startswith("quantized 24/26 linear layers\n")  # the head and time projection are kept
-    assert text.endswith("\nlast run: ran 24/24 quantized layers"), text
+    # the short report (the head, the time projection and the Conv3d patch embedding are kept), then the run's line
+    assert re.fullmatch(r"quantized 24/26 linear layers: int8_convrot x24\nweights: .*; 3 kept in original precision\n"
+                        r"last run: ran 24/24 quantized layers", text), text
     assert not WARNING.search(log), log
 
 
@@ -69,8 +70,8 @@ def test_marker_loader_reports_its_layers_ran(comfy, tiny_wan2, events):
     graph = wan_t2v_graph(None, tiny_wan2["vae_name"], loader=("MixedCheckpointLoader", {"unet_name": path.name}))
     log = run(comfy, graph)
     text = events.wait_for("unet", "last run:")
-    assert text.startswith("quantized 2/26 linear layers\n")
-    assert text.endswith("\nlast run: ran 2/2 quantized layers"), text
+    # the short report's two lines, then the run's
+    assert re.fullmatch(r"quantized 2/26 linear layers: .*\nweights: .*\nlast run: ran 2/2 quantized layers", text), text
     assert not WARNING.search(log), log
 
 
@@ -79,9 +80,10 @@ def test_h3_loader_line_has_the_offload_plan_and_the_layers(comfy, tiny_wan2, ev
                                   "offload": "auto", "group_size": "64", "ignored_layers": ""})
     run(comfy, wan_t2v_graph(None, tiny_wan2["vae_name"], loader=loader))
     text = events.wait_for("unet", "streamed; ran ")  # the event that carries both parts
-    assert text.startswith("quantized 24/26 linear layers\n")  # the head and time projection are kept
-    assert re.search(r"\nlast run: resident 2/2 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
-                     r"nothing streamed; ran 24/24 quantized layers$", text), text
+    # the head and time projection are kept; the run's line takes the place of the load's plan
+    assert re.fullmatch(r"quantized 24/26 linear layers: int8_convrot x24\nweights: .*; 2 kept in original precision\n"
+                        r"last run: resident 2/2 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
+                        r"nothing streamed; ran 24/24 quantized layers", text), text
     # A block skipped after the loader: the loader's line says so, and the log warns.
     events.clear()
     log = run(comfy, wan_t2v_graph(None, tiny_wan2["vae_name"], loader=loader,

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from comfy_harness import PromptError
-from graphs import wan_t2v_graph
+from graphs import node_report, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def save_graph(loader, chain=(), filename="x.safetensors", overwrite=False):
 
 def save(comfy, loader, chain=(), filename="x.safetensors", overwrite=False) -> str:
     history = comfy.run(save_graph(loader, chain, filename, overwrite))
-    return history["outputs"]["save"]["text"][0]
+    return node_report(history, "save")
 
 
 def unet_loader(name):
@@ -140,7 +140,7 @@ def test_int8_file_fails_loudly_where_the_host_lacks_int8_markers(comfy, tiny_wa
         sample(comfy, tiny_wan2, loader=unet_loader(int8_file["name"]))
 
 
-@pytest.mark.parametrize("quantization", ["int8_convrot", "fp8_e4m3fn"])
+@pytest.mark.parametrize("quantization", ["int8_convrot", "float8_e4m3fn"])
 def test_quantized_while_loading_saves_and_loads_bit_identical(comfy, tiny_wan2, quantization):
     name = f"saved/wan2_h3_{quantization}.safetensors"
     text = save(comfy, h3(tiny_wan2, quantization), filename=name)
@@ -148,7 +148,7 @@ def test_quantized_while_loading_saves_and_loads_bit_identical(comfy, tiny_wan2,
     in_memory = sample(comfy, tiny_wan2, loader=h3(tiny_wan2, quantization))
     latent = sample(comfy, tiny_wan2, loader=mixed(name))
     assert torch.equal(latent, in_memory), rel(latent, in_memory)
-    if quantization == "fp8_e4m3fn":
+    if quantization == "float8_e4m3fn":
         # FP8 markers are what ComfyUI 0.3.75 reads natively (header form): its own loader takes the file too.
         bf16 = sample(comfy, tiny_wan2)
         native = sample(comfy, tiny_wan2, loader=unet_loader(name))

@@ -60,7 +60,7 @@ def test_quantized_loads_fail_at_load_naming_the_package(bare, tiny_wan, case):
             "MixedCheckpointLoader", {"unet_name": "fp8.safetensors"}))
     elif case == "online fp8":
         node, graph = "LoadH3Quantized", wan_t2v_graph(None, tiny_wan["vae_name"], loader=(
-            "LoadH3Quantized", {"unet_name": tiny_wan["unet_name"], "quantization": "fp8_e4m3fn",
+            "LoadH3Quantized", {"unet_name": tiny_wan["unet_name"], "quantization": "float8_e4m3fn",
                                 "offload": "none"}))
     else:
         node, graph = "QuantizeModelINT8", wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[

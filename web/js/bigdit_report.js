@@ -1,12 +1,12 @@
 // Shows a node's report on the node itself after it runs.
 //
-// Applies to every node of this pack that returns {"ui": {"text": [report]}}
+// Applies to every node of this pack that returns {"ui": {"text": [short], "report": [full]}}
 // (the loaders and quantizers' reports, Set Attention Backend's choice):
-// ComfyUI calls onExecuted with that dict, and the text is rendered read-only below the node's widgets: the first
-// line as a headline, "key: value" lines with the key dimmed, and a line
-// ending in ":" followed by indented lines as a collapsible list.
+// ComfyUI calls onExecuted with that dict, and the short report (1-3 lines) is rendered read-only below the
+// node's widgets: the first line as a headline, "key: value" lines with the key dimmed; the full report
+// follows, collapsed, where a line ending in ":" followed by indented lines is a collapsible list.
 // What is known only after a run (the attention kernels a sampling used) comes
-// later as a "bigdit.report" server event {node, text} and replaces the report.
+// later as a "bigdit.report" server event {node, text} and replaces the short report.
 import { app } from "../../../scripts/app.js"; // served as /extensions/<pack>/js/…
 import { api } from "../../../scripts/api.js";
 
@@ -33,6 +33,8 @@ const STYLE = `
 .bigdit-report .bigdit-saved { color: #7fd37f; font-weight: bold; }
 .bigdit-report details > summary { cursor: pointer; }
 .bigdit-report details > div { padding-left: 12px; color: var(--descrip-text, #aaa); }
+.bigdit-report details.bigdit-full { margin-top: 4px; }
+.bigdit-report details.bigdit-full > summary { color: var(--descrip-text, #999); }
 `;
 
 function installStyle() {
@@ -109,26 +111,43 @@ function fitNode(node) {
   node.setDirtyCanvas?.(true, true);
 }
 
-function showReport(node, text) {
+// The full report, collapsed below the short one; opening it grows the node.
+function appendFull(container, full, widget) {
+  if (!full) return;
+  const details = document.createElement("details");
+  details.className = "bigdit-full";
+  const summary = document.createElement("summary");
+  summary.textContent = "full report";
+  const body = document.createElement("div");
+  renderReport(body, full);
+  details.append(summary, body);
+  details.addEventListener("toggle", () => widget.measure?.());
+  container.append(details);
+}
+
+function showReport(node, text, full) {
   let widget = node.widgets?.find((w) => w.name === WIDGET_NAME);
   if (!widget) {
     installStyle();
     const container = document.createElement("div");
     container.className = "bigdit-report";
     let current = "";
+    let currentFull = "";
     let height = 60;
     widget = node.addDOMWidget(WIDGET_NAME, "bigdit_report", container, {
       serialize: false, // a run's output, not a setting: never saved into the workflow or the prompt
       getValue: () => current,
       setValue: (value) => {
         current = String(value ?? "");
-        const lines = renderReport(container, current);
+        const lines = renderReport(container, current) + (currentFull ? 1 : 0);
+        appendFull(container, currentFull, widget);
         height = Math.min(MAX_HEIGHT_PX, lines * LINE_HEIGHT_PX + 36); // + padding, border, widget margins
       },
       getMinHeight: () => height,
       getMaxHeight: () => MAX_HEIGHT_PX,
     });
     widget.serialize = false;
+    widget.setFull = (value) => { currentFull = value; };
     // Long lines wrap: once the browser has laid the text out, grow to what it really needs.
     widget.measure = () => {
       // the widget's slot is its height less a margin above and below the element
@@ -139,6 +158,7 @@ function showReport(node, text) {
       }
     };
   }
+  if (full !== undefined) widget.setFull(full); // a later event keeps the full report of the run
   widget.value = text;
   fitNode(node);
   requestAnimationFrame(() => requestAnimationFrame(widget.measure));
@@ -158,7 +178,8 @@ app.registerExtension({
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
       const text = message?.text?.[0];
-      if (typeof text === "string" && text) showReport(this, text);
+      const full = message?.report?.[0];
+      if (typeof text === "string" && text) showReport(this, text, typeof full === "string" ? full : "");
     };
   },
 });
