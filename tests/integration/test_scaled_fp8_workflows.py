@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint_files import write_scaled_fp8
-from graphs import add_preview, chain_id, wan_t2v_graph
+from graphs import add_preview, chain_id, node_report, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -100,7 +100,7 @@ def test_quantize_int8_keeps_or_requantizes_fp8_layers(comfy, tiny_wan2, scaled,
         graph = wan_t2v_graph(unet, tiny_wan2["vae_name"], weight_dtype=weight_dtype,
                               model_chain=[quantize(requantize)])
         history = comfy.run(graph)
-        runs[requantize] = comfy.latent(history, "save_latent"), history["outputs"][chain_id(0)]["text"][0]
+        runs[requantize] = comfy.latent(history, "save_latent"), node_report(history, chain_id(0))
     fp8_only = comfy.latent(comfy.run(wan_t2v_graph(unet, tiny_wan2["vae_name"], weight_dtype=weight_dtype)),
                             "save_latent")
 
