@@ -65,11 +65,15 @@ def wan_t2v(model_chain, loader, title_suffix="", prefix="bigdit/wan"):
     return graph
 
 
+def quantize_while_loading():
+    """The bf16 file, each layer quantized as it is read: RAM never holds the bf16 model beside the INT8 one."""
+    return {"class_type": "LoadH3Quantized", "inputs": {
+        "unet_name": WAN_UNET_BF16, "quantization": "int8_convrot", "offload": "auto", "group_size": "256",
+        "ignored_layers": ""}}
+
+
 def quantize_online():
-    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN_UNET_BF16, "weight_dtype": "default"}}
-    chain = [("quantize", {"class_type": "QuantizeModelINT8", "inputs": {
-        "group_size": "256", "ignored_layers": "", "row_split": "auto"}})]
-    return wan_t2v(chain, loader, prefix="bigdit/wan_int8")
+    return wan_t2v([], quantize_while_loading(), prefix="bigdit/wan_int8")
 
 
 def mixed_checkpoint():
@@ -80,10 +84,7 @@ def mixed_checkpoint():
 
 def attention_ab():
     """One model, two samplers on the same seed: SDPA and Sol (sparse) with 3 dense steps."""
-    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN_UNET_BF16, "weight_dtype": "default"}}
-    chain = [("quantize", {"class_type": "QuantizeModelINT8", "inputs": {
-        "group_size": "256", "ignored_layers": "", "row_split": "auto"}})]
-    graph = wan_t2v(chain, loader, title_suffix=" A: sdpa", prefix="bigdit/attention_A_sdpa")
+    graph = wan_t2v([], quantize_while_loading(), title_suffix=" A: sdpa", prefix="bigdit/attention_A_sdpa")
     graph["attention_a"] = {"class_type": "SetAttentionBackend", "title": "A: sdpa (dense reference)", "inputs": {
         "model": ["shift", 0], "backend": "sdpa", "dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0,
         "dense_layers": ""}}
@@ -143,21 +144,21 @@ NEEDS = {"bigdit-3-minimax-h3-24gb": ("minimax_h3", "torchaudio")}
 
 EXAMPLES = {
     "bigdit-1-quantize-wan-int8-online": (quantize_online, """\
-Quantize a bf16 model to INT8 while the workflow runs (BigDiT).
+Quantize a bf16 model to INT8 while it loads (BigDiT).
 
-Wan 2.1 T2V 14B in bf16 is about 28 GB of weights; QuantizeModelINT8 turns its Linear
-layers into INT8 ConvRot (about half the bytes) on a clone, layer by layer.
-After the run the node shows its report: layers quantized, GiB saved, and every
-layer kept in full precision with the reason.
+Wan 2.1 T2V 14B in bf16 is about 28 GB of weights. "Load Diffusion Model
+(quantize while loading)" reads the file layer by layer and turns each Linear
+layer into INT8 ConvRot (about half the bytes) as it is read, so RAM never
+holds the bf16 model beside the INT8 one; offload "auto" streams the blocks
+that do not fit in VRAM. After the run the node shows its report: formats,
+GiB saved, the memory plan and how many quantized layers ran.
 
 Files: models/diffusion_models/wan2.1_t2v_14B_bf16.safetensors,
 models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors,
 models/vae/wan_2.1_vae.safetensors (Comfy-Org's Wan 2.1 repackage).
-Any other model ComfyUI loads works the same way.
-
-RAM: the original weights stay in RAM beside the quantized ones while both are
-referenced. To avoid that, load with "Load Diffusion Model (quantize while loading)"
-instead, which quantizes while loading."""),
+Any other model ComfyUI loads works the same way. To skip the quantization
+at the next load, save the result once with Save Quantized Model and load
+that file with "Load Quantized Diffusion Model"."""),
     "bigdit-2-load-mixed-quantized-checkpoint": (mixed_checkpoint, """\
 Load a checkpoint whose layers are stored quantized (BigDiT).
 
