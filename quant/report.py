@@ -62,36 +62,40 @@ class QuantReport:
     def summary_line(self) -> str:
         return f"quantized {len(self.quantized)}/{self.linear_count} linear layers"
 
+    def weights_line(self) -> str:
+        before, after = self.bytes_before(), self.bytes_after()
+        return f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})"
+
     def brief(self) -> list[str]:
         """The report in two lines for the node: the formats; the memory saved, the layers kept and the
         headline notes."""
         counts, earlier = self.method_counts(), self.method_counts(self.earlier)
         first = self.summary_line()
         if counts:
-            first += ": " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+            first += ": " + _counts_text(counts)
         if earlier:
-            first += "; already quantized: " + ", ".join(f"{k} x{v}" for k, v in sorted(earlier.items()))
-        before, after = self.bytes_before(), self.bytes_after()
-        second = f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})"
+            first += "; already quantized: " + _counts_text(earlier)
+        second = self.weights_line()
         if self.kept:
             second += f"; {len(self.kept)} kept in original precision"
         return [first, "; ".join([second, *self.headline_notes])]
 
     def render(self) -> str:
-        before, after = self.bytes_before(), self.bytes_after()
-        lines = [
-            self.summary_line(),
-            f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})",
-        ]
+        lines = [self.summary_line(), self.weights_line()]
         counts = self.method_counts()
         if counts:
-            lines.append("formats: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+            lines.append("formats: " + _counts_text(counts))
         earlier = self.method_counts(self.earlier)
         if earlier:
-            lines.append("already quantized, left alone: " + ", ".join(f"{k} x{v}" for k, v in sorted(earlier.items())))
+            lines.append("already quantized, left alone: " + _counts_text(earlier))
         lines.extend(self.notes)
         lines.extend(self.headline_notes)
         if self.kept:
             lines.append(f"kept in original precision ({len(self.kept)}):")
             lines.extend(f"  {r.name}: {r.reason}" for r in self.kept)
         return "\n".join(lines)
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    """`{"int8_convrot": 24}` -> "int8_convrot x24", formats in name order."""
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
