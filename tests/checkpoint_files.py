@@ -35,6 +35,20 @@ def load(path):
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
+def write_lora(path, targets: dict, seed: int, rank: int = 4, scale: float = 0.3) -> str:
+    """A random LoRA on `targets` {module name: (out_features, in_features)} of a diffusion model,
+    in ComfyUI's lora_up/lora_down naming; returns the file name."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out_f, in_f) in targets.items():
+        tensors[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, rank, generator=gen) * scale
+        tensors[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(rank, in_f, generator=gen) * scale
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(path))
+    return path.name
+
+
 def marker_tensor(marker: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
 

@@ -31,6 +31,19 @@ def node_report(history, node_id) -> str:
     return full
 
 
+def run_loader(comfy, vae_name, class_type, inputs):
+    """(latent, the loader's report) of the tiny Wan graph with `class_type` as its loader."""
+    graph = wan_t2v_graph(None, vae_name, loader=(class_type, inputs))
+    report_node = add_preview(graph, "unet", 1)
+    history = comfy.run(graph)
+    return comfy.latent(history, "save_latent"), history["outputs"][report_node]["text"][0]
+
+
+def rel_l2(a, b) -> float:
+    """Relative L2 distance of `a` from the reference `b`."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def chain_id(index: int) -> str:
     return f"m{index}"
 

@@ -7,7 +7,6 @@ weights lands at a relative latent difference of about 0.7.
 """
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from bad_checkpoints import BAD_FILES, many_markers_file
 from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, write_converted, write_dequantized,
                               write_markers, write_quanto, write_quanto_reference)
 from comfy_harness import ComfyServer, PromptError
-from graphs import add_preview, wan_t2v_graph
+from graphs import rel_l2, run_loader, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -67,46 +66,38 @@ def baseline(comfy, tiny_wan2):
     return comfy.latent(comfy.run(wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"])), "save_latent")
 
 
-def run_loader(comfy, tiny_wan2, class_type, inputs):
-    graph = wan_t2v_graph(None, tiny_wan2["vae_name"], loader=(class_type, inputs))
-    report_node = add_preview(graph, "unet", 1)
-    history = comfy.run(graph)
-    return comfy.latent(history, "save_latent"), history["outputs"][report_node]["text"][0]
 
-
-def rel(latent, baseline):
-    return ((latent - baseline).norm() / baseline.norm()).item()
 
 
 def test_mixed_marker_file(comfy, tiny_wan2, files, baseline):
-    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": files["mixed"]})
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": files["mixed"]})
     lines = report.splitlines()
     assert lines[0] == "quantized 7/26 linear layers"
     assert "formats: float8_e4m3fn x2, int8_convrot x1, int8_tensorwise x1, mxfp8 x1, nvfp4 x2" in lines
     assert "nvfp4 layers on cpu: dequantized before each matmul x2" in lines
-    assert rel(latent, baseline) < TOLERANCE["mixed"]
+    assert rel_l2(latent, baseline) < TOLERANCE["mixed"]
 
 
 def test_header_markers_with_nvfp4_requantized(comfy, tiny_wan2, files, baseline):
-    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader",
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader",
                                 {"unet_name": files["header"], "nvfp4": "requantize"})
     assert report.splitlines()[0] == "quantized 20/26 linear layers"
     assert "formats: int8_convrot x20" in report
     assert "markers read from _quantization_metadata x20" in report
     assert "nvfp4 layers on cpu: re-quantized at load to int8_convrot(g=256) x2" in report
-    assert rel(latent, baseline) < TOLERANCE["header"]
+    assert rel_l2(latent, baseline) < TOLERANCE["header"]
 
 
 def test_quanto_file_from_optimum_quanto_and_mmgp(comfy, tiny_wan2, files, baseline):
-    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": files["quanto"]})
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": files["quanto"]})
     assert report.splitlines()[0] == "quantized 20/26 linear layers"
     assert "formats: quanto_qint8 x20" in report
     assert "resident-memory format, not a speed format" in report
-    assert rel(latent, baseline) < TOLERANCE["quanto"]
+    assert rel_l2(latent, baseline) < TOLERANCE["quanto"]
 
 
 def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
-    latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
         "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": "auto",
         "group_size": "256", "ignored_layers": "text_embedding.*"})
     lines = report.splitlines()
@@ -115,7 +106,7 @@ def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
     assert "  time_projection.1: ignored (matches 'time_projection.*')" in lines
     assert "  text_embedding.0: ignored (matches 'text_embedding.*')" in lines
     assert any(line.startswith("offload: auto on cpu") for line in lines)
-    assert rel(latent, baseline) < TOLERANCE["online_int8"]
+    assert rel_l2(latent, baseline) < TOLERANCE["online_int8"]
 
 
 @pytest.mark.parametrize("quantization, formats, how", [
@@ -124,20 +115,20 @@ def test_load_h3_quantized_online_int8(comfy, tiny_wan2, baseline):
     ("auto", "int8_convrot x24", "auto: int8_convrot (table) x24"),
 ])
 def test_load_h3_quantized_other_formats(comfy, tiny_wan2, baseline, quantization, formats, how):
-    latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
         "unet_name": tiny_wan2["unet_name"], "quantization": quantization, "offload": "none"})
     lines = report.splitlines()
     assert lines[0] == "quantized 24/26 linear layers"
     assert f"formats: {formats}" in lines, report
     assert f"quantized while loading: {how}" in lines, report
-    assert 0 < rel(latent, baseline) < TOLERANCE[quantization], rel(latent, baseline)
+    assert 0 < rel_l2(latent, baseline) < TOLERANCE[quantization], rel_l2(latent, baseline)
 
 
 def test_load_h3_quantized_offload_modes_agree(comfy, tiny_wan2):
     """offload=auto runs the same model as offload=none (on CPU nothing needs to stream)."""
     latents = {}
     for mode in ("none", "auto"):
-        latents[mode], report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+        latents[mode], report = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
             "unet_name": tiny_wan2["unet_name"], "quantization": "int8_convrot", "offload": mode})
         assert any(line.startswith(f"offload: {mode} on cpu") for line in report.splitlines()), report
         assert "resident 2/2 blocks, streaming 0" in report, report
@@ -147,10 +138,10 @@ def test_load_h3_quantized_offload_modes_agree(comfy, tiny_wan2):
 def test_old_option_values_of_saved_workflows_still_load(comfy, tiny_wan2):
     """A workflow saved with the earlier spellings (quantization fp8_e4m3fn, offload layerwise) runs as
     float8_e4m3fn / auto, and the log says how it read them; a value neither spelling knows is refused."""
-    today, _ = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+    today, _ = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
         "unet_name": tiny_wan2["unet_name"], "quantization": "float8_e4m3fn", "offload": "auto"})
     start = len(comfy.log_text())
-    old, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+    old, report = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
         "unet_name": tiny_wan2["unet_name"], "quantization": "fp8_e4m3fn", "offload": "layerwise"})
     log = comfy.log_text()[start:]
     assert torch.equal(old, today)
@@ -160,7 +151,7 @@ def test_old_option_values_of_saved_workflows_still_load(comfy, tiny_wan2):
     for name, value in (("quantization", "fp8"), ("offload", "sometimes")):
         inputs = {"unet_name": tiny_wan2["unet_name"], "quantization": "auto", "offload": "auto", name: value}
         with pytest.raises(PromptError, match=f"{name}.* must be one of .*got '{value}'"):
-            run_loader(comfy, tiny_wan2, "LoadH3Quantized", inputs)
+            run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", inputs)
 
 
 # ---- files written by convert_to_quant 1.3.4 -----------------------------------
@@ -190,11 +181,11 @@ def test_convert_to_quant_file(comfy, tiny_wan2, converted, mode):
     name, dequantized = converted[mode]
     reference = comfy.latent(comfy.run(wan_t2v_graph(dequantized, tiny_wan2["vae_name"])), "save_latent")
     log_start = len(comfy.log_text())
-    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": name})
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": name})
     quantized = int(re.match(r"quantized (\d+)/26 linear layers", report).group(1))
     assert quantized >= 20, report  # every block Linear at least
     assert f"markers read from both forms x{quantized}" in report, report
-    assert rel(latent, reference) < CONVERTED_TOLERANCE[mode], rel(latent, reference)
+    assert rel_l2(latent, reference) < CONVERTED_TOLERANCE[mode], rel_l2(latent, reference)
     assert not re.search(r"unet (missing|unexpected)", comfy.log_text()[log_start:])
 
 
@@ -292,7 +283,7 @@ def assert_server_keeps_serving(comfy, tiny_wan2, baseline):
 def test_bad_file_fails_clearly_and_the_server_keeps_serving(comfy, tiny_wan2, bad_files, baseline, case, words,
                                                              layer):
     with pytest.raises(PromptError) as info:
-        run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": bad_files[case]})
+        run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": bad_files[case]})
     assert info.value.node_type == "MixedCheckpointLoader"
     assert "CheckpointError" in info.value.message
     assert f"{bad_files[case]}: " in info.value.message and words in info.value.message, info.value.message

@@ -17,9 +17,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from graphs import chain_id, node_report, wan_t2v_graph
+from checkpoint_files import write_lora
+from graphs import chain_id, node_report, rel_l2, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -47,21 +48,10 @@ TOLERANCE = {"int8_convrot": 0.02, "float8_e4m3fn": 0.06}
 EFFECT_TOLERANCE = 0.12
 
 
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
 
 @pytest.fixture(scope="module")
 def lora_name(comfy):
-    gen = torch.Generator().manual_seed(3)
-    tensors = {}
-    for module, (out_f, in_f) in TARGETS.items():
-        tensors[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, 4, generator=gen) * 0.3
-        tensors[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, in_f, generator=gen) * 0.3
-    path = comfy.models_dir / "loras" / "tiny_wan2_lora.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
-    return path.name
+    return write_lora(comfy.models_dir / "loras" / "tiny_wan2_lora.safetensors", TARGETS, seed=3)
 
 
 def lora(name):
@@ -90,12 +80,12 @@ def test_lora_after_quantization_matches_lora_on_float_model(comfy, tiny_wan2, l
     _, quantized = latent(comfy, tiny_wan2, chain, loader)
     _, quantized_lora = latent(comfy, tiny_wan2, chain + [lora(lora_name)], loader)
     plain, with_lora = float_latents["plain"], float_latents["lora"]
-    assert rel(with_lora, plain) > 0.1  # the LoRA matters
+    assert rel_l2(with_lora, plain) > 0.1  # the LoRA matters
     # Applied, not dropped (a dropped LoRA gives the quantized latent bit for bit), and
     # moving the quantized model as it moves the float model.
     assert not torch.equal(quantized_lora, quantized)
-    assert rel(quantized_lora - quantized, with_lora - plain) < EFFECT_TOLERANCE
-    assert rel(quantized_lora, with_lora) < TOLERANCE[fmt], rel(quantized_lora, with_lora)
+    assert rel_l2(quantized_lora - quantized, with_lora - plain) < EFFECT_TOLERANCE
+    assert rel_l2(quantized_lora, with_lora) < TOLERANCE[fmt], rel_l2(quantized_lora, with_lora)
 
 
 def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name, float_latents):
@@ -104,7 +94,7 @@ def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_na
     for module in TARGETS:
         assert f"{module}: has weight patches" in report
     assert not torch.equal(lora_then_quantized, float_latents["lora"])  # the other layers are quantized
-    assert rel(lora_then_quantized, float_latents["lora"]) < TOLERANCE["int8_convrot"]
+    assert rel_l2(lora_then_quantized, float_latents["lora"]) < TOLERANCE["int8_convrot"]
 
 
 # ---- partial loading and unloading ------------------------------------------
@@ -159,13 +149,13 @@ def test_partial_loading_and_unloading_with_lora(comfy, tiny_wan2, lora_name, fl
         assert state["repeatable"]
         # The LoRA written into the quantized weights is the same wherever the layer sits: bit for bit;
         # offloaded-and-folded layers that are then loaded are patched once, not twice.
-        assert torch.equal(out[name], out["full"]), (name, rel(out[name], out["full"]))
+        assert torch.equal(out[name], out["full"]), (name, rel_l2(out[name], out["full"]))
     # Layers ComfyUI offloads between loads (partially_unload) apply the LoRA per call until the next load,
     # on their dequantized weight in float (without activation quantization).
     assert partial["lowvram_lora"] == 0  # all LoRA layers were resident, and are offloaded now
     assert unloaded["patch_calls_load"] == 0 and unloaded["lowvram_patched"] == len(TARGETS)
     assert unloaded["patch_calls_per_forward"] == len(TARGETS)
-    assert rel(out["unloaded"], out["full"]) < TOLERANCE[fmt], rel(out["unloaded"], out["full"])
-    assert rel(out["full"], float_out["full"]) < TOLERANCE[fmt]
+    assert rel_l2(out["unloaded"], out["full"]) < TOLERANCE[fmt], rel_l2(out["unloaded"], out["full"])
+    assert rel_l2(out["full"], float_out["full"]) < TOLERANCE[fmt]
     # Unpatched, every quantized tensor is bit for bit what it was before the LoRA was loaded.
     assert report["quantized_tensors"] > 0 and report["restored_exact"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoint_files import write_markers
-from graphs import add_preview, chain_id, h3_graph
+from graphs import add_preview, chain_id, h3_graph, rel_l2
 
 pytestmark = [pytest.mark.integration, pytest.mark.host_feature("minimax_h3")]
 
@@ -30,9 +30,6 @@ ONLINE_TOLERANCE = {"int8_convrot": 0.01, "auto": 0.01, "float8_e4m3fn": 0.03}
 # A quantized run must differ from the baseline by more than float noise.
 DIFFERS = 1e-4
 
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def run(comfy, tiny_h3, chain=(), loader=None, unet_name=None, extra=None, **kwargs):
@@ -88,7 +85,7 @@ def test_load_h3_quantized_against_unetloader(comfy, tiny_h3, baseline, quantiza
         assert_same((video, audio), baseline)
         return
     for ours, reference in ((video, baseline[0]), (audio, baseline[1])):
-        assert DIFFERS < rel(ours, reference) < ONLINE_TOLERANCE[quantization], rel(ours, reference)
+        assert DIFFERS < rel_l2(ours, reference) < ONLINE_TOLERANCE[quantization], rel_l2(ours, reference)
 
 
 def test_h3_blocks_stream_exactly(comfy, tiny_h3):
@@ -141,8 +138,8 @@ def test_mixed_checkpoint_loader_matches_upstreams_native_loading(comfy, tiny_h3
     assert report.splitlines()[0] == "quantized 12/22 linear layers", report
     assert "ComfyUI per-layer markers" in report
     for ours, upstream, plain in ((video, native[0], baseline[0]), (audio, native[1], baseline[1])):
-        assert rel(ours, upstream) < NATIVE_TOLERANCE[kind], rel(ours, upstream)
-        assert rel(ours, plain) > DIFFERS  # the file's formats ran, not a float copy
+        assert rel_l2(ours, upstream) < NATIVE_TOLERANCE[kind], rel_l2(ours, upstream)
+        assert rel_l2(ours, plain) > DIFFERS  # the file's formats ran, not a float copy
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -245,4 +242,4 @@ def test_h3s_swiglu_on_quantized_layers(comfy, tiny_h3, baseline, producer):
         assert found["fc2"] == f"QuantLinear/Parameter({storage})", (name, found)
         assert found["fused"] == 0 and found["unfused"] == 0.0, (name, found)
     for ours, reference in ((video, baseline[0]), (audio, baseline[1])):
-        assert DIFFERS < rel(ours, reference) < ONLINE_TOLERANCE[fmt]
+        assert DIFFERS < rel_l2(ours, reference) < ONLINE_TOLERANCE[fmt]

@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from checkpoint_files import write_lora
 from comfy_harness import PromptError
 from graphs import add_preview, chain_id, node_report, wan_t2v_graph
 from tiny_models import make_tiny_wan
@@ -46,16 +46,9 @@ def size(text, label):
 @pytest.fixture(scope="module")
 def lora4(comfy):
     """A rank-4 LoRA on quantized layers of the blocks that stream (1-3) and of the one that does not (0)."""
-    gen = torch.Generator().manual_seed(5)
-    tensors = {}
-    for module, (out_f, in_f) in {"blocks.0.ffn.0": (256, 128), "blocks.1.ffn.2": (128, 256),
-                                  "blocks.2.self_attn.q": (128, 128), "blocks.3.ffn.0": (256, 128)}.items():
-        tensors[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, 4, generator=gen) * 0.3
-        tensors[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, in_f, generator=gen) * 0.3
-    path = comfy.models_dir / "loras" / "tiny_wan4_lora.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
-    return path.name
+    targets = {"blocks.0.ffn.0": (256, 128), "blocks.1.ffn.2": (128, 256), "blocks.2.self_attn.q": (128, 128),
+               "blocks.3.ffn.0": (256, 128)}
+    return write_lora(comfy.models_dir / "loras" / "tiny_wan4_lora.safetensors", targets, seed=5)
 
 
 @pytest.mark.parametrize("quantize,lora", [(False, False), (True, False), (True, True)],

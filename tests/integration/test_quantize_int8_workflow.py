@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from checkpoint_files import write_markers
-from graphs import chain_id, node_report, wan_t2v_graph
+from graphs import chain_id, node_report, rel_l2, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -15,9 +15,6 @@ def quantize_node(group_size="16", ignored_layers="", **extra):
 def report_of(history, node_id=chain_id(0)) -> str:
     return node_report(history, node_id)
 
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_node_inputs_as_documented(comfy):
@@ -46,7 +43,7 @@ def test_quantized_run_is_close_but_not_identical(comfy, tiny_wan2, baseline):
     latent = comfy.latent(history, "save_latent")
     assert not torch.equal(latent, baseline)
     # Random tiny weights, 2 sampler steps: W8A8 error stays at the percent level.
-    assert rel(latent, baseline) < 0.05, rel(latent, baseline)
+    assert rel_l2(latent, baseline) < 0.05, rel_l2(latent, baseline)
 
 
 def test_group_256_keeps_narrow_layers_and_says_why(comfy, tiny_wan):

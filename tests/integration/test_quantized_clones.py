@@ -16,8 +16,8 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from checkpoint_files import write_lora
 from comfy_harness import ComfyServer
 from graphs import add_preview, chain_id, wan_t2v_graph
 
@@ -40,15 +40,7 @@ def offload():
 
 @pytest.fixture(scope="module")
 def lora_name(comfy):
-    gen = torch.Generator().manual_seed(5)
-    tensors = {}
-    for module, (out_f, in_f) in LORA_TARGETS.items():
-        tensors[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, 4, generator=gen) * 0.3
-        tensors[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, in_f, generator=gen) * 0.3
-    path = comfy.models_dir / "loras" / "tiny_wan2_clones_lora.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
-    return path.name
+    return write_lora(comfy.models_dir / "loras" / "tiny_wan2_clones_lora.safetensors", LORA_TARGETS, seed=5)
 
 
 @pytest.fixture(scope="module")

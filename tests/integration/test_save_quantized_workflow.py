@@ -15,10 +15,10 @@ import re
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from checkpoint_files import write_lora
 from comfy_harness import PromptError
-from graphs import node_report, wan_t2v_graph
+from graphs import node_report, rel_l2, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +41,6 @@ def host_reads_int8_markers(comfy) -> bool:
     utils = (comfy.comfyui / "comfy" / "utils.py").read_text()
     return bool(re.search(r'["\']int8_tensorwise["\']\s*\]?\s*[:=]', quant_ops)) and ".comfy_quant" in utils
 
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def sample(comfy, tiny, chain=(), loader=None):
@@ -121,7 +118,7 @@ def test_int8_save_reports_and_keeps_every_tensor(comfy, tiny_wan2, int8_file):
 
 def test_int8_file_loads_through_mixed_loader_bit_identical(comfy, tiny_wan2, int8_file):
     latent = sample(comfy, tiny_wan2, loader=mixed(int8_file["name"]))
-    assert torch.equal(latent, int8_file["latent"]), rel(latent, int8_file["latent"])
+    assert torch.equal(latent, int8_file["latent"]), rel_l2(latent, int8_file["latent"])
 
 
 def test_int8_file_through_the_hosts_own_unet_loader(comfy, tiny_wan2, int8_file):
@@ -129,7 +126,7 @@ def test_int8_file_through_the_hosts_own_unet_loader(comfy, tiny_wan2, int8_file
         pytest.skip("host lacks native int8_tensorwise markers")
     latent = sample(comfy, tiny_wan2, loader=unet_loader(int8_file["name"]))
     # upstream's own INT8 layers, not the pack's: the same tensors, another float order (measured 8e-8)
-    assert rel(latent, int8_file["latent"]) < 1e-4, rel(latent, int8_file["latent"])
+    assert rel_l2(latent, int8_file["latent"]) < 1e-4, rel_l2(latent, int8_file["latent"])
 
 
 def test_int8_file_fails_loudly_where_the_host_lacks_int8_markers(comfy, tiny_wan2, int8_file):
@@ -147,25 +144,17 @@ def test_quantized_while_loading_saves_and_loads_bit_identical(comfy, tiny_wan2,
     assert "other tensors, as they were" in text
     in_memory = sample(comfy, tiny_wan2, loader=h3(tiny_wan2, quantization))
     latent = sample(comfy, tiny_wan2, loader=mixed(name))
-    assert torch.equal(latent, in_memory), rel(latent, in_memory)
+    assert torch.equal(latent, in_memory), rel_l2(latent, in_memory)
     if quantization == "float8_e4m3fn":
         # FP8 markers are what ComfyUI 0.3.75 reads natively (header form): its own loader takes the file too.
         bf16 = sample(comfy, tiny_wan2)
         native = sample(comfy, tiny_wan2, loader=unet_loader(name))
-        assert 0 < rel(native, bf16) < FP8_TOLERANCE
+        assert 0 < rel_l2(native, bf16) < FP8_TOLERANCE
 
 
 @pytest.fixture(scope="module")
 def lora_name(comfy):
-    gen = torch.Generator().manual_seed(5)
-    lora = {}
-    for module, (out_f, in_f) in LORA_TARGETS.items():
-        lora[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(out_f, 4, generator=gen) * 0.3
-        lora[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, in_f, generator=gen) * 0.3
-    path = comfy.models_dir / "loras" / "save_test_lora.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(lora, str(path))
-    return path.name
+    return write_lora(comfy.models_dir / "loras" / "save_test_lora.safetensors", LORA_TARGETS, seed=5)
 
 
 def test_a_lora_sampled_on_a_clone_is_not_saved(comfy, tiny_wan2, lora_name):
@@ -179,9 +168,9 @@ def test_a_lora_sampled_on_a_clone_is_not_saved(comfy, tiny_wan2, lora_name):
                      "inputs": {"model": ["after", 0], "filename": name, "overwrite": False}}
     with_lora = comfy.latent(comfy.run(graph), "save_latent")
     without = sample(comfy, tiny_wan2, loader=h3(tiny_wan2, "int8_convrot"))
-    assert rel(with_lora, without) > 0.01  # the LoRA did change the sampling
+    assert rel_l2(with_lora, without) > 0.01  # the LoRA did change the sampling
     latent = sample(comfy, tiny_wan2, loader=mixed(name))
-    assert torch.equal(latent, without), rel(latent, without)
+    assert torch.equal(latent, without), rel_l2(latent, without)
 
 
 def test_a_model_with_pending_lora_patches_is_refused(comfy, tiny_wan2, lora_name):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint_files import write_scaled_fp8
-from graphs import add_preview, chain_id, node_report, wan_t2v_graph
+from graphs import chain_id, node_report, rel_l2, run_loader, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -43,46 +43,38 @@ def native(comfy, tiny_wan2, scaled):
     return comfy.latent(comfy.run(wan_t2v_graph(scaled["all"], tiny_wan2["vae_name"])), "save_latent")
 
 
-def run_loader(comfy, tiny_wan2, class_type, inputs):
-    graph = wan_t2v_graph(None, tiny_wan2["vae_name"], loader=(class_type, inputs))
-    report_node = add_preview(graph, "unet", 1)
-    history = comfy.run(graph)
-    return comfy.latent(history, "save_latent"), history["outputs"][report_node]["text"][0]
 
-
-def rel(latent, reference):
-    return ((latent - reference).norm() / reference.norm()).item()
 
 
 def test_mixed_checkpoint_loader_reads_scaled_fp8_as_comfyui_does(comfy, tiny_wan2, scaled, native, baseline):
-    latent, report = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": scaled["all"]})
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": scaled["all"]})
     lines = report.splitlines()
     assert lines[0] == "quantized 26/26 linear layers", report
     assert "formats: float8_e4m3fn x26" in lines, report
     assert f"checkpoint {scaled['all']}: ComfyUI scaled_fp8; quantized layers in the file: float8_e4m3fn x26" in lines
     assert not torch.equal(latent, native)  # the pack's own FP8 layers ran, not ComfyUI's
-    assert rel(latent, native) < PACK_VS_NATIVE, rel(latent, native)
-    assert rel(native, baseline) < FP8_VS_BF16 and rel(latent, baseline) < FP8_VS_BF16
+    assert rel_l2(latent, native) < PACK_VS_NATIVE, rel_l2(latent, native)
+    assert rel_l2(native, baseline) < FP8_VS_BF16 and rel_l2(latent, baseline) < FP8_VS_BF16
 
 
 def test_load_h3_quantized_keeps_the_file_fp8_layers(comfy, tiny_wan2, scaled, native):
     """Quantizing while loading: the file's FP8 layers load as stored (not re-quantized), the rest is quantized."""
-    mixed, _ = run_loader(comfy, tiny_wan2, "MixedCheckpointLoader", {"unet_name": scaled["all"]})
-    latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+    mixed, _ = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": scaled["all"]})
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
         "unet_name": scaled["all"], "quantization": "int8_convrot", "offload": "none"})
     assert report.splitlines()[0] == "quantized 26/26 linear layers" and "formats: float8_e4m3fn x26" in report
     assert torch.equal(latent, mixed)
-    assert rel(latent, native) < PACK_VS_NATIVE
+    assert rel_l2(latent, native) < PACK_VS_NATIVE
 
 
 def test_load_h3_quantized_on_a_partly_scaled_file(comfy, tiny_wan2, scaled, baseline):
-    latent, report = run_loader(comfy, tiny_wan2, "LoadH3Quantized", {
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", {
         "unet_name": scaled["blocks"], "quantization": "int8_convrot", "offload": "none"})
     lines = report.splitlines()
     # 20 FP8 block layers from the file, the text and time embeddings quantized, head and time projection kept
     assert lines[0] == "quantized 24/26 linear layers", report
     assert "formats: float8_e4m3fn x20, int8_convrot x4" in lines, report
-    assert rel(latent, baseline) < FP8_VS_BF16, rel(latent, baseline)
+    assert rel_l2(latent, baseline) < FP8_VS_BF16, rel_l2(latent, baseline)
 
 
 def quantize(requantize_fp8):
@@ -115,4 +107,4 @@ def test_quantize_int8_keeps_or_requantizes_fp8_layers(comfy, tiny_wan2, scaled,
     assert "formats: int8_convrot x24" in lines and "re-quantized 24 fp8 layers to int8_convrot" in lines, report
     assert "kept 2 fp8 layers as they were" in lines, report
     assert not torch.equal(redone, kept)
-    assert rel(redone, baseline) < FP8_VS_BF16, rel(redone, baseline)
+    assert rel_l2(redone, baseline) < FP8_VS_BF16, rel_l2(redone, baseline)
