@@ -199,7 +199,7 @@ def test_loading_logs_no_missing_or_unexpected_keys(comfy, tiny_wan, tiny_wan2, 
     inputs = ({"unet_name": tiny_wan["unet_name"], "quantization": "int8_convrot", "offload": "none"}
               if loader == "LoadH3Quantized" else {"unet_name": files["mixed"]})
     log_start = len(comfy.log_text())
-    run_loader(comfy, tiny_wan if loader == "LoadH3Quantized" else tiny_wan2, loader, inputs)
+    run_loader(comfy, (tiny_wan if loader == "LoadH3Quantized" else tiny_wan2)["vae_name"], loader, inputs)
     log = comfy.log_text()[log_start:]
     assert f"[BigDiT] {loader} report:\nquantized" in log  # the load's own report: this is the load's log
     assert not re.search(r"unet (missing|unexpected)", log), log[:2000]
