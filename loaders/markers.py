@@ -185,7 +185,8 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str
     if extra:
         problems.add(f"unsupported companion tensor(s) for {fmt}: {', '.join(extra)}", name)
         return None
-    tensors = {role: key for role, key in present.items() if role in required | optional}
+    stored = required | optional  # once, not once per companion
+    tensors = {role: key for role, key in present.items() if role in stored}
     info = {role: header.tensors[key] for role, key in tensors.items()}
     weight = info["weight"]
     if len(weight.shape) != 2:
