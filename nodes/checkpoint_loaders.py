@@ -13,6 +13,7 @@ from ..quant.patterns import parse_patterns
 from . import categories, checkpoint_compat as compat
 from .comfy_compat import NodeRun, node_output, quantized_layers, watch_quantized_layers
 from .kitchen import require_kitchen
+from .dynamic_backups import keep_backups_on_layers
 from .lora_fold import install_lora_fold
 from .offload import MODES as OFFLOAD_MODES
 from .offload import install_offload, mode_problem
@@ -84,6 +85,7 @@ class MixedCheckpointLoader:
         short, full = "\n".join(builder.report.brief()), builder.report.render()
         watch_quantized_layers(model, NodeRun(unique_id, short), quantized_layers(model), "MixedCheckpointLoader")
         install_lora_fold(model)
+        keep_backups_on_layers(model)
         return node_output("MixedCheckpointLoader", short, full, (model, full))
 
 
@@ -180,6 +182,7 @@ class LoadH3Quantized:
         full = "\n".join([builder.report.render(), offload_report.full])
         watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
         install_lora_fold(model)
+        keep_backups_on_layers(model)
         return node_output("LoadH3Quantized", f"{run.text}\n{offload_report.brief}", full, (model, full))
 
 

@@ -7,6 +7,7 @@ from ..quant.keep import default_keep, describe_keep
 from ..quant.patterns import parse_patterns
 from . import categories, comfy_compat
 from .kitchen import require_kitchen
+from .dynamic_backups import keep_backups_on_layers
 from .lora_fold import install_lora_fold
 
 
@@ -71,6 +72,7 @@ class QuantizeModelINT8:
         comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, short), layers,
                                             "QuantizeModelINT8")
         install_lora_fold(patched)
+        keep_backups_on_layers(patched)
         return comfy_compat.node_output("QuantizeModelINT8", short, full, (patched, full))
 
 

@@ -121,3 +121,136 @@ def test_dynamic_patcher_is_seen_and_accounted(comfy, tiny_wan):
     assert out["live_is_layer"] and out["forced_weight_dtype"] == "int8"
     assert out["forced_err"] < 1e-4, out
     assert out["restored_exactly"]
+
+
+BACKUPS_PROBE = r"""
+import json, os, sys, types
+pack_root, unet = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_patcher, comfy.patcher_extension, comfy.sd, comfy.utils
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.nodes import comfy_compat
+from bigdit.nodes.dynamic_backups import keep_backups_on_layers
+from bigdit.quant import QuantConfig, get_method
+
+cpu = torch.device("cpu")
+ON_LOAD = comfy.patcher_extension.CallbacksMP.ON_LOAD
+Dynamic = comfy.model_patcher.ModelPatcherDynamic
+out = {}
+
+
+def snapshot(module):
+    return {k: v.detach().clone() for k, v in module._parameters.items() if v is not None}
+
+
+def same(module, saved):
+    now = snapshot(module)
+    return now.keys() == saved.keys() and all(now[k].dtype == saved[k].dtype and torch.equal(now[k], saved[k])
+                                              for k in saved)
+
+
+def dynamic_load(p, path, layer):
+    # what ModelPatcherDynamic.load does for a module of at most 16 KiB (force_load_param: weight, bias,
+    # then the other tensors), with the CPU as the device, then its ON_LOAD callbacks
+    p.restore_loaded_backups()
+    p.patch_model(load_weights=False)
+    names = ["weight", "bias"] + [k for k in layer._parameters if k not in ("weight", "bias")]
+    for name in names:
+        key = f"{path}.{name}"
+        if key in p.backup:
+            comfy.utils.set_attr_param(p.model, key, p.backup[key].weight)
+        p.patch_weight_to_device(key, device_to=cpu, force_cast=True)
+    for callback in p.get_all_callbacks(ON_LOAD):
+        callback(p, cpu, 0, False, False)
+
+
+def quantized_clone(patcher, keep):
+    config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=cpu)
+    clone, _, layers = comfy_compat.quantize_on_clone(patcher, config, title="test")
+    if keep:
+        keep_backups_on_layers(clone)
+    name, layer = next(iter(layers.items()))
+    return clone, comfy_compat.DIFFUSION_PREFIX + name, layer
+
+
+plain = comfy.sd.load_diffusion_model(unet)
+patcher = Dynamic(plain.model, load_device=torch.device("cuda", 0), offload_device=cpu)
+quantized, path, layer = quantized_clone(patcher, keep=True)
+original = comfy.utils.get_attr(patcher.model, path)
+original_saved, layer_saved = snapshot(original), snapshot(layer)
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(3, layer.in_features, generator=gen)
+with torch.no_grad():
+    before = layer(x)
+    base = layer.method.dequantize(layer, cpu).float()
+diff = 0.05 * torch.randn(layer.out_features, layer.in_features, generator=gen)
+
+# 1. a LoRA clone, loaded twice, then unloaded for good (detach, unpatch_all)
+lora = quantized.clone()
+lora.add_patches({path + ".weight": (diff,)}, 0.5)
+dynamic_load(lora, path, layer)
+out["live_is_layer"] = comfy.utils.get_attr(lora.model, path) is layer
+with torch.no_grad():
+    first = layer(x)
+    ref = torch.nn.functional.linear(x, base + 0.5 * diff, layer.bias.float())
+out["lora_err"] = ((first - ref).norm() / ref.norm()).item()
+out["lora_effect"] = ((ref - before).norm() / before.norm()).item()
+dynamic_load(lora, path, layer)  # the next load patches from the unpatched weight again
+with torch.no_grad():
+    out["second_load_err"] = ((layer(x) - first).norm() / first.norm()).item()
+out["backups_left"] = sorted(k for k in lora.backup if k.startswith(path + "."))
+lora.detach(unpatch_all=True)
+out["original_kept"] = same(original, original_saved)
+out["tree_has_original"] = comfy.utils.get_attr(patcher.model, path) is original
+out["layer_restored"] = same(layer, layer_saved) and layer._unpatched is None
+with torch.no_grad():
+    out["layer_output_restored"] = torch.equal(layer(x), before)
+
+# 2. ComfyUI switches to another clone of the model: detach without unpatching, then the other loads
+dynamic_load(quantized, path, layer)
+quantized.detach(unpatch_all=False)
+patcher.unpatch_model(unpatch_weights=False)  # what the next clone's partially_load does first
+patcher.patch_model(load_weights=False)
+patcher.restore_loaded_backups()
+out["switch_original_kept"] = same(original, original_saved)
+out["switch_layer_restored"] = same(layer, layer_saved)
+
+# 3. the same load and unload on a clone without the callbacks: upstream's order of restoring
+bare, bare_path, bare_layer = quantized_clone(patcher, keep=False)
+bare_original = comfy.utils.get_attr(patcher.model, bare_path)
+bare_saved = snapshot(bare_original)
+dynamic_load(bare, bare_path, bare_layer)
+bare.detach(unpatch_all=True)
+out["without_original_kept"] = same(bare_original, bare_saved)
+out["without_stray"] = sorted(set(bare_original._parameters) - set(bare_saved))
+print(json.dumps(out))
+"""
+
+
+def test_dynamic_backups_stay_on_quantized_layers(comfy, tiny_wan):
+    """ComfyUI's backups of a force-loaded QuantLinear come back to that layer, never to the Linear it replaced.
+
+    Upstream's ModelPatcherDynamic.unpatch_model removes the object patches before it restores the backups
+    by path; the pack's ON_LOAD / ON_DETACH callbacks (nodes/dynamic_backups.py) keep them on the layer.
+    """
+    result = subprocess.run([str(comfy.host.python), "-c", BACKUPS_PROBE, str(PACK_ROOT), str(tiny_wan["path"])],
+                            cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["live_is_layer"]
+    assert out["lora_effect"] > 1e-2, out
+    # the LoRA requantized into int8 with group 16: int8 rounding of the patched weight
+    assert out["lora_err"] < 2e-2, out
+    assert out["second_load_err"] < 1e-6, out  # patched once, not twice
+    assert out["backups_left"] == [], out
+    assert out["original_kept"] and out["tree_has_original"], out
+    assert out["layer_restored"] and out["layer_output_restored"], out
+    assert out["switch_original_kept"] and out["switch_layer_restored"], out
+    # what the callbacks prevent; if upstream restores in the other order one day, this says so
+    assert not out["without_original_kept"] and out["without_stray"], (
+        "upstream no longer puts QuantLinear backups on the original Linear: nodes/dynamic_backups.py may go", out)
