@@ -3,11 +3,12 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.loaders.memory_plan import (GIB, MIB, MemoryPlan, RunShape, activation_bytes, find_blocks, h3_shape,
-                                        infer_shape, latent_tokens, max_resident_tokens, module_bytes,
-                                        plan_for_model, plan_placement, spread, tensor_bytes)
+from bigdit.loaders.offload.plan import (GIB, MIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
+                                         latent_tokens, max_resident_tokens, module_bytes, plan_for_model,
+                                         plan_placement, spread, tensor_bytes)
 from bigdit.quant import QuantLinear
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
+from offload_helpers import all_resident, h3_shape
 
 
 def int8_linear(k, n, bias=True):
@@ -82,7 +83,7 @@ def test_overrides_stand_in_for_replaced_modules():
                           overrides=overrides, workspace_bytes=0)
     assert plan.block_bytes == (BLOCK_BYTES, BLOCK_BYTES - 8192 + 4608, BLOCK_BYTES, BLOCK_BYTES)
     assert plan.rest_bytes == REST_BYTES
-    assert plan.all_resident and plan.estimated_peak == sum(plan.block_bytes) + REST_BYTES
+    assert all_resident(plan) and plan.estimated_peak == sum(plan.block_bytes) + REST_BYTES
 
 
 def test_h3_activation_peak_by_hand():
@@ -169,7 +170,7 @@ def test_streaming_pays_off_from_the_third_block():
     plan = plan_placement([100] * 4, 10, 0, capacity_bytes=400, reserve_bytes=0, workspace_bytes=0)
     assert plan.streamed == (1, 2, 3) and plan.estimated_peak == 310
     # budget 410: all resident fits exactly
-    assert plan_placement([100] * 4, 10, 0, 410, 0, workspace_bytes=0).all_resident
+    assert all_resident(plan_placement([100] * 4, 10, 0, 410, 0, workspace_bytes=0))
 
 
 def test_one_streamed_block_needs_one_staging_slot():

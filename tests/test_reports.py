@@ -1,6 +1,7 @@
 """The short reports a node shows (1-3 lines) against the full ones, and a plan before any run."""
-from bigdit.loaders.memory_plan import h3_shape, plan_placement
+from bigdit.loaders.offload.plan import plan_placement
 from bigdit.quant.report import GIB, LayerRecord, QuantReport
+from offload_helpers import h3_shape
 
 
 def report() -> QuantReport:

@@ -8,11 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.loaders.streaming import (HostPins, LayerwiseStreamer, block_tensors, move_blocks_to_host,
-                                      offloaded_blocks)
+from bigdit.loaders.offload.plan import plan_placement
+from bigdit.loaders.offload.session import StreamSession
+from bigdit.loaders.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
 from bigdit.quant import QuantConfig, quantize_layers
 from bigdit.quant.dispatch import apply_replacements
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
+from offload_helpers import move_blocks_to_host, pinned_bytes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -190,7 +192,92 @@ def test_offloaded_blocks_finds_tensors_away_from_the_device():
 def test_pins_do_nothing_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     pins = HostPins(min_bytes=0)
-    assert not pins.pin(torch.zeros(1024)) and pins.pinned_bytes == 0
+    assert not pins.pin(torch.zeros(1024)) and pinned_bytes(pins) == 0
+
+
+class RecordingPins:
+    """Stands in for ComfyUI's pin_memory / unpin_memory, which pin nothing on a host without a GPU."""
+
+    def __init__(self, refuse=()):
+        self.pinned, self.unpinned, self.refuse = [], [], list(refuse)
+
+    def pin(self, tensor):
+        if any(tensor is t for t in self.refuse):
+            return False  # as ComfyUI's does over its pin budget
+        self.pinned.append(tensor)
+        return True
+
+    def unpin(self, tensor):
+        self.unpinned.append(tensor)
+        return True
+
+
+def same(tensors, expected):
+    return len(tensors) == len(expected) and all(a is b for a, b in zip(tensors, expected))
+
+
+def test_host_pin_functions_get_the_tensors_as_held_and_unpin_only_what_they_pinned():
+    big = nn.Parameter(torch.zeros(2 ** 18), requires_grad=False)  # 1 MiB: PIN_MIN_BYTES
+    refused = nn.Parameter(torch.zeros(2 ** 18), requires_grad=False)
+    small = nn.Parameter(torch.zeros(16), requires_grad=False)  # staged through a pinned buffer instead
+    strided = torch.zeros(2 ** 19)[::2]  # 1 MiB, not contiguous
+    host = RecordingPins(refuse=[refused])
+    pins = HostPins(pin=host.pin, unpin=host.unpin)
+    assert [pins.pin(t) for t in (big, refused, small, strided, big)] == [True, False, False, False, True]
+    assert same(host.pinned, [big]) and pinned_bytes(pins) == 2 ** 20  # asked once for `big`
+    pins.release()
+    assert same(host.unpinned, [big])
+    pins.release()
+    assert same(host.unpinned, [big])  # nothing is unpinned twice
+
+
+def test_host_pin_functions_get_a_quantized_tensor_itself_sized_by_its_packed_data():
+    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+
+    def quantized(rows):  # int8: rows x 1024 bytes packed, twice that as the bf16 it stands for
+        qdata, params = TensorWiseINT8Layout.quantize(torch.randn(rows, 1024, dtype=torch.bfloat16), is_weight=True,
+                                                      per_channel=True)
+        return QuantizedTensor(qdata, "TensorWiseINT8Layout", params)
+    large, half = quantized(1024), quantized(512)  # 1 MiB and 0.5 MiB packed
+    host = RecordingPins()
+    pins = HostPins(pin=host.pin, unpin=host.unpin)
+    assert pins.pin(large) and not pins.pin(half)
+    assert same(host.pinned, [large])
+    pins.release()
+    assert same(host.unpinned, [large])
+
+
+def test_pins_need_both_functions_or_neither():
+    with pytest.raises(ValueError, match="both pin and unpin"):
+        HostPins(pin=lambda t: True)
+
+
+def test_session_pins_streamed_blocks_through_the_host_functions_and_unpins_at_close():
+    # "meta" stands for the GPU: blocks 0 and 2 are on it, 1 and 3 stay in host memory and stream
+    model = Stack(n=4, d=512)  # fc1 weight 4 MiB, fc2 weight 2 MiB; the rest below PIN_MIN_BYTES
+    for i in (0, 2):
+        model.blocks[i].to("meta")
+    before = originals(model)
+    host = RecordingPins()
+    plan = plan_placement([1] * 4, 0, 0, capacity_bytes=10, reserve_bytes=0, workspace_bytes=0)
+    session = StreamSession(plan, torch.device("meta"), streams=True, pin=host.pin, unpin=host.unpin)
+    session.start(model)
+    session.start(model)  # the run's later forwards attach nothing again
+    big = [model.blocks[i].fc1.weight for i in (1, 3)] + [model.blocks[i].fc2.weight for i in (1, 3)]
+    assert sorted(map(id, host.pinned)) == sorted(map(id, big)) and not host.unpinned
+    assert session.close().startswith("streamed 2 of 4 blocks (1, 3); ")
+    assert sorted(map(id, host.unpinned)) == sorted(map(id, big))
+    assert_restored(model, before)
+
+
+def test_session_that_streams_nothing_pins_nothing():
+    model = Stack(n=2, d=512)
+    host = RecordingPins()
+    plan = plan_placement([1] * 2, 0, 0, capacity_bytes=10, reserve_bytes=0, workspace_bytes=0)
+    session = StreamSession(plan, torch.device("meta"), streams=False, pin=host.pin, unpin=host.unpin)
+    session.start(model)
+    assert session.close() == "nothing streamed" and host.pinned == host.unpinned == []
 
 
 # ---- CUDA ------------------------------------------------------------------
@@ -209,7 +296,7 @@ def test_cuda_streaming_exact_with_pinned_host_copies():
     ref = model(x)
     pins = HostPins()
     moved = move_blocks_to_host(model.blocks, [1, 3, 4], pins)
-    assert moved > 0 and pins.pinned_bytes > 0
+    assert moved > 0 and pinned_bytes(pins) > 0
     assert model.blocks[1].fc1.weight.device.type == "cpu" and model.blocks[1].fc1.weight.is_pinned()
     host_ptr = model.blocks[1].fc1.weight.data_ptr()
     with LayerwiseStreamer(model.blocks, "cuda", streamed=[1, 3, 4], pins=pins) as streamer:

@@ -25,6 +25,7 @@ matplotlib is installed, a VRAM-over-time PNG.
 import argparse
 import contextlib
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -35,11 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _pack import default_out, environment, write_json
+from _pack import PACK_ROOT, default_out, environment, write_json
 
-from bigdit.loaders.memory_plan import (CUDA_WORKSPACE_BYTES, GIB, RunShape, activation_bytes, find_blocks,
-                                        module_bytes, plan_for_model)
-from bigdit.loaders.streaming import HostPins, LayerwiseStreamer, move_blocks_to_host
+sys.path.insert(0, str(PACK_ROOT / "tests"))  # for offload_helpers, shared with the offload tests
+from offload_helpers import all_resident, move_blocks_to_host, pinned_bytes  # noqa: E402
+
+from bigdit.loaders.offload.plan import (CUDA_WORKSPACE_BYTES, GIB, RunShape, activation_bytes, find_blocks,
+                                         module_bytes, plan_for_model)
+from bigdit.loaders.offload.streaming import HostPins, LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 
@@ -247,7 +251,7 @@ def place(stack, plan, device) -> dict:
     t0 = time.perf_counter()
     moved = move_blocks_to_host(stack.blocks, plan.streamed, pins if device.type == "cuda" else None)
     sync(device)
-    return {"pins": pins, "host_weight_bytes": moved, "pinned_bytes": pins.pinned_bytes,
+    return {"pins": pins, "host_weight_bytes": moved, "pinned_bytes": pinned_bytes(pins),
             "place_seconds": time.perf_counter() - t0}
 
 
@@ -413,7 +417,7 @@ def main():
         print(f"int8 stack: {module_bytes(stack) / GIB:.2f} GiB, quantized in {time.perf_counter() - t0:.1f} s")
         plan = plan_stack(stack, dims, lengths, cap_bytes, reserve_bytes, device)
         print(plan.render())
-        name = "int8_resident" if plan.all_resident else "int8_layerwise"
+        name = "int8_resident" if all_resident(plan) else "int8_layerwise"
         results.append(run_config(name, stack, plan, dims, lengths, device, args.iters, reference, cap_bytes))
         del stack
 

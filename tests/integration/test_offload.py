@@ -6,13 +6,15 @@ blocks host-to-host through the same hooks as on a GPU. `vram_gib` shrinks
 the plan's memory so that 3 of the 4 blocks must stream (streaming one or two
 saves nothing: their two staging slots hold as much).
 """
+import json
 import re
+import subprocess
 
 import pytest
 import torch
 
 from checkpoint_files import write_lora
-from comfy_harness import PromptError
+from comfy_harness import PACK_ROOT, PromptError
 from graphs import add_preview, chain_id, node_report, wan_t2v_graph
 from tiny_models import make_tiny_wan
 
@@ -118,3 +120,34 @@ def test_bad_memory_inputs_are_validation_errors(comfy, tiny_wan, inputs):
     name = "vram_gib" if "vram_gib" in inputs else "reserve_gib"
     assert f"{name} must be a number from" in info.value.message, info.value.message
     assert info.value.node_errors and not info.value.node_type  # refused at validation, not while running
+
+
+PIN_PROBE = r"""
+import json, os, sys, types
+sys.path.insert(0, os.getcwd())
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_management
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
+from bigdit.nodes import offload
+from bigdit.loaders.offload.streaming import HostPins
+functions = offload.host_pin_functions()
+pins = HostPins(**functions)
+weight = torch.nn.Parameter(torch.zeros(2 ** 18), requires_grad=False)  # 1 MiB, as the streamer pins
+pinned = pins.pin(weight)
+pins.release()
+print(json.dumps({"host_functions": functions == {"pin": comfy.model_management.pin_memory,
+                                                  "unpin": comfy.model_management.unpin_memory},
+                  "pinned": pinned}))
+"""
+
+
+def test_streamer_pins_through_the_hosts_own_pin_functions(comfy):
+    """Both hosts have ComfyUI's budgeted pin_memory / unpin_memory; the streamer's pins take them and call
+    them as ComfyUI does (one tensor). A host without a GPU has no pin budget: nothing is pinned."""
+    result = subprocess.run([str(comfy.host.python), "-c", PIN_PROBE, str(PACK_ROOT)], cwd=comfy.host.comfyui,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"host_functions": True, "pinned": False}
+    assert "not pinned by ComfyUI" not in result.stderr  # nothing unpinned that ComfyUI did not pin

@@ -1,8 +1,8 @@
 """Layerwise weight streaming with one-block lookahead. Pure torch, no ComfyUI.
 
 Streamed blocks keep their tensors in host memory, page-locked where they are
-(`HostPins`: cudaHostRegister on the existing buffers, so host memory holds
-one copy, quantized tensors included). Forward pre-/post-hooks on every block
+(`HostPins`: the host's pin functions, or cudaHostRegister, on the existing
+buffers, so host memory holds one copy, quantized tensors included). Forward pre-/post-hooks on every block
 drive a small state machine:
 
 - while streamed block s(k) computes, s(k+1)'s tensors are copied on a side
@@ -29,13 +29,13 @@ outputs match exactly. A `trace` list records ("issue" | "enter" | "swap_in" |
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ..pack_logging import pack_logger
-from ..quant.kitchen_api import is_quantized_tensor, storage
+from ...pack_logging import pack_logger
+from ...quant.kitchen_api import is_quantized_tensor, storage
 
 log = pack_logger(__name__)
 
@@ -77,56 +77,65 @@ def offloaded_blocks(blocks: Sequence[nn.Module], device) -> list[int]:
             if any(t.device != device for *_, t in block_tensors(block))]
 
 
-class HostPins:
-    """Page-locks host tensors in place with cudaHostRegister; `release()` undoes it.
+PinFunction = Callable[[torch.Tensor], bool]
 
-    Release before anything may free or move the tensors: memory freed while
-    registered stays registered.
+
+def register_in_place(tensor: torch.Tensor) -> bool:
+    """Page-locks a host tensor's buffer with cudaHostRegister; True on success."""
+    if not torch.cuda.is_available():
+        return False
+    data = storage(tensor)
+    status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
+    if int(status) != 0:
+        log.debug("cudaHostRegister of %d bytes failed (%s); copying from pageable memory", data.nbytes, status)
+        return False
+    return True
+
+
+def unregister_in_place(tensor: torch.Tensor) -> bool:
+    return int(torch.cuda.cudart().cudaHostUnregister(storage(tensor).data_ptr())) == 0
+
+
+class HostPins:
+    """Page-locks host tensors in place; `release()` unpins what it pinned.
+
+    `pin(tensor) -> bool` and `unpin(tensor)` are the host's where it has them
+    (ComfyUI's keep its pins within a budget of host memory). A host without them
+    gets the pack's own cudaHostRegister, which has no budget. The functions get
+    the block's tensor as it is held (a Parameter, or a QuantizedTensor, whose
+    storage is its packed data), as ComfyUI pins its own weights. Release before
+    anything may free or move the tensors: memory freed while registered stays
+    registered.
     """
 
-    def __init__(self, min_bytes: int = PIN_MIN_BYTES):
+    def __init__(self, min_bytes: int = PIN_MIN_BYTES, pin: PinFunction | None = None,
+                 unpin: PinFunction | None = None):
+        if (pin is None) != (unpin is None):
+            raise ValueError("HostPins needs both pin and unpin, or neither")
         self.min_bytes = min_bytes
-        self._registered: dict[int, int] = {}  # data_ptr -> bytes
-
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(self._registered.values())
+        self._pin = pin or register_in_place
+        self._unpin = unpin or unregister_in_place
+        self._pinned: dict[int, torch.Tensor] = {}  # storage data_ptr -> the tensor pinned here
 
     def pin(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` is page-locked now (by us or earlier by someone else)."""
-        if tensor.device.type != "cpu" or not torch.cuda.is_available():
+        if tensor.device.type != "cpu":
             return False
         # A comfy-kitchen QuantizedTensor reports its dequantized shape; its packed data is the buffer.
-        tensor = storage(tensor)
-        if tensor.data_ptr() in self._registered or tensor.is_pinned():
+        data = storage(tensor)
+        if data.data_ptr() in self._pinned or data.is_pinned():
             return True
-        n_bytes = tensor.numel() * tensor.element_size()
-        if n_bytes < self.min_bytes or not tensor.is_contiguous():
+        if data.numel() * data.element_size() < self.min_bytes or not data.is_contiguous():
             return False
-        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), n_bytes, 0)
-        if int(status) != 0:
-            log.debug("cudaHostRegister of %d bytes failed (%s); copying from pageable memory", n_bytes, status)
+        if not self._pin(tensor):
             return False
-        self._registered[tensor.data_ptr()] = n_bytes
+        self._pinned[data.data_ptr()] = tensor
         return True
 
     def release(self) -> None:
-        for ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self._registered.clear()
-
-
-def move_blocks_to_host(blocks: Sequence[nn.Module], indices: Iterable[int], pins: HostPins | None = None) -> int:
-    """Moves these blocks' tensors to host memory, page-locked when `pins` is given; returns bytes moved."""
-    moved = 0
-    for i in indices:
-        for *_, tensor in block_tensors(blocks[i]):
-            if tensor.device.type != "cpu":
-                tensor.data = tensor.data.to("cpu")
-                moved += tensor.numel() * tensor.element_size()
-            if pins is not None:
-                pins.pin(tensor.data)
-    return moved
+        for tensor in self._pinned.values():
+            self._unpin(tensor)
+        self._pinned.clear()
 
 
 def _async_source(src: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..quant.kitchen_api import tensor_bytes
+from ...quant.kitchen_api import tensor_bytes
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -121,12 +121,6 @@ class RunShape:
 
     def describe(self) -> str:
         return f"{self.tokens:,} tokens x batch {self.batch} ({str(self.dtype).removeprefix('torch.')})"
-
-
-def h3_shape(tokens: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> RunShape:
-    """MiniMax-H3's DiT block: hidden 5376, 56 heads x 128, SwiGLU ffn 14336."""
-    return RunShape(tokens=tokens, hidden=5376, heads=56, head_dim=128, ffn=14336, gated=True,
-                    dtype=dtype, batch=batch)
 
 
 def activation_bytes(shape: RunShape) -> int:
@@ -244,8 +238,9 @@ class MemoryPlan:
         return self.estimated_peak <= self.budget_bytes
 
     @property
-    def all_resident(self) -> bool:
-        return not self.streamed
+    def fits_resident(self) -> bool:
+        """Every block fits on the device (what mode "none" needs; a plan that fits by streaming does not)."""
+        return self.fits and not self.streamed
 
     def summary_line(self) -> str:
         unit, name = (GIB, "GiB") if self.budget_bytes >= GIB else (MIB, "MiB")

@@ -1,0 +1,154 @@
+"""The numbers and text around a memory plan, from plain values: modes, capacity, the estimate
+ComfyUI's budget asks for, and the report.
+
+Two modes: "auto" streams what does not fit, "none" streams nothing and fails when the model
+does not fit. An old "layerwise" (which ran as "auto") is read as "auto", with a log line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Mapping, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from ...pack_logging import pack_logger
+from .plan import (BLOCK_LIST_NAMES, GIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
+                   latent_tokens, max_resident_tokens, module_bytes, plan_for_model, size_text)
+
+log = pack_logger(__name__)
+
+MODES = ("auto", "none")
+# Values of earlier versions that saved workflows may hold -> the mode that behaves as they did.
+OLD_MODES = {"layerwise": "auto"}
+
+
+class OffloadReport(NamedTuple):
+    brief: str  # one line for the node: mode, device, the plan's summary
+    full: str   # the whole plan, for the log and the help page
+
+
+class OffloadError(RuntimeError):
+    """The model cannot run as asked (mode "none" that does not fit); the message holds the plan."""
+
+
+def mode_problem(mode) -> str | None:
+    """Why `mode` is not an offload mode, or None (for VALIDATE_INPUTS, which replaces ComfyUI's list check)."""
+    if mode in MODES or mode in OLD_MODES:
+        return None
+    return f"offload mode must be one of {', '.join(MODES)}, got {mode!r}"
+
+
+def read_mode(mode: str) -> str:
+    """`mode` as one of MODES: an old value of a saved workflow becomes the mode that behaves as it did."""
+    problem = mode_problem(mode)
+    if problem:
+        raise ValueError(problem)
+    if mode in OLD_MODES:
+        log.info("offload %r is read as %r: they always ran alike (stream what does not fit)", mode, OLD_MODES[mode])
+        return OLD_MODES[mode]
+    return mode
+
+
+def check_fits(mode: str, plan: MemoryPlan, text: str, weights_only: bool = False) -> None:
+    """OffloadError holding `text` (the plan) where mode "none" cannot keep every block resident."""
+    if mode == "none" and not plan.fits_resident:
+        why = "and the weights alone do not fit" if weights_only else "which does not fit"
+        raise OffloadError(f"offload 'none' needs every block resident, {why}; use 'auto'.\n" + text)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The user's memory settings: `reserve_bytes` to leave free (None: the host's own reserve) and
+    `vram_bytes` to plan for (None: what is available)."""
+    reserve_bytes: int | None = None
+    vram_bytes: int | None = None
+
+    @classmethod
+    def from_gib(cls, reserve_gib: float | None, vram_gib: float | None) -> "Budget":
+        return cls(None if reserve_gib is None else int(reserve_gib * GIB), int(vram_gib * GIB) if vram_gib else None)
+
+    def reserve(self, host_reserve: int) -> int:
+        return host_reserve if self.reserve_bytes is None else self.reserve_bytes
+
+    def capacity(self, available: int) -> int:
+        """The memory a plan uses: what is available, or the user's smaller `vram_bytes`."""
+        return min(available, self.vram_bytes) if self.vram_bytes else available
+
+    def estimate_extra(self, plan: MemoryPlan, streams: bool, host_reserve: int, available: int) -> int:
+        """What ComfyUI's memory_required must add to the activations so that its budget leaves room for the
+        plan: the workspace, staging where blocks stream, the part of the reserve above the host's own
+        (which the host keeps free anyway) and the memory the plan leaves unused (`vram_bytes`)."""
+        return (plan.workspace_bytes + (plan.staging_bytes if streams else 0)
+                + max(0, self.reserve(host_reserve) - host_reserve) + (available - self.capacity(available)))
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """A diffusion model as a run sees it: `overrides` (dotted path -> module) stand in for the tree's
+    modules at run time (ComfyUI object patches); `dtype` is the dtype its blocks compute in."""
+    diffusion: nn.Module
+    overrides: Mapping[str, nn.Module]
+    dtype: torch.dtype
+
+    @cached_property
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        return [(path, self.overrides.get(path, block)) for path, block in find_blocks(self.diffusion)]
+
+    def run_shape(self, latent_shape: Sequence[int]) -> RunShape | None:
+        """The blocks' shape for a latent of `latent_shape` ([B, C, *spatial]); None without blocks."""
+        blocks = self.blocks
+        if not blocks:
+            return None
+        tokens = latent_tokens(latent_shape, getattr(self.diffusion, "patch_size", None))
+        heads = getattr(self.diffusion, "num_heads", None)
+        return infer_shape(blocks[0][1], tokens, self.dtype, batch=int(latent_shape[0]),
+                           heads=heads if isinstance(heads, int) else None)
+
+    def plan(self, capacity_bytes: int, reserve_bytes: int, workspace_bytes: int,
+             latent_shape: Sequence[int] | None = None) -> MemoryPlan:
+        """The plan for a latent of `latent_shape`; None: the weights only (activations unknown yet)."""
+        shape = None if latent_shape is None else self.run_shape(latent_shape)
+        return plan_for_model(self.diffusion, self.blocks, shape, capacity_bytes, reserve_bytes, self.overrides,
+                              workspace_bytes)
+
+    def memory_required(self, extra_bytes: int) -> Callable[[Sequence[int]], int]:
+        """ComfyUI's memory_required(input_shape) as a plan sees it: activations plus `extra_bytes`."""
+        def memory_required(input_shape) -> int:
+            shape = self.run_shape(input_shape)
+            return (0 if shape is None else activation_bytes(shape)) + extra_bytes
+        return memory_required
+
+
+def brief_line(mode: str, device, plan: MemoryPlan, dynamic: bool) -> str:
+    return (f"offload: {mode} on {device}; {plan.summary_line()}"
+            + ("; ComfyUI's dynamic VRAM places the weights" if dynamic else ""))
+
+
+def describe(mode: str, device: torch.device, plan: MemoryPlan, view: ModelView, *, dynamic: bool,
+             block_prefetch: bool, quantized: bool, host_bytes: int) -> str:
+    """The full report. `dynamic`: ComfyUI's dynamic VRAM places the weights (`block_prefetch`: with its
+    block lookahead); `quantized`: the model has quantized layers; `host_bytes`: the model's size as
+    ComfyUI accounts it."""
+    if dynamic:
+        how = ("ComfyUI's dynamic VRAM places the weights"
+               + (" with block prefetch" if block_prefetch else "") + "; the pack only plans")
+        if quantized:  # ComfyUI faults in only its own layers' weights
+            how += "; quantized layers copy their weight and bias from RAM at every call"
+    elif device.type == "cpu":
+        how = "CPU device: streamed blocks are copied host-to-host, running the same hooks"
+    else:
+        how = ("ComfyUI loads what fits and would cast the rest per op; the pack streams "
+               "offloaded blocks one block ahead on a side stream")
+    shape = view.run_shape((1, 1))  # one token, one sample
+    lines = [f"offload: {mode} on {device} ({how})", plan.render()]
+    if shape is None:
+        lines.append(f"{type(view.diffusion).__name__} has no block list (looked for "
+                     f"{', '.join(BLOCK_LIST_NAMES)}): nothing can stream; ComfyUI's own loading applies")
+    else:
+        lines.append("activations are added when the sampler knows the latent size; all blocks stay resident "
+                     f"up to about {max_resident_tokens(plan, shape):,} tokens per sample")
+    lines.append(f"ComfyUI accounts {size_text(host_bytes)} for this model; the plan counts "
+                 f"{size_text(module_bytes(view.diffusion, view.overrides))} in the diffusion model")
+    return "\n".join(lines)
