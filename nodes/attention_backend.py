@@ -2,6 +2,7 @@
 import os
 
 import comfy.patcher_extension
+from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
@@ -22,59 +23,53 @@ def sol_min_tokens() -> int:
     return int(value) if value else MIN_TOKENS
 
 
-class SetAttentionBackend:
-    DESCRIPTION = (
-        "Runs the model's attention with the chosen kernel: sdpa (PyTorch), flash (the best installed "
-        "FlashAttention, else PyTorch's flash kernel), fa3_fp8 (FlashAttention 3 in FP8, Hopper), "
-        "sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
-        "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel "
-        "measured for this GPU). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
-        "with one warning per reason. An attention override already on the model is kept and gets this "
-        "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
-    )
-    CATEGORY = categories.MODEL_PATCHES
-    FUNCTION = "apply"
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The model with the attention backend installed (the input model is unchanged).",)
+class SetAttentionBackend(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SetAttentionBackend",
+            display_name="Set Attention Backend",
+            category=categories.MODEL_PATCHES,
+            description=(
+                "Runs the model's attention with the chosen kernel: sdpa (PyTorch), flash (the best installed "
+                "FlashAttention, else PyTorch's flash kernel), fa3_fp8 (FlashAttention 3 in FP8, Hopper), "
+                "sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
+                "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel "
+                "measured for this GPU). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
+                "with one warning per reason. An attention override already on the model is kept and gets this "
+                "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model whose attention to replace."),
+                io.Combo.Input(
+                    "backend", options=list(BACKENDS), default="auto",
+                    tooltip="Attention kernel. auto: fastest exact dense kernel measured for this GPU (SDPA on "
+                            "CPU and unmeasured GPUs). fa3_fp8: FP8 q/k/v, faster, about 3-5% error, "
+                            "chosen by name only. sol: sparse; pays off above about 12k tokens."),
+                io.Combo.Input(
+                    "dense_backend", options=list(DENSE_BACKENDS), default="auto", optional=True,
+                    tooltip="What runs wherever the backend does not: the dense steps and blocks below, and any "
+                            "call the backend cannot take (mask, head dim, dtype, device, short sequence)."),
+                io.Float.Input(
+                    "sol_tau", default=1.0, min=0.0, max=4.0, step=0.05, optional=True,
+                    tooltip="Sol routing threshold in standard deviations of the block scores: higher attends "
+                            "fewer key blocks exactly, faster and less exact."),
+                io.Int.Input(
+                    "dense_steps", default=0, min=0, max=10000, optional=True,
+                    tooltip="The first this many sampling steps run the dense backend (counted within each "
+                            "sampler's schedule). Meant for sol; applies to any backend."),
+                io.String.Input(
+                    "dense_layers", default="", optional=True,
+                    tooltip="Transformer blocks that always run the dense backend, e.g. '0,1' or '0, 47-49'."),
+            ],
+            outputs=[io.Model.Output(
+                tooltip="The model with the attention backend installed (the input model is unchanged).")],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "The diffusion model whose attention to replace."}),
-                "backend": (list(BACKENDS), {
-                    "default": "auto",
-                    "tooltip": "Attention kernel. auto: fastest exact dense kernel measured for this GPU (SDPA on "
-                               "CPU and unmeasured GPUs). fa3_fp8: FP8 q/k/v, faster, about 3-5% error, "
-                               "chosen by name only. sol: sparse; pays off above about 12k tokens.",
-                }),
-            },
-            "optional": {
-                "dense_backend": (list(DENSE_BACKENDS), {
-                    "default": "auto",
-                    "tooltip": "What runs wherever the backend does not: the dense steps and blocks below, and any "
-                               "call the backend cannot take (mask, head dim, dtype, device, short sequence).",
-                }),
-                "sol_tau": ("FLOAT", {
-                    "default": 1.0, "min": 0.0, "max": 4.0, "step": 0.05,
-                    "tooltip": "Sol routing threshold in standard deviations of the block scores: higher attends "
-                               "fewer key blocks exactly, faster and less exact.",
-                }),
-                "dense_steps": ("INT", {
-                    "default": 0, "min": 0, "max": 10000,
-                    "tooltip": "The first this many sampling steps run the dense backend (counted within each "
-                               "sampler's schedule). Meant for sol; applies to any backend.",
-                }),
-                "dense_layers": ("STRING", {
-                    "default": "",
-                    "tooltip": "Transformer blocks that always run the dense backend, e.g. '0,1' or '0, 47-49'.",
-                }),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    def apply(self, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers="",
-              unique_id=None):
+    def execute(cls, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
+        unique_id = cls.hidden.unique_id
         router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers,
                         sol_min_tokens=sol_min_tokens())
         patched = model.clone()
@@ -113,7 +108,7 @@ class SetAttentionBackend:
         patched.set_attachments(KEY, router)
 
         log.info("Set Attention Backend: %s%s", router.describe(), composed)
-        return {"ui": {"text": [text]}, "result": (patched,)}
+        return io.NodeOutput(patched, ui={"text": [text]})
 
 
-NODES = {"SetAttentionBackend": (SetAttentionBackend, "Set Attention Backend")}
+NODES = (SetAttentionBackend,)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 import folder_paths
+from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
 from ..loaders import LayerBuilder, inspect_checkpoint
@@ -42,37 +43,43 @@ def _progress_total(plan) -> int:
     return plain + len(plan.layers)
 
 
-class MixedCheckpointLoader:
-    DESCRIPTION = (
-        "Loads a diffusion model saved with quantized layers: ComfyUI per-layer markers (int8_tensorwise with or "
-        "without ConvRot, float8_e4m3fn, nvfp4, mxfp8, mixed in one file, markers as comfy_quant tensors or in the "
-        "header), ComfyUI's scaled_fp8 files (*_fp8_scaled) or a self-describing Quanto qint8 file; the format is "
-        "detected. ComfyUI's own model detection "
-        "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these formats too. "
-        "The file is checked before anything is built; a bad file fails with an error naming the layer."
-    )
-    CATEGORY = categories.LOADERS
-    FUNCTION = "load"
-    RETURN_TYPES = ("MODEL", "STRING")
-    RETURN_NAMES = ("model", "report")
-    OUTPUT_TOOLTIPS = ("The diffusion model with each layer in its checkpoint format.",
-                       "What was loaded: layers per format, the execution path of block formats, weights memory.")
+class MixedCheckpointLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MixedCheckpointLoader",
+            display_name="Load Quantized Diffusion Model (markers / Quanto)",
+            category=categories.LOADERS,
+            description=(
+                "Loads a diffusion model saved with quantized layers: ComfyUI per-layer markers (int8_tensorwise "
+                "with or without ConvRot, float8_e4m3fn, nvfp4, mxfp8, mixed in one file, markers as comfy_quant "
+                "tensors or in the header), ComfyUI's scaled_fp8 files (*_fp8_scaled) or a self-describing Quanto "
+                "qint8 file; the format is detected. ComfyUI's own model detection "
+                "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these "
+                "formats too. The file is checked before anything is built; a bad file fails with an error naming "
+                "the layer."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                    tooltip="A safetensors file in models/diffusion_models with per-layer quantization markers, "
+                            "a scaled_fp8 marker or a Quanto quantization map."),
+                io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
+                               tooltip=_NVFP4_TOOLTIP),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model",
+                                tooltip="The diffusion model with each layer in its checkpoint format."),
+                io.String.Output(display_name="report",
+                                 tooltip="What was loaded: layers per format, the execution path of block formats, "
+                                         "weights memory."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "unet_name": (folder_paths.get_filename_list("diffusion_models"), {
-                    "tooltip": "A safetensors file in models/diffusion_models with per-layer quantization markers, "
-                               "a scaled_fp8 marker or a Quanto quantization map."}),
-            },
-            "optional": {
-                "nvfp4": (["auto", "requantize"], {"default": "auto", "tooltip": _NVFP4_TOOLTIP}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    def load(self, unet_name, nvfp4="auto", unique_id=None):
+    def execute(cls, unet_name, nvfp4="auto"):
+        unique_id = cls.hidden.unique_id
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
         if plan.layers:
@@ -97,63 +104,66 @@ def online_method(name: str, group_size: int, device):
     return get_method(name, group_size=group_size, device=device)
 
 
-class LoadH3Quantized:
-    DESCRIPTION = (
-        "Loads a bf16 or marker-quantized diffusion model (MiniMax-H3, Wan, any model ComfyUI knows) and quantizes "
-        "it while loading, one layer at a time: each layer's weight is read from the file, quantized on the GPU and "
-        "stored, so the full-precision model is never resident twice. AdaLN projections, output heads and patch "
-        "projections stay in full precision, as do layers stored in fp32. Layers the file already quantized keep "
-        "their format (scaled_fp8 files' layers stay FP8)."
-    )
-    CATEGORY = categories.LOADERS
-    FUNCTION = "load"
-    RETURN_TYPES = ("MODEL", "STRING")
-    RETURN_NAMES = ("model", "report")
-    OUTPUT_TOOLTIPS = ("The quantized diffusion model.",
-                       "Layers per format, every layer kept with its reason, memory saved, and the offload plan.")
-
+class LoadH3Quantized(io.ComfyNode):
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "unet_name": (folder_paths.get_filename_list("diffusion_models"), {
-                    "tooltip": "A bf16/fp16 safetensors file in models/diffusion_models (marker layers in it load "
-                               "as stored)."}),
-                "quantization": (list(ONLINE_FORMATS), {
-                    "default": "auto",
-                    "tooltip": "auto: the fastest native format of this GPU, measured per layer shape (a layer "
-                               "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
-                               "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
-                               "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
-                               "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
-                               "GPU's fastest native format where it has no NVFP4 GEMM."}),
-                "offload": (list(OFFLOAD_MODES), {
-                    "default": "auto",
-                    "tooltip": "auto: keep the model resident when it fits, else stream the blocks that do not "
-                               "fit. none: everything resident (fails if it cannot fit)."}),
-            },
-            "optional": {
-                "group_size": ([str(g) for g in reversed(GROUP_SIZES)], {
-                    "default": "256",
-                    "tooltip": "INT8 ConvRot group size (int8_convrot and auto). 256 is fastest; 64 or 16 also "
-                               "quantize layers whose input width is not a multiple of 256."}),
-                "ignored_layers": ("STRING", {
-                    "default": "", "multiline": True,
-                    "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, comma "
-                               f"or newline separated. Always kept ({describe_keep()})."}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LoadH3Quantized",
+            display_name="Load Diffusion Model (quantize while loading)",
+            category=categories.LOADERS,
+            description=(
+                "Loads a bf16 or marker-quantized diffusion model (MiniMax-H3, Wan, any model ComfyUI knows) and "
+                "quantizes it while loading, one layer at a time: each layer's weight is read from the file, "
+                "quantized on the GPU and stored, so the full-precision model is never resident twice. AdaLN "
+                "projections, output heads and patch projections stay in full precision, as do layers stored in "
+                "fp32. Layers the file already quantized keep their format (scaled_fp8 files' layers stay FP8)."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                    tooltip="A bf16/fp16 safetensors file in models/diffusion_models (marker layers in it load "
+                            "as stored)."),
+                io.Combo.Input(
+                    "quantization", options=list(ONLINE_FORMATS), default="auto",
+                    tooltip="auto: the fastest native format of this GPU, measured per layer shape (a layer "
+                            "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
+                            "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
+                            "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
+                            "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
+                            "GPU's fastest native format where it has no NVFP4 GEMM."),
+                io.Combo.Input(
+                    "offload", options=list(OFFLOAD_MODES), default="auto",
+                    tooltip="auto: keep the model resident when it fits, else stream the blocks that do not "
+                            "fit. none: everything resident (fails if it cannot fit)."),
+                io.Combo.Input(
+                    "group_size", options=[str(g) for g in reversed(GROUP_SIZES)], default="256", optional=True,
+                    tooltip="INT8 ConvRot group size (int8_convrot and auto). 256 is fastest; 64 or 16 also "
+                            "quantize layers whose input width is not a multiple of 256."),
+                io.String.Input(
+                    "ignored_layers", default="", multiline=True, optional=True,
+                    tooltip="More layers to keep in full precision: fnmatch patterns on module names, comma "
+                            f"or newline separated. Always kept ({describe_keep()})."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The quantized diffusion model."),
+                io.String.Output(display_name="report",
+                                 tooltip="Layers per format, every layer kept with its reason, memory saved, and "
+                                         "the offload plan."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
 
     # Naming `quantization` and `offload` here replaces ComfyUI's list check of them, so old values of
     # saved workflows still load; they are checked here instead.
     @classmethod
-    def VALIDATE_INPUTS(cls, quantization="auto", offload="auto"):
+    def validate_inputs(cls, quantization="auto", offload="auto"):
         if quantization not in ONLINE_FORMATS and quantization not in OLD_FORMATS:
             return f"quantization must be one of {', '.join(ONLINE_FORMATS)}, got {quantization!r}"
         return mode_problem(offload) or True
 
-    def load(self, unet_name, quantization, offload, group_size="256", ignored_layers="", unique_id=None):
+    @classmethod
+    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers=""):
+        unique_id = cls.hidden.unique_id
         if quantization in OLD_FORMATS:
             log.info("LoadH3Quantized: quantization %r is read as %r", quantization, OLD_FORMATS[quantization])
             quantization = OLD_FORMATS[quantization]
@@ -199,36 +209,39 @@ def parse_prefix_rules(text: str) -> list[tuple[str, str]]:
     return rules
 
 
-class QuantizedCLIPLoader:
-    DESCRIPTION = (
-        "Loads a text encoder saved as self-describing Quanto qint8 (e.g. DeepBeepMeep's MiniMax-H3 encoder) or "
-        "with ComfyUI per-layer markers (int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8), as CLIPLoader loads a "
-        "plain one. Quanto qint8 saves memory, not time: each layer's weight is dequantized just before its matmul."
-    )
-    CATEGORY = categories.LOADERS
-    FUNCTION = "load"
-    RETURN_TYPES = ("CLIP", "STRING")
-    RETURN_NAMES = ("clip", "report")
-    OUTPUT_TOOLTIPS = ("The text encoder.", "What was loaded: layers per format and the memory they take.")
+class QuantizedCLIPLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QuantizedCLIPLoader",
+            display_name="Load Quantized Text Encoder (Quanto / markers)",
+            category=categories.LOADERS,
+            description=(
+                "Loads a text encoder saved as self-describing Quanto qint8 (e.g. DeepBeepMeep's MiniMax-H3 "
+                "encoder) or with ComfyUI per-layer markers (int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8), as "
+                "CLIPLoader loads a plain one. Quanto qint8 saves memory, not time: each layer's weight is "
+                "dequantized just before its matmul."
+            ),
+            inputs=[
+                io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
+                               tooltip="A safetensors text encoder in models/text_encoders."),
+                io.Combo.Input("type", options=compat.clip_types(), tooltip="The model family, as in CLIPLoader."),
+                io.String.Input(
+                    "rename_prefixes", default="", multiline=True, optional=True,
+                    tooltip="Rename key prefixes of the file to ComfyUI's names, one 'old -> new' per line "
+                            "(empty new strips the prefix). Two names mapping to one is refused."),
+                io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
+                               tooltip=_NVFP4_TOOLTIP),
+            ],
+            outputs=[
+                io.Clip.Output(display_name="clip", tooltip="The text encoder."),
+                io.String.Output(display_name="report",
+                                 tooltip="What was loaded: layers per format and the memory they take."),
+            ],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "clip_name": (folder_paths.get_filename_list("text_encoders"), {
-                    "tooltip": "A safetensors text encoder in models/text_encoders."}),
-                "type": (compat.clip_types(), {"tooltip": "The model family, as in CLIPLoader."}),
-            },
-            "optional": {
-                "rename_prefixes": ("STRING", {
-                    "default": "", "multiline": True,
-                    "tooltip": "Rename key prefixes of the file to ComfyUI's names, one 'old -> new' per line "
-                               "(empty new strips the prefix). Two names mapping to one is refused."}),
-                "nvfp4": (["auto", "requantize"], {"default": "auto", "tooltip": _NVFP4_TOOLTIP}),
-            },
-        }
-
-    def load(self, clip_name, type, rename_prefixes="", nvfp4="auto"):
+    def execute(cls, clip_name, type, rename_prefixes="", nvfp4="auto"):
         path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         plan = inspect_checkpoint(path, compat.interrupt_check())
         if plan.layers:
@@ -246,8 +259,4 @@ class QuantizedCLIPLoader:
         return node_output("QuantizedCLIPLoader", "\n".join(builder.report.brief()), full, (clip, full))
 
 
-NODES = {
-    "MixedCheckpointLoader": (MixedCheckpointLoader, "Load Quantized Diffusion Model (markers / Quanto)"),
-    "LoadH3Quantized": (LoadH3Quantized, "Load Diffusion Model (quantize while loading)"),
-    "QuantizedCLIPLoader": (QuantizedCLIPLoader, "Load Quantized Text Encoder (Quanto / markers)"),
-}
+NODES = (MixedCheckpointLoader, LoadH3Quantized, QuantizedCLIPLoader)

@@ -10,6 +10,7 @@ from torch import nn
 import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
+from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
 from ..quant import QuantConfig, quantize_layers
@@ -43,12 +44,11 @@ def show_on_node(node_id, text: str) -> None:
     instance.send_sync(REPORT_EVENT, {"node": str(node_id), "text": text}, getattr(instance, "client_id", None))
 
 
-def node_output(title: str, short: str, full: str, result: tuple | None = None) -> dict:
+def node_output(title: str, short: str, full: str, result: tuple = ()) -> io.NodeOutput:
     """What a pack node returns: `short` (1-3 lines) shown on the node, `full` in the log and in the
     prompt's history (`ui.report`, where the web extension offers it collapsed under the short one)."""
     log.info("%s report:\n%s", title, full)
-    ui = {"text": [short], "report": [full]}
-    return {"ui": ui} if result is None else {"ui": ui, "result": result}
+    return io.NodeOutput(*result, ui={"text": [short], "report": [full]})
 
 
 def compute_device() -> torch.device:

@@ -13,6 +13,7 @@ import torch
 
 import comfy.model_management
 import comfy.patcher_extension
+from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
 from ..loaders.offload.budget import (MODES, Budget, ModelView, OffloadReport, brief_line, check_fits, describe,
@@ -129,45 +130,43 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
     return OffloadReport(brief_line(mode, device, plan, dynamic), report)
 
 
-class SetOffload:
-    DESCRIPTION = (
-        "Plans the diffusion model's GPU memory for each run and streams the transformer blocks that do not fit "
-        "from host memory, one block ahead of the compute, on a copy of the MODEL. Works on models from any "
-        "loader. Where ComfyUI's dynamic VRAM already manages the weights, it only plans and reports."
-    )
-    CATEGORY = categories.MODEL_PATCHES
-    FUNCTION = "apply"
-    RETURN_TYPES = ("MODEL", "STRING")
-    RETURN_NAMES = ("model", "report")
-    OUTPUT_TOOLTIPS = ("The model with offload installed (a clone).",
-                       "The memory plan: blocks resident and streamed, the estimated peak against the budget.")
-
+class SetOffload(io.ComfyNode):
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "The diffusion model. It is cloned, never changed."}),
-                "mode": (list(MODES), {
-                    "default": "auto",
-                    "tooltip": "auto: keep everything on the GPU when it fits, else stream the blocks that do "
-                               "not fit, one block ahead of the compute. none: everything on the GPU; fails with "
-                               "the plan if it cannot fit.",
-                }),
-                "reserve_gib": ("FLOAT", {
-                    "default": -1.0, "min": -1.0, "max": 1024.0, "step": 0.1,
-                    "tooltip": "GPU memory (GiB) to leave free for other programs. -1: ComfyUI's own reserve "
-                               "(--reserve-vram).",
-                }),
-            },
-            "optional": {
-                "vram_gib": ("FLOAT", {
-                    "default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
-                    "tooltip": "Plan as if the GPU had only this much memory (GiB), e.g. to share it or to try a "
-                               "24 GB plan on a bigger card. 0: the memory ComfyUI reports free.",
-                }),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SetOffload",
+            display_name="Set Offload",
+            category=categories.MODEL_PATCHES,
+            description=(
+                "Plans the diffusion model's GPU memory for each run and streams the transformer blocks that do "
+                "not fit from host memory, one block ahead of the compute, on a copy of the MODEL. Works on models "
+                "from any loader. Where ComfyUI's dynamic VRAM already manages the weights, it only plans and "
+                "reports."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model. It is cloned, never changed."),
+                io.Combo.Input(
+                    "mode", options=list(MODES), default="auto",
+                    tooltip="auto: keep everything on the GPU when it fits, else stream the blocks that do "
+                            "not fit, one block ahead of the compute. none: everything on the GPU; fails with "
+                            "the plan if it cannot fit."),
+                io.Float.Input(
+                    "reserve_gib", default=-1.0, min=-1.0, max=1024.0, step=0.1,
+                    tooltip="GPU memory (GiB) to leave free for other programs. -1: ComfyUI's own reserve "
+                            "(--reserve-vram)."),
+                io.Float.Input(
+                    "vram_gib", default=0.0, min=0.0, max=1024.0, step=0.5, optional=True,
+                    tooltip="Plan as if the GPU had only this much memory (GiB), e.g. to share it or to try a "
+                            "24 GB plan on a bigger card. 0: the memory ComfyUI reports free."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The model with offload installed (a clone)."),
+                io.String.Output(display_name="report",
+                                 tooltip="The memory plan: blocks resident and streamed, the estimated peak against "
+                                         "the budget."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
 
     # Naming an input here replaces ComfyUI's own min/max (or list) check of it, so it is checked here too
     # (`mode` is named so that an old value of a saved workflow still loads).
@@ -175,7 +174,7 @@ class SetOffload:
     _RANGES = {"reserve_gib": (-1.0, 1024.0), "vram_gib": (0.0, 1024.0)}
 
     @classmethod
-    def VALIDATE_INPUTS(cls, mode="auto", reserve_gib=-1.0, vram_gib=0.0):
+    def validate_inputs(cls, mode="auto", reserve_gib=-1.0, vram_gib=0.0):
         problems = [problem for problem in (mode_problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
                                             cls._out_of_range("vram_gib", vram_gib)) if problem]
         return "; ".join(problems) or True
@@ -187,8 +186,10 @@ class SetOffload:
             return f"{name} must be a number from {low:g} to {high:g}, got {value!r}"
         return None
 
-    def apply(self, model, mode, reserve_gib, vram_gib=0.0, unique_id=None):
-        problem = self._out_of_range("reserve_gib", reserve_gib) or self._out_of_range("vram_gib", vram_gib)
+    @classmethod
+    def execute(cls, model, mode, reserve_gib, vram_gib=0.0):
+        unique_id = cls.hidden.unique_id
+        problem = cls._out_of_range("reserve_gib", reserve_gib) or cls._out_of_range("vram_gib", vram_gib)
         if problem:  # a value linked from another node is only known here
             raise ValueError(f"SetOffload: {problem}")
         patched = model.clone()
@@ -197,4 +198,4 @@ class SetOffload:
         return node_output("SetOffload", report.brief, report.full, (patched, report.full))
 
 
-NODES = {"SetOffload": (SetOffload, "Set Offload")}
+NODES = (SetOffload,)

@@ -1,6 +1,8 @@
 """QuantizeModelINT8: online INT8 ConvRot on a clone of a MODEL."""
 from __future__ import annotations
 
+from comfy_api.latest import io
+
 from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
 from ..quant.keep import default_keep, describe_keep
@@ -11,52 +13,51 @@ from .dynamic_backups import keep_backups_on_layers
 from .lora_fold import install_lora_fold
 
 
-class QuantizeModelINT8:
-    DESCRIPTION = (
-        "Quantizes the diffusion model's Linear layers to INT8 with ConvRot (comfy-kitchen), layer by layer, "
-        "on a clone: other branches that use the input MODEL keep the original weights. Halves the Linear "
-        "weights' memory; on GPUs with INT8 tensor cores the fastest measured INT8 kernel runs per shape."
-    )
-    CATEGORY = categories.MODEL_PATCHES
-    FUNCTION = "quantize"
-    RETURN_TYPES = ("MODEL", "STRING")
-    RETURN_NAMES = ("model", "report")
-    OUTPUT_TOOLTIPS = ("The quantized model (a clone).", "What was quantized, the memory saved, and every layer kept with its reason.")
+class QuantizeModelINT8(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QuantizeModelINT8",
+            display_name="Quantize Model (INT8 ConvRot)",
+            category=categories.MODEL_PATCHES,
+            description=(
+                "Quantizes the diffusion model's Linear layers to INT8 with ConvRot (comfy-kitchen), layer by "
+                "layer, on a clone: other branches that use the input MODEL keep the original weights. Halves the "
+                "Linear weights' memory; on GPUs with INT8 tensor cores the fastest measured INT8 kernel runs per "
+                "shape."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to quantize. It is cloned, never changed."),
+                io.Combo.Input(
+                    "group_size", options=[str(g) for g in reversed(GROUP_SIZES)], default="256",
+                    tooltip="ConvRot Hadamard group size. 256 has fused CUDA kernels and is fastest; 64 or 16 "
+                            "quantize more layers whose input width is not a multiple of 256, at some speed cost."),
+                io.String.Input(
+                    "ignored_layers", default="", multiline=True,
+                    tooltip="More layers to keep in full precision: fnmatch patterns on module names, "
+                            "separated by commas or new lines (e.g. 'blocks.0.*'). '*' keeps everything. "
+                            f"Always kept, as by LoadH3Quantized ({describe_keep()})."),
+                io.Combo.Input(
+                    "row_split", options=["auto", "off"], default="auto", optional=True,
+                    tooltip="auto: on CUDA, splitting long inputs into row chunks is one of the kernels measured "
+                            "per shape, and used only if faster. off: never split."),
+                io.Boolean.Input(
+                    "requantize_fp8", default=False, optional=True,
+                    tooltip="Layers that come in FP8 (an fp8 weight_dtype, a scaled_fp8 or FP8-marker file): "
+                            "off keeps them as they are; on dequantizes each and quantizes it to INT8 ConvRot "
+                            "(from the FP8 values, not the original weights). The report says which it did."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The quantized model (a clone)."),
+                io.String.Output(display_name="report",
+                                 tooltip="What was quantized, the memory saved, and every layer kept with its reason."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "The diffusion model to quantize. It is cloned, never changed."}),
-                "group_size": ([str(g) for g in reversed(GROUP_SIZES)], {
-                    "default": "256",
-                    "tooltip": "ConvRot Hadamard group size. 256 has fused CUDA kernels and is fastest; 64 or 16 "
-                               "quantize more layers whose input width is not a multiple of 256, at some speed cost.",
-                }),
-                "ignored_layers": ("STRING", {
-                    "default": "", "multiline": True,
-                    "tooltip": "More layers to keep in full precision: fnmatch patterns on module names, "
-                               "separated by commas or new lines (e.g. 'blocks.0.*'). '*' keeps everything. "
-                               f"Always kept, as by LoadH3Quantized ({describe_keep()}).",
-                }),
-            },
-            "optional": {
-                "row_split": (["auto", "off"], {
-                    "default": "auto",
-                    "tooltip": "auto: on CUDA, splitting long inputs into row chunks is one of the kernels measured "
-                               "per shape, and used only if faster. off: never split.",
-                }),
-                "requantize_fp8": ("BOOLEAN", {
-                    "default": False,
-                    "tooltip": "Layers that come in FP8 (an fp8 weight_dtype, a scaled_fp8 or FP8-marker file): "
-                               "off keeps them as they are; on dequantizes each and quantizes it to INT8 ConvRot "
-                               "(from the FP8 values, not the original weights). The report says which it did.",
-                }),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    def quantize(self, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False, unique_id=None):
+    def execute(cls, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False):
+        unique_id = cls.hidden.unique_id
         require_kitchen("QuantizeModelINT8")
         names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
         config = QuantConfig(
@@ -76,4 +77,4 @@ class QuantizeModelINT8:
         return comfy_compat.node_output("QuantizeModelINT8", short, full, (patched, full))
 
 
-NODES = {"QuantizeModelINT8": (QuantizeModelINT8, "Quantize Model (INT8 ConvRot)")}
+NODES = (QuantizeModelINT8,)

@@ -13,6 +13,7 @@ import re
 
 import comfy.model_management
 import folder_paths
+from comfy_api.latest import io
 
 from ..loaders.safetensors_writer import write_safetensors
 from ..loaders.saving import SaveError, plan_save
@@ -90,36 +91,36 @@ def pending_weight_patches(patcher) -> list[str]:
                   if key.startswith(DIFFUSION_PREFIX) and patches)
 
 
-class SaveQuantizedModel:
-    DESCRIPTION = (
-        "Saves a quantized diffusion model (from Quantize Model INT8 or the quantizing loaders) as a safetensors "
-        "file in models/diffusion_models, with ComfyUI per-layer markers in the layouts upstream ComfyUI loads "
-        "natively: the next load is a plain read (Load Diffusion Model on a ComfyUI with these formats, or Load "
-        "Quantized Diffusion Model on any), not a new quantization. Written one tensor at a time; the file appears "
-        "only when complete."
-    )
-    CATEGORY = categories.MODEL_SAVE
-    FUNCTION = "save"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ()
+class SaveQuantizedModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id=NODE_NAME,
+            display_name="Save Quantized Model",
+            category=categories.MODEL_SAVE,
+            description=(
+                "Saves a quantized diffusion model (from Quantize Model INT8 or the quantizing loaders) as a "
+                "safetensors file in models/diffusion_models, with ComfyUI per-layer markers in the layouts upstream "
+                "ComfyUI loads natively: the next load is a plain read (Load Diffusion Model on a ComfyUI with these "
+                "formats, or Load Quantized Diffusion Model on any), not a new quantization. Written one tensor at a "
+                "time; the file appears only when complete."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The quantized diffusion model to save."),
+                io.String.Input(
+                    "filename", default="quantized/model_int8.safetensors",
+                    tooltip="Path of the file inside models/diffusion_models, ending in .safetensors; "
+                            "sub-folders are created."),
+                io.Boolean.Input(
+                    "overwrite", default=False,
+                    tooltip="Replace an existing file of that name. Off: an existing file is an error and is "
+                            "left untouched."),
+            ],
+            is_output_node=True,
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "The quantized diffusion model to save."}),
-                "filename": ("STRING", {
-                    "default": "quantized/model_int8.safetensors",
-                    "tooltip": "Path of the file inside models/diffusion_models, ending in .safetensors; "
-                               "sub-folders are created."}),
-                "overwrite": ("BOOLEAN", {
-                    "default": False,
-                    "tooltip": "Replace an existing file of that name. Off: an existing file is an error and is "
-                               "left untouched."}),
-            },
-        }
-
-    def save(self, model, filename, overwrite):
+    def execute(cls, model, filename, overwrite):
         folder = diffusion_models_dir()
         path, name = target_path(folder, filename)
         if not overwrite and os.path.exists(path):
@@ -143,4 +144,4 @@ class SaveQuantizedModel:
         return node_output(NODE_NAME, f"{saved}\n{layers}", full)
 
 
-NODES = {"SaveQuantizedModel": (SaveQuantizedModel, "Save Quantized Model")}
+NODES = (SaveQuantizedModel,)

@@ -34,7 +34,7 @@ class OffloadError(RuntimeError):
 
 
 def mode_problem(mode) -> str | None:
-    """Why `mode` is not an offload mode, or None (for VALIDATE_INPUTS, which replaces ComfyUI's list check)."""
+    """Why `mode` is not an offload mode, or None (for validate_inputs, which replaces ComfyUI's list check)."""
     if mode in MODES or mode in OLD_MODES:
         return None
     return f"offload mode must be one of {', '.join(MODES)}, got {mode!r}"
