@@ -183,3 +183,25 @@ def test_fullgraph_router_sdpa_on_cuda():
     compile_counters()
     out = torch.compile(comfy_attention, backend="inductor", fullgraph=True)(options, q, k, v, 8)
     assert rel(out, eager) < 1e-2
+
+
+def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    import comfy_e2e
+    import e2e_models
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    for name, twin in [("pack_auto_compiled", "pack_auto"), ("comfy_fp8_fast_compiled", "comfy_fp8_fast")]:
+        config = configs[name]
+        assert (config.loader, config.family, config.capped) == (configs[twin].loader, configs[twin].family, True)
+        graph = comfy_e2e.sampling_graph(config, e2e_models.TINY_WAN, "m.safetensors",
+                                         e2e_models.TINY_WAN.length("long"), 3, 0, "p")
+        assert graph["m0"] == {"class_type": "TorchCompileModel",
+                               "inputs": {"backend": "inductor", "model": ["unet", 0]}}
+        assert graph["timer"]["inputs"]["model"] == ["m0", 0]
+        # TorchCompileModel's inputs on ComfyUI 0.3.75 and 0.33.0: model, and backend of these two
+        info = {node["class_type"]: {"input": {"required": {}}} for node in graph.values()}
+        info["TorchCompileModel"] = {"input": {"required": {"model": ["MODEL", {}],
+                                                            "backend": [["inductor", "cudagraphs"], {}]}}}
+        assert comfy_e2e.unoffered_choice(graph, info) is None
