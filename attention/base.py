@@ -44,7 +44,8 @@ def convert(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
 def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
     if device_type != "cuda" or not torch.cuda.is_available():
         return None
-    return tuple(torch.cuda.get_device_capability(index))
+    props = torch.cuda.get_device_properties(index)  # torch.compile folds this; get_device_capability breaks
+    return props.major, props.minor
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:

@@ -26,13 +26,16 @@ class AttentionStats:
     """Calls per kernel that actually ran ("flash:fa3_fwd", "sol", "sdpa"),
     fallbacks ("sage -> sdpa: takes no attention mask") and calls sent dense
     by the schedule ("step", "layer"). `total` since creation, `run` since
-    the last `take_run()`."""
+    the last `take_run()`. Nothing is counted while torch.compile traces: a
+    counter read there would be guarded on and recompile the graph at every call."""
 
     def __init__(self):
         self.total = {"calls": Counter(), "fallbacks": Counter(), "scheduled_dense": Counter()}
         self.run = {key: Counter() for key in self.total}
 
     def add(self, kind: str, key: str) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.total[kind][key] += 1
         self.run[kind][key] += 1
 
@@ -125,6 +128,7 @@ class Router:
         self.stats.add("calls", label)
         return out
 
+    @torch.compiler.disable  # rare, and it warns: runs eagerly, one graph break where a backend declines
     def _fallback(self, name: str, reason: str, ran: str) -> None:
         self.stats.add("fallbacks", f"{name} -> {ran}: {reason}")
         if (name, reason) not in self._warned:

@@ -84,7 +84,7 @@ class DenseSchedule:
 
     @property
     def active(self) -> bool:
-        return bool(self.dense_steps or self.dense_layers)
+        return bool(self.dense_steps or self.dense_layers.ranges)  # torch 2.11 dynamo cannot trace a user __bool__
 
     def begin_forward(self) -> None:
         self._counts.clear()

@@ -2,6 +2,7 @@
 import os
 
 import comfy.patcher_extension
+import torch
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
@@ -9,7 +10,7 @@ from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.override import KEY as OVERRIDE_KEY, not_reached
 from ..attention.sol import MIN_TOKENS
 from . import categories
-from .comfy_compat import show_on_node
+from .comfy_compat import compiled_by_comfy, show_on_node
 
 log = pack_logger(__name__)
 
@@ -85,7 +86,8 @@ class SetAttentionBackend(io.ComfyNode):
         # block counting restarts with every forward of the diffusion model
         def begin_forward(executor, *args, **kwargs):
             router.begin_forward()
-            forwards[0] += 1
+            if not torch.compiler.is_compiling():  # under TorchCompileModel a counter read recompiles per call
+                forwards[0] += 1
             return executor(*args, **kwargs)
 
         def report(sampled):
@@ -94,6 +96,8 @@ class SetAttentionBackend(io.ComfyNode):
             if counts["calls"]:
                 log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
                 show_on_node(unique_id, f"{text}\nlast run: {summary(counts)}")
+            elif compiled_by_comfy(sampled):
+                show_on_node(unique_id, f"{text}\nlast run: attention calls not counted (torch.compile)")
             elif ran:  # the model ran, its attention went elsewhere (e.g. a later node's override)
                 line = not_reached(sampled.model_options.get("transformer_options", {}).get(OVERRIDE_KEY), override)
                 log.warning("Set Attention Backend (%s): %s", router.describe(), line)

@@ -180,7 +180,7 @@ class NodeRun:
         show_on_node(self.node_id, f"{self.text}\nlast run: {line}")
 
 
-def _compiled_by_comfy(patcher) -> bool:
+def compiled_by_comfy(patcher) -> bool:
     """Whether ComfyUI's torch.compile wrapper is on this model (compiled layers are not counted)."""
     try:
         from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
@@ -202,7 +202,7 @@ def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], 
 
     def end(sampled):
         count = witness.take()
-        if count.ran == 0 and _compiled_by_comfy(sampled):
+        if count.ran == 0 and compiled_by_comfy(sampled):
             part = f"{count.claimed} quantized layers not counted (torch.compile)"
         else:
             part = count.render()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
 from ..pack_logging import pack_logger
+from . import compiled_ops
 from .method import LinearMethod, output_dtype
 
 log = pack_logger(__name__)
@@ -84,7 +85,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
         width = x.shape[1] // (2 if input_act == "swiglu" else 1)
         if fp8_rows.available(x, width):
             try:
-                return fp8_rows.quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
+                return compiled_ops.fp8_quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
             except Exception as exc:  # a Triton that imports but cannot compile for this GPU
                 _triton_failed = True
                 log.warning("FP8: the Triton activation quantizer failed (%s); using torch.compile or eager "
@@ -106,7 +107,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return compiled_ops.cuda_capability(device)
 
 
 def native_fp8_supported(device: torch.device) -> bool:

@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import compiled_ops
 from .kernel_select import KernelChooser, rows_bucket
 from .method import LinearMethod, output_dtype
 
@@ -43,11 +44,6 @@ def forced_row_split(rows: int, out_features: int) -> int | None:
     if max_rows <= 0 or rows <= max_rows or out_features < (_env_int("BIGDIT_INT8_MIN_SPLIT_N") or 0):
         return 0
     return max_rows
-
-
-def _kitchen():
-    import comfy_kitchen as ck
-    return ck
 
 
 class Int8ConvRotMethod(LinearMethod):
@@ -95,7 +91,6 @@ class Int8ConvRotMethod(LinearMethod):
         return TensorWiseINT8Layout.dequantize(t["weight"], params)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        ck = _kitchen()
         t = layer.tensors_for(x)
         weight, scale, bias = t["weight"], t["weight_scale"], t.get("bias")
         lead = x.shape[:-1]
@@ -103,8 +98,8 @@ class Int8ConvRotMethod(LinearMethod):
         out_dtype = output_dtype(x, layer.compute_dtype)
 
         def fused(rows: torch.Tensor) -> torch.Tensor:
-            return ck.int8_linear(rows, weight, scale, bias, out_dtype, convrot=self.convrot,
-                                  convrot_groupsize=self.group_size, input_act=input_act)
+            return compiled_ops.int8_linear(rows, weight, scale, bias, out_dtype, convrot=self.convrot,
+                                            convrot_groupsize=self.group_size, input_act=input_act)
 
         def split(rows_per_call: int) -> torch.Tensor:
             parts = [fused(x2d[i:i + rows_per_call]) for i in range(0, x2d.shape[0], rows_per_call)]

@@ -269,6 +269,7 @@ class LayerwiseStreamer:
         self._record("issue", i)
         return staged
 
+    @torch.compiler.disable  # side-stream copies and parameter swaps run eagerly; the block compiles
     def _enter(self, j: int) -> None:
         if j == 0:
             self.stats.forwards += 1
@@ -287,6 +288,7 @@ class LayerwiseStreamer:
             self._record("swap_in", j)
         self._prefetch(self._next_streamed[j])
 
+    @torch.compiler.disable
     def _exit(self, j: int) -> None:
         staged = self._staged.get(j)
         if staged is not None and staged.in_use:

@@ -115,6 +115,11 @@ def _attention(backend, sol_tau=1.0):
                                     "dense_steps": 0, "dense_layers": ""})
 
 
+def _compile():
+    """ComfyUI's own TorchCompileModel (inputs model and backend on 0.3.75 and 0.33.0), before the sampler."""
+    return ("TorchCompileModel", {"backend": "inductor"})
+
+
 def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
     configs = [
         Config(REFERENCE, "comfy", False, _unet()),
@@ -128,6 +133,9 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # not in the default set
         Config("pack_auto_attn_auto", "pack", True, _pack_loader("auto"), (_attention("auto"),)),
         Config("pack_bf16_offload", "pack", True, _pack_loader("none")),
+        # the compiled step (issue 12's non-GEMM lever), each against its uncompiled twin
+        Config("pack_auto_compiled", "pack", True, _pack_loader("auto"), (_compile(),)),
+        Config("comfy_fp8_fast_compiled", "comfy", True, _unet("fp8_e4m3fn_fast"), (_compile(),)),
         # a LoRA's cost (issue 13): against pack_auto on the same card; on 12 GiB part of the model stays in
         # RAM, so ComfyUI loads it partially and the pack folds the LoRA into the offloaded layers
         Config("pack_auto_lora", "pack", True, _pack_loader("auto"), (_lora(),), lora=True),

@@ -1,0 +1,207 @@
+"""The pack's layers, attention router and streamer under torch.compile (as ComfyUI's TorchCompileModel runs
+them): no graph breaks, no recompiles per call, the eager numbers.
+
+CPU tests run comfy-kitchen's eager backend. `aot_eager` runs the traced graph through AOT autograd without
+generating code, so the compiled result must equal eager bit for bit. GPU tests compile with inductor and
+fullgraph=True (any break fails them) against eager within a stated tolerance.
+"""
+import pytest
+import torch
+from torch import nn
+
+from bigdit.attention import Router, install
+from bigdit.loaders.streaming import LayerwiseStreamer
+from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
+from bigdit.quant import compiled_ops
+from bigdit.quant.methods import get_method
+
+# every format that quantizes a bf16 layer on CPU
+FORMATS = ["int8_convrot", "int8_tensorwise", "float8_e4m3fn", "quanto_qint8", "nvfp4", "mxfp8", "mxfp4"]
+
+
+def mlp(fmt, device="cpu", dim=128, hidden=256):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)).to(device, torch.bfloat16)
+    options = {"group_size": 64} if fmt == "int8_convrot" else {}
+    replacements, _ = quantize_layers(model, QuantConfig(method=get_method(fmt, **options)))
+    apply_replacements(model, replacements)
+    assert replacements  # mxfp4 keeps layers below its minimum output dim
+    return model
+
+
+def compile_counters():
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    return counters
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_layers_trace_without_graph_breaks(fmt):
+    model = mlp(fmt)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "int8_tensorwise", "float8_e4m3fn"])
+def test_compiled_quantized_layers_equal_eager(fmt):
+    model = mlp(fmt)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    eager = model(x)
+    counters = compile_counters()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        out = compiled(x)
+    assert torch.equal(out, eager)
+    assert counters["stats"]["unique_graphs"] == 1  # the witness and the kernel chooser guard nothing per call
+
+
+@pytest.mark.parametrize("convrot,group,act", [(True, 64, None), (True, 256, "gelu_tanh"), (False, 256, "swiglu")])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_op_equals_kitchen_bit_for_bit(convrot, group, act, bias):
+    import comfy_kitchen as ck
+    method = get_method("int8_convrot", group_size=group) if convrot else get_method("int8_tensorwise")
+    torch.manual_seed(1)
+    weight = torch.randn(96, 256, dtype=torch.bfloat16) * 0.06
+    stored = method.quantize_weight(weight)
+    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(40, 512 if act == "swiglu" else 256, dtype=torch.bfloat16)
+    direct = ck.int8_linear(x, stored["weight"], stored["weight_scale"], b, torch.bfloat16, convrot=convrot,
+                            convrot_groupsize=group, input_act=act)
+    op = torch.ops.bigdit.int8_linear(x, stored["weight"], stored["weight_scale"], b, torch.bfloat16, convrot,
+                                      group, act)
+    assert torch.equal(op, direct)
+    # the fake the compiler plans with agrees with the real output
+    torch.library.opcheck(torch.ops.bigdit.int8_linear.default,
+                          (x, stored["weight"], stored["weight_scale"], b, torch.bfloat16, convrot, group, act),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def comfy_attention(options, q, k, v, heads):
+    """What ComfyUI's optimized_attention does with an installed override."""
+    return options["optimized_attention_override"](None, q, k, v, heads=heads, transformer_options=options)
+
+
+def test_router_sdpa_compiles_without_breaks_or_recompiles():
+    options = {}
+    router = Router("sdpa")
+    install(options, router)
+    q, k, v = (torch.randn(1, 16, 2 * 64) for _ in range(3))
+    eager = comfy_attention(options, q, k, v, 2)
+    assert router.stats.take_run()["calls"] == {"sdpa": 1}
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(comfy_attention)(options, q, k, v, 2)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+    counters = compile_counters()
+    compiled = torch.compile(comfy_attention, backend="aot_eager", fullgraph=True)
+    for _ in range(4):
+        out = compiled(options, q, k, v, 2)
+    assert torch.equal(out, eager)
+    # before: a stats counter mutated per call made dynamo recompile at every call
+    assert counters["stats"]["unique_graphs"] == 1
+    # counts are not kept under compile (the node says so), and eager counting still works after it
+    assert router.stats.take_run()["calls"] == {}
+    comfy_attention(options, q, k, v, 2)
+    assert router.stats.take_run()["calls"] == {"sdpa": 1}
+
+
+class Blocks(nn.Module):
+    def __init__(self, n=4, dim=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_streamer_hooks_run_eagerly_and_blocks_compile():
+    """The hooks (side-stream copies, parameter swaps) are torch.compiler.disable'd: one break per block,
+    the blocks' compute compiled, the swapped tensors guarded by their metadata only (no recompiles)."""
+    torch.manual_seed(0)
+    model = Blocks().eval()
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        eager = model(x)
+        trace = []
+        with LayerwiseStreamer(model.blocks, "cpu", [1, 2, 3], trace=trace) as streamer:
+            counters = compile_counters()
+            compiled = torch.compile(model, backend="aot_eager")
+            outs = [compiled(x) for _ in range(2)]
+            graphs = counters["stats"]["unique_graphs"]
+            outs += [compiled(x) for _ in range(3)]
+            assert counters["stats"]["unique_graphs"] == graphs  # no recompile after the first forwards
+            assert not counters["recompiles"]
+            assert streamer.stats.forwards == 5 and streamer.stats.loads == 15 and streamer.stats.late == 0
+    assert all(torch.equal(out, eager) for out in outs)
+    assert ("swap_in", 3) in trace and ("release", 3) in trace
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# --- GPU (run on the H200 by the lead) ---------------------------------------------------------------------
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "float8_e4m3fn"])
+@pytest.mark.parametrize("act", [None, "swiglu"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fullgraph_inductor_quantized_layer_on_cuda(fmt, act):
+    if fmt == "float8_e4m3fn" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm89+")
+    torch.manual_seed(0)
+    k, n = 1024, 2048
+    layer = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    options = {"group_size": 256} if fmt == "int8_convrot" else {}
+    replacements, _ = quantize_layers(nn.Sequential(layer), QuantConfig(method=get_method(fmt, **options)))
+    q = replacements["0"]
+    x = torch.randn(3, 700, 2 * k if act == "swiglu" else k, device="cuda", dtype=torch.bfloat16)
+    eager = q(x, input_act=act)
+    compile_counters()
+    compiled = torch.compile(q, backend="inductor", fullgraph=True)
+    out = compiled(x, input_act=act)
+    assert out.shape == eager.shape and out.dtype == eager.dtype
+    # the quantized GEMM is the same kernel; inductor may fuse what surrounds it (bias, casts) differently
+    assert rel(out, eager) < 1e-2
+    assert compiled_ops.cuda_capability(x.device) == torch.cuda.get_device_capability()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fullgraph_router_sdpa_on_cuda():
+    options = {}
+    install(options, Router("sdpa"))
+    q, k, v = (torch.randn(1, 1024, 8 * 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    eager = comfy_attention(options, q, k, v, 8)
+    compile_counters()
+    out = torch.compile(comfy_attention, backend="inductor", fullgraph=True)(options, q, k, v, 8)
+    assert rel(out, eager) < 1e-2
+
+
+def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    import comfy_e2e
+    import e2e_models
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    for name, twin in [("pack_auto_compiled", "pack_auto"), ("comfy_fp8_fast_compiled", "comfy_fp8_fast")]:
+        config = configs[name]
+        assert (config.loader, config.family, config.capped) == (configs[twin].loader, configs[twin].family, True)
+        graph = comfy_e2e.sampling_graph(config, e2e_models.TINY_WAN, "m.safetensors",
+                                         e2e_models.TINY_WAN.length("long"), 3, 0, "p")
+        assert graph["m0"] == {"class_type": "TorchCompileModel",
+                               "inputs": {"backend": "inductor", "model": ["unet", 0]}}
+        assert graph["timer"]["inputs"]["model"] == ["m0", 0]
+        # TorchCompileModel's inputs on ComfyUI 0.3.75 and 0.33.0: model, and backend of these two
+        info = {node["class_type"]: {"input": {"required": {}}} for node in graph.values()}
+        info["TorchCompileModel"] = {"input": {"required": {"model": ["MODEL", {}],
+                                                            "backend": [["inductor", "cudagraphs"], {}]}}}
+        assert comfy_e2e.unoffered_choice(graph, info) is None
