@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .fp8 import Fp8Method
 from .int8_convrot import Int8ConvRotMethod
 from .kernel_select import _time_ms
+from .linear import quantized_layer
 from .method import LinearMethod
 
 # Preference order by compute capability (first match from the top).
@@ -82,8 +83,6 @@ class AutoSelector:
         return best, f"auto: {best} ({_fmt(times)})", times
 
     def _time(self, k: int, n: int, formats: tuple[str, ...]) -> dict[str, float]:
-        from .dispatch import quantize_linear
-
         gen = torch.Generator(device=self.device).manual_seed(0)
         linear = torch.nn.Linear(k, n, bias=False, device=self.device, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -91,7 +90,8 @@ class AutoSelector:
         x = torch.randn(self.rows, k, device=self.device, dtype=torch.bfloat16, generator=gen)
         times = {"bf16": self.time_ms(lambda: F.linear(x, linear.weight))}
         for fmt in formats:
-            layer = quantize_linear(linear, self.methods[fmt], self.device)
+            layer = quantized_layer(self.methods[fmt], linear.weight.detach(), k, n, None, torch.bfloat16,
+                                    self.device, self.device)
             layer(x)  # first call runs any kernel measurement of the format itself
             times[fmt] = self.time_ms(lambda: layer(x))
             del layer
