@@ -1,8 +1,8 @@
 """`auto`: the fastest native format for this GPU, refined per layer shape by measurement.
 
-The table gives each GPU generation's first choice (measured on the H200 for
-sm90: FP8 GEMMs 1.7-2.0x bf16, INT8 ConvRot 0.8-1.1x; INT8 is the native
-fast format before sm89). Then, once per (device, in, out), a micro-benchmark
+The table gives each GPU generation's first choice (FP8 from sm89, where its
+GEMMs outrun INT8 ConvRot's; INT8 before, its native fast format; the README
+has the measurements). Then, once per (device, in, out), a micro-benchmark
 times bf16 against the candidates at a representative token count; a layer
 whose formats are all slower than bf16 stays in bf16, so no layer gets slower.
 """
