@@ -7,7 +7,8 @@ Each backend lists its kernels in preference order:
 - flash: the best importable FlashAttention: FA3 (fa3-fwd, then flash-attn's
   hopper build), FA2 (flash-attn), FA4 (flash-attn-4); a call none of them
   takes (fp16 on fa3-fwd's bf16 build, say) goes to the dense backend, since
-  SDPA's own flash kernel was slower than cuDNN on the H200 (0.88x the step).
+  SDPA's own flash kernel is slower than the cuDNN kernel SDPA picks by itself
+  (README, end-to-end table).
   Statistics name the one that ran ("flash:fa3_fwd").
 - fa3_fp8: FA3's FP8 kernel on q, k, v quantized per (batch, head) by one
   fused Triton pass (fa3_fp8.py, fp8_qkv.py); Hopper with fa3-fwd.

@@ -25,22 +25,17 @@ def steps_text(dense_steps: int) -> str:
 class AttentionStats:
     """Calls per kernel that actually ran ("flash:fa3_fwd", "sol", "sdpa"),
     fallbacks ("sage -> sdpa: takes no attention mask") and calls sent dense
-    by the schedule ("step", "layer"). `total` since creation, `run` since
-    the last `take_run()`. Nothing is counted while torch.compile traces: a
-    counter read there would be guarded on and recompile the graph at every call."""
+    by the schedule ("step", "layer"), since the last `take_run()`. Nothing is
+    counted while torch.compile traces: a counter read there would be guarded
+    on and recompile the graph at every call."""
 
     def __init__(self):
-        self.total = {"calls": Counter(), "fallbacks": Counter(), "scheduled_dense": Counter()}
-        self.run = {key: Counter() for key in self.total}
+        self.run = {"calls": Counter(), "fallbacks": Counter(), "scheduled_dense": Counter()}
 
     def add(self, kind: str, key: str) -> None:
         if torch.compiler.is_compiling():
             return
-        self.total[kind][key] += 1
         self.run[kind][key] += 1
-
-    def snapshot(self) -> dict:
-        return {kind: dict(counter) for kind, counter in self.total.items()}
 
     def take_run(self) -> dict:
         out = {kind: dict(counter) for kind, counter in self.run.items()}

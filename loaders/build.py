@@ -1,21 +1,25 @@
 """Builds a model's Linear layers one at a time while the model is being loaded.
 
-A model loader calls `LayerBuilder.build(name, ...)` for every Linear as its
-weights arrive. The layer is built from the checkpoint's quantized tensors (per
-its marker or Quanto entry), or its plain weight is quantized online right
-there (when an online QuantConfig is given), or None tells the loader to keep
-the plain layer. Only one layer's full-precision weight is on the compute
-device at a time, and a plain weight the file maps lazily is read once.
+Every layer is decided before the model exists: the checkpoint's quantized
+layers by the CheckpointPlan (markers, Quanto entries), and, when an online
+QuantConfig is given, each plain weight by `plan_online`, from the header's
+names, dtypes and shapes. A model loader then calls `LayerBuilder.build(name, ...)`
+for every Linear as its weights arrive, which executes that plan: the layer is
+built from the checkpoint's tensors, or its plain weight is quantized right
+there, or None tells the loader to keep the plain layer. Only one layer's
+full-precision weight is on the compute device at a time, and a plain weight
+the file maps lazily is read once.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..dtypes import FLOAT_DTYPES
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
-from ..quant.linear import QuantLinear
+from ..quant.linear import QuantLinear, quantized_layer
 from ..quant.method import LinearMethod
 from ..quant.methods import available_methods, get_method
 from ..quant.mxfp8 import native_mxfp8_supported
@@ -23,6 +27,7 @@ from ..quant.nvfp4 import native_nvfp4_supported
 from ..quant.report import LayerRecord, QuantReport
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
+from .safetensors_header import torch_dtype
 
 NVFP4_MODES = ("auto", "requantize")
 # Block formats with a native comfy-kitchen GEMM only on some GPUs.
@@ -48,6 +53,39 @@ def fastest_native_methods(device: torch.device, in_features: int, out_features:
     return methods
 
 
+@dataclass(frozen=True)
+class OnlineLayer:
+    """What loading does with one plain weight of the file, decided from its header entry."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]                  # [out, in]
+    method: LinearMethod | None             # None: kept as stored
+    reason: str
+
+
+def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
+           dominant: torch.dtype) -> tuple[LinearMethod | None, str]:
+    """The decision quant.dispatch.plan_layers makes for a module, from a weight's dtype and shape."""
+    if name in config.keep:
+        return None, config.keep[name]
+    if dtype not in FLOAT_DTYPES:
+        return None, f"already quantized ({str(dtype).replace('torch.', '')})"
+    return choose_method(config, name, dtype, in_features, out_features, dominant)
+
+
+def plan_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:
+    """The decision for every plain matrix `<name>.weight` of the file, by module name, before any model exists."""
+    dominant = plan.proxy_dtype()
+    layers = {}
+    for key, file_key in plan.plain_keys.items():
+        info = plan.header.tensors[file_key]
+        if not key.endswith(".weight") or len(info.shape) != 2:
+            continue
+        name, dtype, (out_features, in_features) = key[:-len(".weight")], torch_dtype(info.dtype), info.shape
+        method, reason = decide(config, name, dtype, in_features, out_features, dominant)
+        layers[name] = OnlineLayer(dtype, info.shape, method, reason)
+    return layers
+
+
 class LayerBuilder:
     def __init__(self, plan: CheckpointPlan, source: TensorSource, device: torch.device, *,
                  online: QuantConfig | None = None, nvfp4: str = "auto", title: str = "load",
@@ -63,6 +101,7 @@ class LayerBuilder:
         self._methods: dict[tuple, LinearMethod] = {}
         self._paths: dict[str, dict[str, int]] = {}
         self._online_counts: dict[str, int] = {}
+        self.online_plan = {} if online is None else plan_online(plan, online)
 
     # -- before building -------------------------------------------------------
     def resolve_methods(self) -> None:
@@ -109,57 +148,52 @@ class LayerBuilder:
         method = self._method(layer.format, layer.options)
         tensors = self.plan.layer_tensors(self.source, name)
         reason = f"{layer.format} from the checkpoint"
+        target = None
         if layer.format in NATIVE_BLOCK_FORMAT:
-            method, tensors, reason = self._block_format(layer.format, method, tensors, in_features, out_features,
-                                                         compute_dtype, reason)
-        tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
-        built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
-        self.consumed.add(name)
-        self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes,
-                                               parameter_bytes(built)))
-        return built
-
-    def _block_format(self, fmt, method, tensors, in_features, out_features, compute_dtype, reason):
-        """NVFP4/MXFP8 run natively only on sm100+; elsewhere they are dequantized per call,
-        unless NVFP4 is re-quantized now to this device's fastest native format."""
-        paths = self._paths.setdefault(fmt, {})
-        if NATIVE_BLOCK_FORMAT[fmt](self.device):
-            paths["native comfy-kitchen GEMM"] = paths.get("native comfy-kitchen GEMM", 0) + 1
-            return method, tensors, reason + ", native GEMM"
-        targets = fastest_native_methods(self.device, in_features, out_features)
-        if fmt == "nvfp4" and self.nvfp4 == "requantize" and targets:
-            target = targets[0]
+            target, reason = self._block_format(layer.format, in_features, out_features, reason)
+        if target is None:
+            tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
+            built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
+        else:
             on_device = {k: v.to(self.device) for k, v in tensors.items()}
             stand_in = QuantLinear(method, in_features, out_features, on_device, None, compute_dtype)
             with torch.no_grad():
-                requantized = target.quantize_weight(method.dequantize(stand_in))
+                weight = method.dequantize(stand_in)
+            built = quantized_layer(target, weight, in_features, out_features, bias, compute_dtype, self.device, home)
+        self.consumed.add(name)
+        self.report.records.append(LayerRecord(name, built.method.name, reason, plain_bytes,
+                                               parameter_bytes(built)))
+        return built
+
+    def _block_format(self, fmt, in_features, out_features, reason):
+        """NVFP4/MXFP8 run natively only on sm100+; elsewhere they are dequantized per call,
+        unless NVFP4 is re-quantized now to this device's fastest native format: (that method or None, reason)."""
+        paths = self._paths.setdefault(fmt, {})
+        if NATIVE_BLOCK_FORMAT[fmt](self.device):
+            paths["native comfy-kitchen GEMM"] = paths.get("native comfy-kitchen GEMM", 0) + 1
+            return None, reason + ", native GEMM"
+        targets = fastest_native_methods(self.device, in_features, out_features)
+        if fmt == "nvfp4" and self.nvfp4 == "requantize" and targets:
+            target = targets[0]
             label = f"re-quantized at load to {target.describe()}"
             paths[label] = paths.get(label, 0) + 1
-            return target, requantized, f"nvfp4 in the checkpoint, {label}"
+            return target, f"nvfp4 in the checkpoint, {label}"
         paths["dequantized before each matmul"] = paths.get("dequantized before each matmul", 0) + 1
-        return method, tensors, reason + ", dequantized per call"
+        return None, reason + ", dequantized per call"
 
     def _online(self, name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes):
-        method, reason = self._decide(name, weight.dtype, in_features, out_features)
+        planned = self.online_plan.get(name)
+        if planned is not None and planned.dtype == weight.dtype and planned.shape == (out_features, in_features):
+            method, reason = planned.method, planned.reason
+        else:  # ComfyUI renamed, split or converted this key (diffusers files, HunyuanVideo): the header could not say
+            method, reason = decide(self.online, name, weight.dtype, in_features, out_features, self._dominant)
         if method is None:
             self.report.records.append(LayerRecord(name, None, reason, plain_bytes, plain_bytes))
             return None
-        with torch.no_grad():
-            tensors = method.quantize_weight(weight.to(self.device))
-        tensors = {k: v.to(home) for k, v in tensors.items()}
-        built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
+        built = quantized_layer(method, weight, in_features, out_features, bias, compute_dtype, self.device, home)
         self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, parameter_bytes(built)))
         self._online_counts[reason] = self._online_counts.get(reason, 0) + 1
         return built
-
-    def _decide(self, name: str, dtype: torch.dtype, in_features: int, out_features: int):
-        """The decision quant.dispatch.plan_layers makes for a module, from the file's dtype and shape."""
-        config = self.online
-        if name in config.keep:
-            return None, config.keep[name]
-        if dtype not in FLOAT_DTYPES:
-            return None, f"already quantized ({str(dtype).replace('torch.', '')})"
-        return choose_method(config, name, dtype, in_features, out_features, self._dominant)
 
     # -- after building ----------------------------------------------------------
     def finish(self) -> QuantReport:

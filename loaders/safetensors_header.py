@@ -71,9 +71,8 @@ class HeaderReader:
     """
 
     def __init__(self, header: "SafetensorsHeader"):
-        import torch
         self.header = header
-        self._dtypes = {name: getattr(torch, attr) for name, attr in _TORCH_DTYPE_NAMES.items()}
+        self._dtypes = {name: torch_dtype(name) for name in _TORCH_DTYPE_NAMES}
         try:
             with open(header.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
@@ -114,6 +113,12 @@ _TORCH_DTYPE_NAMES = {
     "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
     "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
 }
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name ("BF16" -> torch.bfloat16)."""
+    import torch
+    return getattr(torch, _TORCH_DTYPE_NAMES[name])
 
 
 def short_repr(value, limit: int = 80) -> str:

@@ -1,8 +1,8 @@
 """`auto`: the fastest native format for this GPU, refined per layer shape by measurement.
 
-The table gives each GPU generation's first choice (measured on the H200 for
-sm90: FP8 GEMMs 1.7-2.0x bf16, INT8 ConvRot 0.8-1.1x; INT8 is the native
-fast format before sm89). Then, once per (device, in, out), a micro-benchmark
+The table gives each GPU generation's first choice (FP8 from sm89, where its
+GEMMs outrun INT8 ConvRot's; INT8 before, its native fast format; the README
+has the measurements). Then, once per (device, in, out), a micro-benchmark
 times bf16 against the candidates at a representative token count; a layer
 whose formats are all slower than bf16 stays in bf16, so no layer gets slower.
 """
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .fp8 import Fp8Method
 from .int8_convrot import Int8ConvRotMethod
 from .kernel_select import _time_ms
+from .linear import quantized_layer
 from .method import LinearMethod
 
 # Preference order by compute capability (first match from the top).
@@ -82,8 +83,6 @@ class AutoSelector:
         return best, f"auto: {best} ({_fmt(times)})", times
 
     def _time(self, k: int, n: int, formats: tuple[str, ...]) -> dict[str, float]:
-        from .dispatch import quantize_linear
-
         gen = torch.Generator(device=self.device).manual_seed(0)
         linear = torch.nn.Linear(k, n, bias=False, device=self.device, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -91,7 +90,8 @@ class AutoSelector:
         x = torch.randn(self.rows, k, device=self.device, dtype=torch.bfloat16, generator=gen)
         times = {"bf16": self.time_ms(lambda: F.linear(x, linear.weight))}
         for fmt in formats:
-            layer = quantize_linear(linear, self.methods[fmt], self.device)
+            layer = quantized_layer(self.methods[fmt], linear.weight.detach(), k, n, None, torch.bfloat16,
+                                    self.device, self.device)
             layer(x)  # first call runs any kernel measurement of the format itself
             times[fmt] = self.time_ms(lambda: layer(x))
             del layer

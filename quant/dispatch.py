@@ -16,7 +16,7 @@ from torch import nn
 from ..dtypes import FLOAT_DTYPES
 from ..pack_logging import pack_logger
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
-from .linear import QuantLinear
+from .linear import QuantLinear, quantized_layer
 from .method import LinearMethod, default_device
 from .patterns import first_match
 from .report import LayerRecord, QuantReport
@@ -247,14 +247,11 @@ def quantize_linear(module: nn.Module, method: LinearMethod, device: torch.devic
     home = module.weight.device
     bias = None if module.bias is None else module.bias.detach()
     if compute_dtype is None:
-        weight, compute_dtype = module.weight.detach().to(device), module.weight.dtype
+        weight, compute_dtype = module.weight.detach(), module.weight.dtype
     else:
         weight = dequantized_weight(module, device)
         bias = None if bias is None else bias.to(compute_dtype)
-    with torch.no_grad():
-        tensors = method.quantize_weight(weight)
-    tensors = {k: v.to(home) for k, v in tensors.items()}
-    return QuantLinear(method, module.in_features, module.out_features, tensors, bias, compute_dtype=compute_dtype)
+    return quantized_layer(method, weight, module.in_features, module.out_features, bias, compute_dtype, device, home)
 
 
 def quantize_layers(model: nn.Module, config: QuantConfig,

@@ -19,8 +19,8 @@ from .method import LinearMethod, output_dtype
 
 GROUP_SIZES = (16, 64, 256)
 
-# Row split: the seed split M=32700 GEMMs into 8192-row calls on an RTX 4090
-# to dodge a Stream-K schedule. It is only a candidate here, measured per GPU.
+# Row split: 8192-row calls dodge a slow Stream-K schedule of long GEMMs on
+# some GPUs and cost a few percent on others, so it is a candidate, measured per GPU.
 DEFAULT_SPLIT_ROWS = 8192
 
 _chooser = KernelChooser("int8_convrot", force_env="BIGDIT_INT8_KERNEL",
@@ -119,16 +119,11 @@ class Int8ConvRotMethod(LinearMethod):
         if (forced_rows is None and x.device.type == "cuda" and self.row_split == "auto"
                 and rows > DEFAULT_SPLIT_ROWS):
             candidates["kitchen_split"] = lambda: split(DEFAULT_SPLIT_ROWS)
-        # dequant runs only when forced: side by side on the H200 it never beat the fused
-        # kernel by more than noise, yet timed inside a forward it looked up to 30% faster
-        # than it is (allocator and clock effects) and got picked wrongly.
+        # dequant runs only when forced: timed inside a forward it can look faster than the
+        # fused kernel (allocator and clock effects) when side by side it is not, and would
+        # be picked wrongly.
         candidates["dequant"] = dequant_gemm
         key = (str(x.device), rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
         choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split"))
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
-
-
-def chooser() -> KernelChooser:
-    """The process-wide INT8 kernel chooser (benchmarks read its timings)."""
-    return _chooser

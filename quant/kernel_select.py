@@ -45,7 +45,6 @@ class KernelChooser:
         self.known = known
         self.iters = iters
         self.choices: dict[tuple, str] = {}
-        self.timings: dict[tuple, dict[str, float]] = {}
 
     def forced(self) -> str | None:
         value = os.environ.get(self.force_env, "").strip().lower()
@@ -73,14 +72,18 @@ class KernelChooser:
             return cached
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return names[0]
+        timings = self._measure(candidates)
+        best = min(timings, key=timings.get)
+        self.choices[key] = best
+        log.debug("%s %s: %s (%s)", self.name, key, best,
+                  ", ".join(f"{n} {t:.3f} ms" for n, t in timings.items()))
+        return best
+
+    def _measure(self, candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """Each candidate's per-call milliseconds, timed now."""
         # Two interleaved rounds, best of each: clock drift hits every candidate alike.
         timings = {n: float("inf") for n in candidates}
         for _ in range(2):
             for n, fn in candidates.items():
                 timings[n] = min(timings[n], _time_ms(fn, self.iters))
-        best = min(timings, key=timings.get)
-        self.choices[key] = best
-        self.timings[key] = timings
-        log.debug("%s %s: %s (%s)", self.name, key, best,
-                  ", ".join(f"{n} {t:.3f} ms" for n, t in timings.items()))
-        return best
+        return timings

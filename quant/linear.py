@@ -2,20 +2,52 @@
 
 It holds the method's stored tensors as frozen parameters (so `.to()`,
 `state_dict()` and ComfyUI's size accounting see their true bytes) and
-delegates the forward to the method.
+delegates the forward to the method. `quantized_layer` makes one from a
+full-precision weight, for every caller.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
-from .method import LinearMethod
 from .witness import count_run
 
 
+class LayerMethod(Protocol):
+    """What a QuantLinear needs of its method; every LinearMethod (quant/method.py) is one.
+
+    Spelled out here so that this module, which the methods build on, does not import them."""
+    name: str
+
+    def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def apply(self, layer: "QuantLinear", x: torch.Tensor, input_act: str | None = None) -> torch.Tensor: ...
+
+    def dequantize(self, layer: "QuantLinear", device: torch.device | None = None) -> torch.Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+def quantized_layer(method: LayerMethod, weight: torch.Tensor, in_features: int, out_features: int,
+                    bias: torch.Tensor | None, compute_dtype: torch.dtype, device: torch.device,
+                    home: torch.device) -> "QuantLinear":
+    """`weight` [out, in] quantized by `method` on `device`, as a QuantLinear whose tensors live on `home`.
+
+    The one way a quantized layer is made from a full-precision weight: the
+    quantization pass, auto's measurement and the loaders all build through it,
+    so only this layer's weight is on `device` at a time. `weight` is not modified.
+    """
+    with torch.no_grad():
+        tensors = method.quantize_weight(weight.to(device))
+    tensors = {k: v.to(home) for k, v in tensors.items()}
+    return QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
+
+
 class QuantLinear(nn.Module):
-    def __init__(self, method: LinearMethod, in_features: int, out_features: int,
+    def __init__(self, method: LayerMethod, in_features: int, out_features: int,
                  tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
                  compute_dtype: torch.dtype):
         super().__init__()

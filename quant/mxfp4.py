@@ -14,9 +14,8 @@ Stored tensors (every execution path but AITER's):
 
 Execution paths, detected once per device (`execution_path`):
   aiter     ROCm gfx95x (MI350+) with AITER importable: AITER's dynamic MXFP4
-            activation quantization and gemm_a4w4 (W4A4), as the seed does. AITER
-            quantizes the weights too, into its pre-shuffled layout, with its own
-            scale rounding.
+            activation quantization and gemm_a4w4 (W4A4). AITER quantizes the
+            weights too, into its pre-shuffled layout, with its own scale rounding.
   native    NVIDIA sm100+ where torch._scaled_mm multiplies float4_e2m1fn_x2 with
             E8M0 block scales and a probe agrees with the emulation: W4A4, the
             activations quantized per call by this module's encoder.
@@ -45,9 +44,9 @@ E8M0_BIAS = 127          # E8M0: value 2^(byte - 127), emin -127, no zero, no si
 E8M0_NAN = 0xFF
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign
 
-# The seed keeps layers with fewer outputs unquantized: AITER's gemm_a4w4 ASM
-# kernel loses precision when N is below its minimum tile. Applied on every
-# path so a model quantizes the same way on every machine.
+# Layers with fewer outputs stay unquantized: AITER's gemm_a4w4 ASM kernel
+# loses precision when N is below its minimum tile. Applied on every path so a
+# model quantizes the same way on every machine.
 MIN_OUTPUT_DIM = 256
 
 PATHS = ("auto", "aiter", "native", "emulated")
@@ -201,7 +200,7 @@ def _gemm_needs_out_buffer(gemm) -> bool:
 
 
 def aiter_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """x2d @ W.T through AITER (the seed's calls), W in AITER's pre-shuffled layout; bf16 out."""
+    """x2d @ W.T through AITER's MXFP4 quantizer and gemm_a4w4, W in AITER's pre-shuffled layout; bf16 out."""
     quantize, _, gemm = _aiter_kernels()
     if x2d.dtype not in HALF_DTYPES:  # AITER's quantizer takes 16-bit activations
         x2d = x2d.to(torch.bfloat16)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from bench.attention_inputs import cosine, random_qkv, relative_error, structured_qkv
 from bigdit.attention import Router, auto, base, fp8_qkv, registry
 from bigdit.attention.fa3_fp8 import FA3Fp8
+from probes import snapshot
 
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +135,7 @@ def test_fa3_fp8_falls_back_on_cpu_with_one_reason(caplog):
     (warning,) = [r.getMessage() for r in caplog.records if "fa3_fp8 cannot" in r.getMessage()]
     assert "(needs cuda, got a cpu tensor); running sdpa instead" in warning
     assert all(torch.equal(o, F.scaled_dot_product_attention(q, k, v)) for o in outs)
-    assert router.stats.snapshot()["fallbacks"] == {"fa3_fp8 -> sdpa: needs cuda, got a cpu tensor": 2}
+    assert snapshot(router.stats)["fallbacks"] == {"fa3_fp8 -> sdpa: needs cuda, got a cpu tensor": 2}
 
 
 def test_auto_never_picks_fa3_fp8():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from bench.attention_inputs import cosine, psnr, structured_qkv
 from bigdit.attention import Router, Unsupported, auto, kernels, registry
 from bigdit.attention.base import Backend
+from probes import snapshot
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -154,11 +155,11 @@ def test_router_runs_real_kernels_without_fallback():
     for name in ("flash", "sage", "kitchen_int8"):
         router = Router(name, dense_backend="sdpa")
         out = router(q, k, v)
-        calls = router.stats.snapshot()["calls"]
+        calls = snapshot(router.stats)["calls"]
         try:
             registry.create(name).plan(q, k, v)
         except Unsupported:
             assert calls == {"sdpa": 1}
             continue
-        assert list(calls) != ["sdpa"] and not router.stats.snapshot()["fallbacks"], calls
+        assert list(calls) != ["sdpa"] and not snapshot(router.stats)["fallbacks"], calls
         assert cosine(out, reference(q, k, v)) > 0.99

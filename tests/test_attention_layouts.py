@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bigdit.attention import Router, install
+from probes import snapshot
 
 B, H, D = 2, 3, 64
 TOL = 1e-5  # fp32 SDPA against float64 reference, values O(1)
@@ -96,7 +97,7 @@ def test_sol_layouts_on_cpu_eager():
     router = Router("sol", dense_backend="sdpa", sol_tau=0.5, sol_min_tokens=0)
     out_bhsd = router(q, k, v, layout="BHSD")
     out_bshd = router(*(t.transpose(1, 2) for t in (q, k, v)), layout="BSHD")
-    assert router.stats.snapshot()["calls"] == {"sol": 2}
+    assert snapshot(router.stats)["calls"] == {"sol": 2}
     torch.testing.assert_close(out_bshd.transpose(1, 2), out_bhsd, atol=1e-6, rtol=0)
     hook, _ = install({}, router)
     out_comfy = hook(never_called, *(to_comfy(t) for t in (q, k, v)), heads=2, transformer_options={})
@@ -118,7 +119,7 @@ def test_grouped_query_attention(skip_reshape, backend):
                transformer_options={})
     expected = reference(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
     torch.testing.assert_close(out.double(), expected, atol=TOL, rtol=0)
-    stats = router.stats.snapshot()
+    stats = snapshot(router.stats)
     assert stats["calls"] == {"sdpa": 1}
     if backend == "sol":
         assert any("grouped-query attention" in reason for reason in stats["fallbacks"]), stats

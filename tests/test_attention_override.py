@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from bigdit.attention import Router, install, is_ours, override as override_module
+from probes import snapshot
 
 KEY = "optimized_attention_override"
 HEADS = 2
@@ -53,7 +54,7 @@ def test_install_on_an_empty_hook():
     q, k, v = comfy_qkv()
     out = call(options, q, k, v)
     assert torch.equal(out, comfy_sdpa(q, k, v, HEADS))
-    assert router.stats.snapshot()["calls"] == {"sdpa": 1}
+    assert snapshot(router.stats)["calls"] == {"sdpa": 1}
 
 
 def test_a_second_node_replaces_the_first_never_stacks():
@@ -63,8 +64,8 @@ def test_a_second_node_replaces_the_first_never_stacks():
     hook, how = install(options, second)
     assert how == "replaced" and hook.previous is None
     call(options, *comfy_qkv())
-    assert first.stats.snapshot()["calls"] == {}
-    assert second.stats.snapshot()["calls"] == {"sdpa": 1}
+    assert snapshot(first.stats)["calls"] == {}
+    assert snapshot(second.stats)["calls"] == {"sdpa": 1}
 
 
 def test_a_foreign_override_is_wrapped_and_keeps_deciding():
@@ -79,7 +80,7 @@ def test_a_foreign_override_is_wrapped_and_keeps_deciding():
     assert foreign.funcs[0] == hook.attention  # its fallback is now our backend
     assert torch.equal(first, comfy_sdpa(q, k, v, HEADS))  # odd call: through us
     assert torch.equal(second, torch.zeros_like(second))  # even call: its own
-    assert router.stats.snapshot()["calls"] == {"sdpa": 1}
+    assert snapshot(router.stats)["calls"] == {"sdpa": 1}
 
 
 def test_replacing_ours_keeps_the_foreign_override_it_wrapped():
@@ -90,7 +91,7 @@ def test_replacing_ours_keeps_the_foreign_override_it_wrapped():
     hook, how = install(options, router)
     assert how == "replaced" and hook.previous is foreign
     call(options, *comfy_qkv())
-    assert foreign.calls == 1 and router.stats.snapshot()["calls"] == {"sdpa": 1}
+    assert foreign.calls == 1 and snapshot(router.stats)["calls"] == {"sdpa": 1}
 
 
 def test_clones_share_the_override():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from bigdit.attention import Constraints, Router, Unsupported, auto, base, kernels, registry
 from bigdit.attention.base import Backend, Impl
 from bigdit.pack_logging import PREFIX
+from probes import snapshot
 
 WARN_LOGGER = "bigdit.attention.router"
 
@@ -66,7 +67,7 @@ def test_cuda_only_backend_falls_back_on_cpu_with_one_warning(name, caplog):
     expected = F.scaled_dot_product_attention(q, k, v)
     for out in outs:
         assert torch.equal(out, expected)
-    stats = router.stats.snapshot()
+    stats = snapshot(router.stats)
     assert stats["calls"] == {"auto:sdpa": 3}
     assert sum(stats["fallbacks"].values()) == 3  # every call is counted, only the first warned
 
@@ -108,7 +109,7 @@ def test_chain_is_backend_then_dense_then_sdpa(caplog):
         out = router(q, k, v)
     assert len(fallback_warnings(caplog, "sage")) == 1
     assert len(fallback_warnings(caplog, "flash")) == 1
-    assert router.stats.snapshot()["calls"] == {"sdpa": 1}
+    assert snapshot(router.stats)["calls"] == {"sdpa": 1}
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 
 
@@ -206,5 +207,5 @@ def test_sdpa_selected_never_tries_the_dense_backend(caplog):
     with caplog.at_level(logging.WARNING, logger=WARN_LOGGER):
         out = router(q, k, v)
     assert not caplog.records
-    assert router.stats.snapshot() == {"calls": {"sdpa": 1}, "fallbacks": {}, "scheduled_dense": {}}
+    assert snapshot(router.stats) == {"calls": {"sdpa": 1}, "fallbacks": {}, "scheduled_dense": {}}
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))

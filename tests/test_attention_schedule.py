@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from bigdit.attention import Router
 from bigdit.attention.schedule import DenseSchedule, parse_layers
+from probes import snapshot
 
 SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
 
@@ -79,7 +80,7 @@ def test_dense_steps_and_layers_route_to_the_dense_backend():
     ran_dense = sample(router, cross=True)
     for (step, block, _), dense in ran_dense.items():
         assert dense == (step < 2 or block == 1), (step, block)
-    stats = router.stats.snapshot()
+    stats = snapshot(router.stats)
     # block 1 by layer every step (self + cross); blocks 0 and 2 by step in steps 0-1
     assert stats["scheduled_dense"] == {"layer": 8, "step": 8}
     assert stats["calls"] == {"sol": 4, "sdpa": 20}
@@ -105,7 +106,7 @@ def test_block_index_reported_by_the_model_wins():
     dense = F.scaled_dot_product_attention(q, k, v)
     assert torch.equal(router(q, k, v, transformer_options={"block_index": 7}), dense)
     assert not torch.equal(router(q, k, v, transformer_options={"block_index": 0}), dense)
-    assert router.stats.snapshot()["scheduled_dense"] == {"layer": 1}
+    assert snapshot(router.stats)["scheduled_dense"] == {"layer": 1}
 
 
 @pytest.mark.kitchen_feature("sol_attn")
@@ -116,14 +117,14 @@ def test_no_step_information_warns_once_and_runs_sol(caplog):
         for _ in range(3):
             router(q, k, v, transformer_options={})
     assert len([r for r in caplog.records if "dense_steps is not applied" in r.getMessage()]) == 1
-    assert router.stats.snapshot()["calls"] == {"sol": 3}
+    assert snapshot(router.stats)["calls"] == {"sol": 3}
 
 
 def test_schedule_applies_to_any_backend():
     router = Router("sage", dense_backend="sdpa", dense_steps=1)
     ran_dense = sample(router, steps=2, blocks=1)
     assert all(ran_dense.values())  # on CPU sage falls back; SDPA either way
-    stats = router.stats.snapshot()
+    stats = snapshot(router.stats)
     assert stats["scheduled_dense"] == {"step": 1}
     assert sum(stats["fallbacks"].values()) == 1  # only the step-1 call tried sage
 

@@ -256,6 +256,50 @@ def test_online_quantization_while_building(plain_file):
     assert rel_err(model.get_submodule("blocks.0.ffn.2")(x), reference_output("blocks.0.ffn.2", x)) < 0.02
 
 
+def test_online_layers_are_decided_from_the_header_before_building(plain_file):
+    """LoadH3Quantized's per-layer choice is made from the file's header when the builder is made;
+    building a layer (inside ComfyUI's state-dict callback) only carries it out."""
+    method = get_method("int8_convrot", group_size=64)
+
+    class Recording:  # a selector, as auto is
+        def __init__(self):
+            self.calls = []
+
+        def select(self, in_features, out_features):
+            self.calls.append((in_features, out_features))
+            return method, "chosen from the header"
+
+    selector = Recording()
+    plan = inspect_checkpoint(plain_file)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=selector,
+                                                                                     ignored=("head.*",)))
+        expected = sorted((n_in, n_out) for name, (n_out, n_in) in LINEARS.items() if name != "head.head")
+        assert sorted(selector.calls) == expected
+        sd = plan.state_dict(source)
+        for name, (n_out, n_in) in LINEARS.items():
+            builder.build(name, sd[f"{name}.weight"], n_in, n_out, sd[f"{name}.bias"], torch.float32, None)
+        report = builder.finish()
+    assert len(selector.calls) == len(expected)
+    assert {r.name: r.reason for r in report.records} == {
+        name: "ignored (matches 'head.*')" if name == "head.head" else "chosen from the header" for name in LINEARS}
+
+
+def test_online_layer_the_header_does_not_name_is_decided_from_its_tensor(plain_file):
+    """A key ComfyUI renamed or split on its way to the model (diffusers files, HunyuanVideo) is decided from
+    the tensor that arrives, by the same rules."""
+    config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("*.kept",))
+    plan = inspect_checkpoint(plain_file)
+    weight = (torch.randn(128, 128, generator=torch.Generator().manual_seed(3)) / 16).to(torch.bfloat16)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cpu"), online=config)
+        assert "converted.q" not in builder.online_plan
+        built = builder.build("converted.q", weight, 128, 128, None, torch.float32, None)
+        kept = builder.build("converted.kept", weight, 128, 128, None, torch.float32, None)
+    assert built.method.name == "int8_convrot" and kept is None
+    assert [r.reason for r in builder.report.records] == ["int8_convrot(g=64)", "ignored (matches '*.kept')"]
+
+
 def test_marker_layers_stay_serialized_under_online_quantization(plain_file, tmp_path):
     path = write_markers(plain_file, tmp_path / "one.safetensors", {"blocks.0.ffn.0": {"format": "mxfp8"}})
     config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("head.*", "time_projection.*"))

@@ -67,7 +67,7 @@ def test_kitchen_cuda_backend_is_available():
 
 
 def test_auto_choice_is_measured_once_per_shape(monkeypatch):
-    from bigdit.quant.int8_convrot import chooser
+    from probes import chooser
     monkeypatch.delenv("BIGDIT_INT8_KERNEL", raising=False)
     monkeypatch.delenv("BIGDIT_INT8_MAX_ROWS", raising=False)
     _, q = quantized(1024, 1024)
@@ -82,7 +82,7 @@ def test_auto_choice_is_measured_once_per_shape(monkeypatch):
 
 def test_row_split_off_is_its_own_choice(monkeypatch):
     """A row_split="off" layer never runs the split, and its choice is cached apart from an "auto" layer's."""
-    from bigdit.quant.int8_convrot import chooser
+    from probes import chooser
     from bigdit.quant.kernel_select import rows_bucket
     monkeypatch.delenv("BIGDIT_INT8_KERNEL", raising=False)
     monkeypatch.delenv("BIGDIT_INT8_MAX_ROWS", raising=False)

@@ -12,6 +12,9 @@ import torch
 PACK_ROOT = Path(__file__).resolve().parents[2]
 RESULTS = PACK_ROOT / "tests" / "bench" / "results"
 
+if str(PACK_ROOT / "tests") not in sys.path:  # the tests' shared helpers (probes.py)
+    sys.path.append(str(PACK_ROOT / "tests"))
+
 if "bigdit" not in sys.modules:
     _pkg = types.ModuleType("bigdit")
     _pkg.__path__ = [str(PACK_ROOT)]

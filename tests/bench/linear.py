@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from _pack import cuda_time_ms, default_out, environment, write_json
+from probes import chooser
 
 from bigdit.quant import QuantConfig, quantize_layers
-from bigdit.quant.int8_convrot import Int8ConvRotMethod, chooser
+from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.kernel_select import rows_bucket
 
 H3_SHAPES = {  # name: (K, N)
