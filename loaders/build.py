@@ -16,8 +16,8 @@ import torch
 from ..dtypes import FLOAT_DTYPES
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
 from ..quant.linear import QuantLinear
-from ..quant.method import LinearMethod
-from ..quant.methods import available_methods, get_method
+from ..quant.linear_method import LinearMethod
+from ..quant.registry import available_methods, get_method
 from ..quant.mxfp8 import native_mxfp8_supported
 from ..quant.nvfp4 import native_nvfp4_supported
 from ..quant.report import LayerRecord, QuantReport

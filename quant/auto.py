@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .fp8 import Fp8Method
 from .int8_convrot import Int8ConvRotMethod
 from .kernel_select import _time_ms
-from .method import LinearMethod
+from .linear_method import LinearMethod
 
 # Preference order by compute capability (first match from the top).
 PREFERENCE = (

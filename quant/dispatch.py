@@ -17,7 +17,7 @@ from ..dtypes import FLOAT_DTYPES
 from ..pack_logging import pack_logger
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear
-from .method import LinearMethod, default_device
+from .linear_method import LinearMethod, default_device
 from .patterns import first_match
 from .report import LayerRecord, QuantReport
 

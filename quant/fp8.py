@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
 from ..pack_logging import pack_logger
-from .method import LinearMethod, output_dtype
+from .linear_method import LinearMethod, output_dtype
 
 log = pack_logger(__name__)
 

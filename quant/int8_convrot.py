@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernel_select import KernelChooser, rows_bucket
-from .method import LinearMethod, output_dtype
+from .linear_method import LinearMethod, output_dtype
 
 GROUP_SIZES = (16, 64, 256)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
-from .method import LinearMethod
+from .linear_method import LinearMethod
 from .witness import count_run
 
 

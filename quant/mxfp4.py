@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
 from ..pack_logging import pack_logger
-from .method import LinearMethod, default_device, output_dtype
+from .linear_method import LinearMethod, default_device, output_dtype
 
 log = pack_logger(__name__)
 

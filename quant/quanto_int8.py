@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod, output_dtype
+from .linear_method import LinearMethod, output_dtype
 
 QINT8_MIN, QINT8_MAX = -128, 127
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .method import LinearMethod, default_device
+from .linear_method import LinearMethod, default_device
 
 
 def _int8_convrot(group_size: int = 256, row_split: str = "auto", **_) -> LinearMethod:
