@@ -14,38 +14,17 @@ from typing import Callable
 import torch
 
 from ..dtypes import FLOAT_DTYPES
+from ..quant.auto import fastest_native_methods
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
 from ..quant.linear import QuantLinear
 from ..quant.linear_method import LinearMethod
+from ..quant.nvfp4 import NAME as NVFP4
 from ..quant.registry import available_methods, get_method
-from ..quant.mxfp8 import native_mxfp8_supported
-from ..quant.nvfp4 import native_nvfp4_supported
 from ..quant.report import LayerRecord, QuantReport
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
 
 NVFP4_MODES = ("auto", "requantize")
-# Block formats with a native comfy-kitchen GEMM only on some GPUs.
-NATIVE_BLOCK_FORMAT = {"nvfp4": native_nvfp4_supported, "mxfp8": native_mxfp8_supported}
-
-
-def fastest_native_methods(device: torch.device, in_features: int, out_features: int) -> list[LinearMethod]:
-    """Native formats of `device` that take this shape, fastest first (empty: none).
-
-    The order is auto's table (FP8 on sm89+, INT8 ConvRot on sm75+ and on CPU,
-    where INT8 at least halves memory); INT8 takes the largest group size that
-    divides the input width.
-    """
-    from ..quant.auto import preferred_formats
-    methods = []
-    for fmt in preferred_formats(device):
-        options = [{"group_size": g} for g in (256, 64, 16)] if fmt == "int8_convrot" else [{}]
-        for kw in options:
-            method = get_method(fmt, **kw)
-            if method.skip_reason(in_features, out_features) is None:
-                methods.append(method)
-                break
-    return methods
 
 
 class LayerBuilder:
@@ -109,8 +88,8 @@ class LayerBuilder:
         method = self._method(layer.format, layer.options)
         tensors = self.plan.layer_tensors(self.source, name)
         reason = f"{layer.format} from the checkpoint"
-        if layer.format in NATIVE_BLOCK_FORMAT:
-            method, tensors, reason = self._block_format(layer.format, method, tensors, in_features, out_features,
+        if layer.spec.dequantized_elsewhere:
+            method, tensors, reason = self._block_format(layer.spec, method, tensors, in_features, out_features,
                                                          compute_dtype, reason)
         tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
         built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
@@ -119,15 +98,16 @@ class LayerBuilder:
                                                parameter_bytes(built)))
         return built
 
-    def _block_format(self, fmt, method, tensors, in_features, out_features, compute_dtype, reason):
-        """NVFP4/MXFP8 run natively only on sm100+; elsewhere they are dequantized per call,
+    def _block_format(self, spec, method, tensors, in_features, out_features, compute_dtype, reason):
+        """Formats native only on some GPUs (NVFP4, MXFP8: sm100+) are dequantized per call elsewhere,
         unless NVFP4 is re-quantized now to this device's fastest native format."""
+        fmt = spec.name
         paths = self._paths.setdefault(fmt, {})
-        if NATIVE_BLOCK_FORMAT[fmt](self.device):
+        if spec.native(self.device):
             paths["native comfy-kitchen GEMM"] = paths.get("native comfy-kitchen GEMM", 0) + 1
             return method, tensors, reason + ", native GEMM"
         targets = fastest_native_methods(self.device, in_features, out_features)
-        if fmt == "nvfp4" and self.nvfp4 == "requantize" and targets:
+        if fmt == NVFP4 and self.nvfp4 == "requantize" and targets:
             target = targets[0]
             on_device = {k: v.to(self.device) for k, v in tensors.items()}
             stand_in = QuantLinear(method, in_features, out_features, on_device, None, compute_dtype)
@@ -135,7 +115,7 @@ class LayerBuilder:
                 requantized = target.quantize_weight(method.dequantize(stand_in))
             label = f"re-quantized at load to {target.describe()}"
             paths[label] = paths.get(label, 0) + 1
-            return target, requantized, f"nvfp4 in the checkpoint, {label}"
+            return target, requantized, f"{NVFP4} in the checkpoint, {label}"
         paths["dequantized before each matmul"] = paths.get("dequantized before each matmul", 0) + 1
         return method, tensors, reason + ", dequantized per call"
 

@@ -2,6 +2,7 @@
 
 Nothing here imports ComfyUI; `nodes/` adapts it.
 """
+from . import registry  # first: the formats register in its order
 from .dispatch import QuantConfig, plan_layers, quantize_layers, apply_replacements
 from .linear import QuantLinear
 from .registry import available_methods, get_method

@@ -1,75 +1,76 @@
-"""Registry of quantization methods by format name."""
+"""The formats and selectors by name, filled by decorators in their own modules.
+
+`@register_format` on a QuantFormat subclass (one per format module) and
+`register_selector` (auto) are the only ways in; everything else looks formats
+up here. The imports at the bottom fix the order formats are listed in.
+"""
 from __future__ import annotations
 
 from typing import Callable
 
-from .linear_method import LinearMethod, default_device
+from .descriptor import QuantFormat
+from .selector import Selector
+
+_FORMATS: dict[str, QuantFormat] = {}
+_SELECTORS: dict[str, Callable[..., Selector]] = {}
 
 
-def _int8_convrot(group_size: int = 256, row_split: str = "auto", **_) -> LinearMethod:
-    from .int8_convrot import Int8ConvRotMethod
-    return Int8ConvRotMethod(group_size=group_size, row_split=row_split)
+def register_format(cls: type[QuantFormat]) -> type[QuantFormat]:
+    """Class decorator: registers one instance of the format under its `name`."""
+    if not cls.name or cls.name in _FORMATS or cls.name in _SELECTORS:
+        raise ValueError(f"format name {cls.name!r} is empty or taken")
+    _FORMATS[cls.name] = cls()
+    return cls
 
 
-def _fp8(**_) -> LinearMethod:
-    from .fp8 import Fp8Method
-    return Fp8Method()
+def register_selector(name: str):
+    """Decorator for a factory of a Selector (options as get_method's) under `name`."""
+    def register(factory: Callable[..., Selector]) -> Callable[..., Selector]:
+        if name in _FORMATS or name in _SELECTORS:
+            raise ValueError(f"selector name {name!r} is taken")
+        _SELECTORS[name] = factory
+        return factory
+    return register
 
 
-def _mxfp4(min_output_dim: int | None = None, path: str = "auto", device=None, **_) -> LinearMethod:
-    from .mxfp4 import MIN_OUTPUT_DIM, Mxfp4Method
-    return Mxfp4Method(MIN_OUTPUT_DIM if min_output_dim is None else min_output_dim, path=path, device=device)
+def formats() -> dict[str, QuantFormat]:
+    return dict(_FORMATS)
 
 
-def _int8_tensorwise(convrot: bool = False, convrot_groupsize: int = 256, **_) -> LinearMethod:
-    from .int8_convrot import Int8ConvRotMethod
-    return Int8ConvRotMethod(group_size=convrot_groupsize, convrot=convrot)
+def format_spec(name: str) -> QuantFormat | None:
+    return _FORMATS.get(name)
 
 
-def _nvfp4(**_) -> LinearMethod:
-    from .nvfp4 import Nvfp4Method
-    return Nvfp4Method()
+def marker_formats() -> dict[str, QuantFormat]:
+    """The ComfyUI marker formats the loaders read, by name."""
+    return {name: spec for name, spec in _FORMATS.items() if spec.marker}
 
 
-def _mxfp8(**_) -> LinearMethod:
-    from .mxfp8 import Mxfp8Method
-    return Mxfp8Method()
+def kitchen_format(layout: str) -> QuantFormat | None:
+    """The format whose layers a comfy-kitchen layout holds, or None."""
+    return next((spec for spec in _FORMATS.values() if layout in spec.kitchen_layouts), None)
 
 
-def _quanto_qint8(**_) -> LinearMethod:
-    from .quanto_int8 import QuantoInt8Method
-    return QuantoInt8Method()
+def online_formats() -> tuple[str, ...]:
+    return tuple(name for name, spec in _FORMATS.items() if spec.online)
 
 
-def _auto(group_size: int = 256, device=None, **_):
-    import torch
-    from .auto import AutoSelector
-    return AutoSelector(torch.device(device) if device is not None else default_device(), group_size=group_size)
-
-
-_FACTORIES: dict[str, Callable[..., LinearMethod]] = {
-    "int8_convrot": _int8_convrot,
-    "float8_e4m3fn": _fp8,
-    "mxfp4": _mxfp4,
-    "auto": _auto,
-    "int8_tensorwise": _int8_tensorwise,
-    "nvfp4": _nvfp4,
-    "mxfp8": _mxfp8,
-    "quanto_qint8": _quanto_qint8,
-}
+def format_aliases() -> dict[str, str]:
+    """Option spellings of earlier versions -> today's name."""
+    return {alias: name for name, spec in _FORMATS.items() for alias in spec.aliases}
 
 
 def available_methods() -> tuple[str, ...]:
-    return tuple(_FACTORIES)
+    return (*_FORMATS, *_SELECTORS)
 
 
 def get_method(name: str, **options):
-    """A LinearMethod, or for `auto` a selector that picks one per layer shape."""
-    try:
-        factory = _FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"unknown quantization method {name!r}; valid: {', '.join(_FACTORIES)}") from None
-    return factory(**options)
+    """A format's LinearMethod, or for a selector (`auto`) a Selector that picks one per layer shape."""
+    if name in _FORMATS:
+        return _FORMATS[name].method(**options)
+    if name in _SELECTORS:
+        return _SELECTORS[name](**options)
+    raise ValueError(f"unknown quantization method {name!r}; valid: {', '.join(available_methods())}")
 
 
 def kitchen_missing() -> str | None:
@@ -84,3 +85,7 @@ def kitchen_missing() -> str | None:
     except ImportError as exc:
         return str(exc)
     return None
+
+
+# The format modules register themselves on import; this order is the order formats are listed in.
+from . import int8_convrot, fp8, nvfp4, mxfp8, mxfp4, quanto_int8, auto  # noqa: E402,F401
