@@ -18,39 +18,18 @@ from typing import Callable
 import torch
 
 from ..dtypes import FLOAT_DTYPES
+from ..quant.auto import fastest_native_methods
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
 from ..quant.linear import QuantLinear, quantized_layer
-from ..quant.method import LinearMethod
-from ..quant.methods import available_methods, get_method
-from ..quant.mxfp8 import native_mxfp8_supported
-from ..quant.nvfp4 import native_nvfp4_supported
+from ..quant.linear_method import LinearMethod
+from ..quant.nvfp4 import NAME as NVFP4
+from ..quant.registry import available_methods, get_method
 from ..quant.report import LayerRecord, QuantReport
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
 from .safetensors_header import torch_dtype
 
 NVFP4_MODES = ("auto", "requantize")
-# Block formats with a native comfy-kitchen GEMM only on some GPUs.
-NATIVE_BLOCK_FORMAT = {"nvfp4": native_nvfp4_supported, "mxfp8": native_mxfp8_supported}
-
-
-def fastest_native_methods(device: torch.device, in_features: int, out_features: int) -> list[LinearMethod]:
-    """Native formats of `device` that take this shape, fastest first (empty: none).
-
-    The order is auto's table (FP8 on sm89+, INT8 ConvRot on sm75+ and on CPU,
-    where INT8 at least halves memory); INT8 takes the largest group size that
-    divides the input width.
-    """
-    from ..quant.auto import preferred_formats
-    methods = []
-    for fmt in preferred_formats(device):
-        options = [{"group_size": g} for g in (256, 64, 16)] if fmt == "int8_convrot" else [{}]
-        for kw in options:
-            method = get_method(fmt, **kw)
-            if method.skip_reason(in_features, out_features) is None:
-                methods.append(method)
-                break
-    return methods
 
 
 @dataclass(frozen=True)
@@ -149,8 +128,8 @@ class LayerBuilder:
         tensors = self.plan.layer_tensors(self.source, name)
         reason = f"{layer.format} from the checkpoint"
         target = None
-        if layer.format in NATIVE_BLOCK_FORMAT:
-            target, reason = self._block_format(layer.format, in_features, out_features, reason)
+        if layer.spec.dequantized_elsewhere:
+            target, reason = self._block_format(layer.spec, in_features, out_features, reason)
         if target is None:
             tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
             built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
@@ -165,19 +144,20 @@ class LayerBuilder:
                                                parameter_bytes(built)))
         return built
 
-    def _block_format(self, fmt, in_features, out_features, reason):
-        """NVFP4/MXFP8 run natively only on sm100+; elsewhere they are dequantized per call,
+    def _block_format(self, spec, in_features, out_features, reason):
+        """Formats native only on some GPUs (NVFP4, MXFP8: sm100+) are dequantized per call elsewhere,
         unless NVFP4 is re-quantized now to this device's fastest native format: (that method or None, reason)."""
+        fmt = spec.name
         paths = self._paths.setdefault(fmt, {})
-        if NATIVE_BLOCK_FORMAT[fmt](self.device):
+        if spec.native(self.device):
             paths["native comfy-kitchen GEMM"] = paths.get("native comfy-kitchen GEMM", 0) + 1
             return None, reason + ", native GEMM"
         targets = fastest_native_methods(self.device, in_features, out_features)
-        if fmt == "nvfp4" and self.nvfp4 == "requantize" and targets:
+        if fmt == NVFP4 and self.nvfp4 == "requantize" and targets:
             target = targets[0]
             label = f"re-quantized at load to {target.describe()}"
             paths[label] = paths.get(label, 0) + 1
-            return target, f"nvfp4 in the checkpoint, {label}"
+            return target, f"{NVFP4} in the checkpoint, {label}"
         paths["dequantized before each matmul"] = paths.get("dequantized before each matmul", 0) + 1
         return None, reason + ", dequantized per call"
 

@@ -191,8 +191,7 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
             kind, layers, notes = "plain", {}, []
     claimed = {key for layer in layers.values() for key in layer.tensors.values()} | extra_claimed
     claimed |= {f"{name}{MARKER_SUFFIX}" for name in layers}
-    claimed |= {f"{name}.{aux}" for name in layers for aux in ("input_scale", "output_scale")
-                if layers[name].format == "quanto_qint8"}
+    claimed |= {f"{name}.{aux}" for name, layer in layers.items() for aux in layer.contract.ignored}
     plain = {key: key for key in header.tensors if key not in claimed}
     sources = Counter(layer.source for layer in layers.values())
     if marked:

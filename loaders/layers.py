@@ -1,8 +1,10 @@
 """What one quantized layer of a checkpoint is: its format, its tensors, and how they are checked.
 
-Shared by the ComfyUI per-layer markers (markers.py) and Quanto maps (quanto.py).
-Roles are the parameter names a QuantLinear gets (`weight`, `weight_scale`,
-`weight_scale_2`, `input_scale`); `tensors` maps each role to its key in the file.
+Shared by the ComfyUI per-layer markers (markers.py), scaled_fp8 files and Quanto
+maps (quanto.py). Roles are the parameter names a QuantLinear gets (`weight`,
+`weight_scale`, `weight_scale_2`, `input_scale`); `tensors` maps each role to its
+key in the file. Every per-format fact comes from the format's Contract
+(quant/descriptor.py), found by name in quant/registry.py.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..quant.descriptor import Contract, QuantFormat
+from ..quant.registry import format_spec
 from .errors import CheckpointError
 from .safetensors_header import FLOAT_DTYPES, HeaderReader, TensorInfo
 
@@ -33,25 +37,28 @@ def roundup(value: int, multiple: int) -> int:
 @dataclass(frozen=True)
 class LayerFormat:
     name: str                   # module name in the checkpoint's namespace, e.g. "blocks.0.ffn.0"
-    format: str                 # int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8 or quanto_qint8
+    format: str                 # a registered format with a Contract
     tensors: dict[str, str]     # role -> tensor key in the file
     storage_shape: tuple[int, int]
     options: dict = field(default_factory=dict)   # method options, e.g. convrot flags
     source: str = ""            # where the layer was declared
 
+    @property
+    def spec(self) -> QuantFormat:
+        return format_spec(self.format)
+
+    @property
+    def contract(self) -> Contract:
+        return self.spec.contract
+
     def logical_shape(self) -> tuple[int, int]:
         """[out, in] of the weight this layer stands for (padded for the block formats)."""
         rows, cols = self.storage_shape
-        return (rows, cols * 2) if self.format == "nvfp4" else (rows, cols)
+        return (rows, cols * self.contract.pack)
 
     def mismatch(self, in_features: int, out_features: int) -> str | None:
         """Why the stored tensors cannot be a [out, in] Linear weight, or None."""
-        if self.format == "nvfp4":
-            expected = (roundup(out_features, 16), roundup(in_features, 16) // 2)
-        elif self.format == "mxfp8":
-            expected = (roundup(out_features, 32), roundup(in_features, 32))
-        else:
-            expected = (out_features, in_features)
+        expected = self.contract.storage_shape(in_features, out_features)
         if tuple(self.storage_shape) != expected:
             return (f"{self.format} weight {list(self.storage_shape)} does not fit a Linear of "
                     f"{in_features}->{out_features} (expected {list(expected)})")
@@ -97,8 +104,6 @@ def non_finite(tensor: torch.Tensor, encoding: str) -> bool:
     return not bool(torch.isfinite(tensor.float()).all())
 
 
-# Largest magnitude a stored weight value of each format can have (int8: -128).
-STORED_MAX = {"int8_tensorwise": 128.0, "quanto_qint8": 128.0, "float8_e4m3fn": 448.0, "nvfp4": 6.0, "mxfp8": 448.0}
 # A dequantized weight must stay finite in every compute dtype ComfyUI may choose; float16 is the narrowest.
 WEIGHT_LIMIT = torch.finfo(torch.float16).max
 _BLOCK_VIEWS = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
@@ -110,20 +115,24 @@ def _decoded(tensor: torch.Tensor, encoding: str) -> torch.Tensor:
     return tensor.double()
 
 
-def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, str], problems: Problems,
+def check_scales(layer: LayerFormat, read: HeaderReader, problems: Problems,
                  names: dict[str, str] | None = None) -> None:
     """Refuse scales no quantizer writes: NaN/Inf, zero or negative per-tensor/channel scales,
     negative block scales, and scales so large that the dequantized weight leaves float16's range.
     `names` gives a role its name in messages where the file calls it otherwise (default "<format> <role>").
+    The scales and how to read them are the contract's `encodings`.
 
     Only the scale tensors are read (they are small), except for a weight whose scale fails the
-    cheap bound STORED_MAX x max(scale): then its real max |q| decides.
+    cheap bound stored_max x max(scale): then, where the weight is stored unpacked (one scale per
+    tensor or channel), its real max |q| decides.
     """
+    contract = layer.contract
+
     def named(role):
         return (names or {}).get(role, f"{layer.format} {role}")
 
     scales = {}
-    for role, encoding in encodings.items():
+    for role, encoding in contract.encodings.items():
         key = layer.tensors.get(role)
         if key is None or read.header.tensors[key].nbytes == 0:
             continue
@@ -141,8 +150,8 @@ def check_scales(layer: LayerFormat, read: HeaderReader, encodings: dict[str, st
     if "weight_scale" not in scales:
         return
     largest = scales["weight_scale"] * scales.get("weight_scale_2", 1.0)
-    bound = STORED_MAX[layer.format] * largest
-    if bound > WEIGHT_LIMIT and layer.format in ("int8_tensorwise", "quanto_qint8", "float8_e4m3fn"):
+    bound = contract.stored_max * largest
+    if bound > WEIGHT_LIMIT and contract.block is None:
         weight = read(layer.tensors["weight"])
         stored = weight.to(torch.int16) if weight.dtype == torch.int8 else weight.float()
         bound = float(stored.abs().max()) * largest if weight.numel() else 0.0
@@ -164,26 +173,22 @@ def float_scale(info: TensorInfo, what: str, layer: str, problems: Problems) -> 
 
 # ---- tensors as the methods take them ---------------------------------------
 
-_VIEWS = {("nvfp4", "weight_scale"): torch.float8_e4m3fn, ("mxfp8", "weight_scale"): torch.float8_e8m0fnu}
-
-
 def method_tensors(layer: LayerFormat, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors for `layer` in the dtypes and shapes its LinearMethod stores.
 
-    Per-tensor scales become fp32 scalars, per-channel ones fp32 [N, 1] (Quanto's
-    keep their dtype); block scales stored as uint8 are viewed as their fp8 type.
-    MXFP8's optional input_scale is dropped: its activations carry block scales.
+    Per-tensor scales become fp32 scalars, per-channel ones fp32 [N, 1] (unless the
+    contract keeps them as stored); the contract's views apply (block scales stored
+    as uint8 are viewed as their fp8 type), and its dropped roles are left out.
     """
+    contract = layer.contract
     out = {}
     for role, tensor in raw.items():
-        view = _VIEWS.get((layer.format, role))
+        view = contract.views.get(role)
         if view is not None:
             out[role] = tensor.view(view)
-        elif role == "weight":
+        elif role == "weight" or contract.scales_as_stored:
             out[role] = tensor
-        elif layer.format == "quanto_qint8":
-            out[role] = tensor
-        elif layer.format == "mxfp8" and role == "input_scale":
+        elif role in contract.dropped:
             continue
         elif tensor.numel() == 1:
             out[role] = tensor.float().reshape(())

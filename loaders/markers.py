@@ -1,19 +1,15 @@
 """ComfyUI per-layer quantization markers, in both forms, checked layer by layer.
 
 Tensor form (upstream ComfyUI): a uint8 tensor `<layer>.comfy_quant` holding
-UTF-8 JSON, e.g. {"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": 256}.
+UTF-8 JSON, {"format": <name>, <the format's options>}.
 Header form (ComfyUI 0.3.75): metadata `_quantization_metadata` =
 {"format_version": "1.0", "layers": {"<layer>": {"format": ...}}}.
 
-Formats and their companion tensors (`<layer>.<role>`):
-  int8_tensorwise  weight I8 [N, K]; weight_scale float, per tensor or [N, 1];
-                   convrot / convrot_groupsize at the marker's top level or under "params"
-  float8_e4m3fn    weight F8_E4M3 [N, K]; weight_scale float, per tensor or [N, 1]; input_scale optional
-  nvfp4            weight U8 [N16, K16/2]; weight_scale F8_E4M3 (or U8) blocked
-                   [roundup(N16, 128), roundup(K16/16, 4)]; weight_scale_2 fp32 scalar; input_scale optional
-  mxfp8            weight F8_E4M3 [N32, K32]; weight_scale F8_E8M0 (or U8) blocked
-                   [roundup(N32, 128), roundup(K32/32, 4)]; input_scale optional
-The block-scale layouts are comfy-kitchen's (its layouts read them as stored).
+The formats are the registered ones with `marker` set (quant/registry.py);
+each one's Contract (quant/descriptor.py, declared in its own module) says
+its companion tensors (`<layer>.<role>`), dtypes and shapes, and this module
+checks any format by it. The block-scale layouts are comfy-kitchen's (its
+layouts read them as stored).
 
 A layer marked in both forms must agree: the two are merged when every key
 they share has one value and they mean the same format and parameters (one
@@ -22,7 +18,8 @@ else is a conflict naming both.
 """
 from __future__ import annotations
 
-from ..quant.int8_convrot import GROUP_SIZES
+from ..quant.descriptor import Contract, QuantFormat
+from ..quant.registry import marker_formats
 from .errors import CheckpointError
 from .layers import (Check, LayerFormat, Problems, check_scales, checked, expect_dtype,
                      float_scale, is_scalar, per_tensor_or_channel, roundup)
@@ -30,7 +27,6 @@ from .safetensors_header import MAX_METADATA_BYTES, HeaderReader, SafetensorsHea
 
 MARKER_SUFFIX = ".comfy_quant"
 METADATA_KEY = "_quantization_metadata"
-SUPPORTED_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "nvfp4", "mxfp8")
 # A real marker is about a hundred bytes of flat JSON; the tensors' total is bounded like the metadata.
 MAX_MARKER_BYTES = 4096
 MAX_MARKERS_BYTES = MAX_METADATA_BYTES
@@ -108,15 +104,9 @@ def _deeper_than(value, limit: int) -> bool:
 
 
 def _meaning(marker: dict) -> dict:
-    """What a marker makes the loader do: its format and, for INT8, the ConvRot flags (defaults filled in)."""
-    if marker["format"] != "int8_tensorwise":
-        return {"format": marker["format"]}
-    params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
-    convrot = marker.get("convrot", params.get("convrot", False))
-    meaning = {"format": marker["format"], "convrot": convrot}
-    if convrot:
-        meaning["convrot_groupsize"] = marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))
-    return meaning
+    """What a marker makes the loader do: its format and its options (defaults filled in)."""
+    spec = marker_formats().get(marker["format"])
+    return spec.marker_meaning(marker) if spec is not None else {"format": marker["format"]}
 
 
 def _merged(path: str, layer: str, tensor_form: dict, header_form: dict) -> dict:
@@ -135,47 +125,33 @@ def inspect_markers(header: SafetensorsHeader, read: HeaderReader, check: Check 
     dtypes and shapes, no unknown companions, scales a quantizer could have written (see
     check_scales). Raises CheckpointError. `check` is called now and then (e.g. to stop on an interrupt)."""
     markers = read_markers(header, read, check)
+    supported = marker_formats()
     unknown: dict[str, list[str]] = {}
     for layer, (marker, _) in markers.items():
-        if marker["format"] not in SUPPORTED_FORMATS:
+        if marker["format"] not in supported:
             unknown.setdefault(marker["format"], []).append(layer)
     if unknown:
         formats = ", ".join(repr(f) for f in unknown)
         raise CheckpointError(header.path, f"unsupported quantization format {formats} (supported: "
-                                           f"{', '.join(SUPPORTED_FORMATS)}); nothing was loaded",
+                                           f"{', '.join(supported)}); nothing was loaded",
                               [layer for layers in unknown.values() for layer in layers])
     problems = Problems(header.path)
     layers = {}
     for name, (marker, source) in checked(markers.items(), check):
-        layer = _check_layer(header, name, marker, source, problems)
+        layer = _check_layer(header, name, marker, supported[marker["format"]], source, problems)
         if layer is not None:
             layers[name] = layer
     problems.raise_if_any()
     for layer in checked(layers.values(), check):
-        check_scales(layer, read, _SCALE_ENCODINGS[layer.format], problems)
+        check_scales(layer, read, problems)
     problems.raise_if_any()
     return layers
 
 
-# Each format's companion tensors: required roles, then optional ones.
-ROLES = {
-    "int8_tensorwise": ({"weight", "weight_scale"}, set()),
-    "float8_e4m3fn": ({"weight", "weight_scale"}, {"input_scale"}),
-    "nvfp4": ({"weight", "weight_scale", "weight_scale_2"}, {"input_scale"}),
-    "mxfp8": ({"weight", "weight_scale"}, {"input_scale"}),
-}
-_SCALE_ENCODINGS = {
-    "int8_tensorwise": {"weight_scale": "float"},
-    "float8_e4m3fn": {"weight_scale": "float", "input_scale": "float"},
-    "nvfp4": {"weight_scale": "F8_E4M3", "weight_scale_2": "float", "input_scale": "float"},
-    "mxfp8": {"weight_scale": "F8_E8M0"},
-}
-
-
-def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str,
+def _check_layer(header: SafetensorsHeader, name: str, marker: dict, spec: QuantFormat, source: str,
                  problems: Problems) -> LayerFormat | None:
-    fmt = marker["format"]
-    required, optional = ROLES[fmt]
+    fmt, contract = spec.name, spec.contract
+    required, optional = contract.required, contract.optional
     present = header.companions(name)
     missing = sorted(required - set(present))
     if missing:
@@ -185,7 +161,7 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str
     if extra:
         problems.add(f"unsupported companion tensor(s) for {fmt}: {', '.join(extra)}", name)
         return None
-    stored = required | optional  # once, not once per companion
+    stored = contract.roles  # once, not once per companion
     tensors = {role: key for role, key in present.items() if role in stored}
     info = {role: header.tensors[key] for role, key in tensors.items()}
     weight = info["weight"]
@@ -193,8 +169,8 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str
         problems.add(f"shape mismatch: {fmt} weight must be 2-D, found {list(weight.shape)}", name)
         return None
     rows, cols = weight.shape
-    ok = _FORMAT_CHECKS[fmt](name, info, rows, cols, problems)
-    if ok and "per_row" in marker and fmt in _CHANNEL_SCALED:
+    ok = _weight_and_scale(name, fmt, contract, info, rows, cols, problems)
+    if ok and "per_row" in marker and contract.block is None:
         ok = _per_row_agrees(name, marker["per_row"], info["weight_scale"], rows, fmt, problems)
     for role in ("input_scale", "weight_scale_2"):
         if role in info and ok:
@@ -202,44 +178,30 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, source: str
             if ok and not is_scalar(info[role]):
                 problems.add(f"shape mismatch: {fmt} {role} must be a scalar, found {list(info[role].shape)}", name)
                 ok = False
-    options = _int8_options(marker, cols, name, problems) if fmt == "int8_tensorwise" and ok else {}
-    if not ok or options is None:
+    if not ok:
+        return None
+    try:
+        options = spec.marker_options(marker, cols * contract.pack)
+    except ValueError as exc:
+        problems.add(str(exc), name)
         return None
     return LayerFormat(name, fmt, tensors, (rows, cols), options, source)
 
 
-def _check_int8(name, info, rows, cols, problems) -> bool:
-    return (expect_dtype(info["weight"], ("I8",), "int8_tensorwise weight", name, problems)
-            and _channel_scale(name, info["weight_scale"], rows, "int8_tensorwise", problems))
-
-
-def _check_fp8(name, info, rows, cols, problems) -> bool:
-    return (expect_dtype(info["weight"], ("F8_E4M3",), "float8_e4m3fn weight", name, problems)
-            and _channel_scale(name, info["weight_scale"], rows, "float8_e4m3fn", problems))
-
-
-def _check_nvfp4(name, info, rows, cols, problems) -> bool:
-    if not expect_dtype(info["weight"], ("U8",), "nvfp4 weight (packed E2M1 pairs)", name, problems):
+def _weight_and_scale(name, fmt: str, contract: Contract, info, rows, cols, problems) -> bool:
+    """The weight's dtype and padding, then weight_scale's dtype and shape (per tensor/channel, or blocked)."""
+    what = f"{fmt} weight" + (f" ({contract.weight_note})" if contract.weight_note else "")
+    if not expect_dtype(info["weight"], contract.weight_dtypes, what, name, problems):
         return False
-    if rows % 16 or (cols * 2) % 16:
-        problems.add(f"shape mismatch: nvfp4 weight {[rows, cols]} is not padded to 16 (rows, and columns x2)", name)
+    if contract.pad > 1 and (rows % contract.pad or (cols * contract.pack) % contract.pad):
+        columns = f" (rows, and columns x{contract.pack})" if contract.pack > 1 else ""
+        problems.add(f"shape mismatch: {fmt} weight {[rows, cols]} is not padded to {contract.pad}{columns}", name)
         return False
-    return (expect_dtype(info["weight_scale"], ("F8_E4M3", "U8"), "nvfp4 weight_scale", name, problems)
-            and _block_scale(name, info["weight_scale"], rows, cols * 2 // 16, "nvfp4", problems))
-
-
-def _check_mxfp8(name, info, rows, cols, problems) -> bool:
-    if not expect_dtype(info["weight"], ("F8_E4M3",), "mxfp8 weight", name, problems):
-        return False
-    if rows % 32 or cols % 32:
-        problems.add(f"shape mismatch: mxfp8 weight {[rows, cols]} is not padded to 32", name)
-        return False
-    return (expect_dtype(info["weight_scale"], ("F8_E8M0", "U8"), "mxfp8 weight_scale", name, problems)
-            and _block_scale(name, info["weight_scale"], rows, cols // 32, "mxfp8", problems))
-
-
-_FORMAT_CHECKS = {"int8_tensorwise": _check_int8, "float8_e4m3fn": _check_fp8,
-                  "nvfp4": _check_nvfp4, "mxfp8": _check_mxfp8}
+    if contract.block is None:
+        return _channel_scale(name, info["weight_scale"], rows, fmt, problems)
+    return (expect_dtype(info["weight_scale"], contract.block_scale_dtypes, f"{fmt} weight_scale", name, problems)
+            and _block_scale(name, info["weight_scale"], rows, cols * contract.pack // contract.block, fmt,
+                             problems))
 
 
 def _channel_scale(name, info, rows, fmt, problems) -> bool:
@@ -264,9 +226,6 @@ def _per_row_agrees(name, per_row, scale, rows, fmt, problems) -> bool:
     return True
 
 
-_CHANNEL_SCALED = ("int8_tensorwise", "float8_e4m3fn")
-
-
 def _block_scale(name, info, rows, blocks_per_row, fmt, problems) -> bool:
     expected = (roundup(rows, 128), roundup(blocks_per_row, 4))
     if info.shape != expected:
@@ -274,18 +233,3 @@ def _block_scale(name, info, rows, blocks_per_row, fmt, problems) -> bool:
                      f"layout), found {list(info.shape)}", name)
         return False
     return True
-
-
-def _int8_options(marker: dict, in_features: int, name: str, problems: Problems) -> dict | None:
-    params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
-    convrot = marker.get("convrot", params.get("convrot", False))
-    group_size = marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))
-    if not isinstance(convrot, bool) or not isinstance(group_size, int):
-        problems.add(f"bad marker: convrot must be true/false and convrot_groupsize an integer, "
-                     f"found {convrot!r} / {group_size!r}", name)
-        return None
-    if convrot and (group_size not in GROUP_SIZES or in_features % group_size):
-        problems.add(f"bad marker: convrot_groupsize {group_size} must be one of {list(GROUP_SIZES)} "
-                     f"and divide in_features {in_features}", name)
-        return None
-    return {"convrot": convrot, "convrot_groupsize": group_size}

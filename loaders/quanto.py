@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 
+from ..quant.quanto_int8 import NAME, QuantoQint8Format
 from .errors import CheckpointError, name_list
 from .layers import Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale, is_scalar
 from .safetensors_header import HeaderReader, SafetensorsHeader, parse_json, short_repr
@@ -26,7 +27,7 @@ FORMAT_KEY = "quantization_format"
 MAP_KEY = "quantization_map_base64"
 DATA_SUFFIX = ".weight._data"
 SCALE_SUFFIX = ".weight._scale"
-AUXILIARY_SCALES = ("input_scale", "output_scale")
+AUXILIARY_SCALES = QuantoQint8Format.contract.ignored   # input_scale, output_scale
 
 
 def is_quanto(header: SafetensorsHeader) -> bool:
@@ -85,7 +86,7 @@ def inspect_quanto(header: SafetensorsHeader, read: HeaderReader, check: Check =
             layers[prefix] = layer
     problems.raise_if_any()
     for layer in checked(layers.values(), check):
-        check_scales(layer, read, {"weight_scale": "float"}, problems)
+        check_scales(layer, read, problems)
         for role in AUXILIARY_SCALES:
             key = f"{layer.name}.{role}"
             if key in header.tensors and float(read(key).float().reshape(())) != 1.0:
@@ -130,5 +131,5 @@ def _check_prefix(header: SafetensorsHeader, prefix: str, problems: Problems) ->
         if not is_scalar(info):
             problems.add(f"shape mismatch: Quanto {role} must be a scalar, found {list(info.shape)}", prefix)
             return None
-    return LayerFormat(prefix, "quanto_qint8", {"weight": data_key, "weight_scale": scale_key},
+    return LayerFormat(prefix, NAME, {"weight": data_key, "weight_scale": scale_key},
                        tuple(data.shape), {}, "quanto map")

@@ -25,26 +25,12 @@ from torch import nn
 
 from ..quant.kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype
 from ..quant.linear import QuantLinear
+from ..quant.registry import format_spec, kitchen_format, marker_formats
 from .errors import name_list
-from .markers import MARKER_SUFFIX, METADATA_KEY, ROLES
-from .safetensors_writer import dtype_code
+from .markers import MARKER_SUFFIX, METADATA_KEY
+from .safetensors_writer import SAFETENSORS_DTYPES, dtype_code
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
-
-# comfy-kitchen layout name -> marker format (ComfyUI registers FP8 under two names).
-KITCHEN_FORMATS = {
-    "TensorWiseINT8Layout": "int8_tensorwise",
-    "TensorCoreFP8Layout": "float8_e4m3fn",
-    "TensorCoreFP8E4M3Layout": "float8_e4m3fn",
-    "TensorCoreNVFP4Layout": "nvfp4",
-    "TensorCoreMXFP8Layout": "mxfp8",
-}
-# The pack's formats that have no marker format the loaders read.
-_NO_MARKER = {
-    "mxfp4": "MXFP4 is this pack's online format; no ComfyUI marker format stores it",
-    "quanto_qint8": "Quanto qint8 is weight-only with its own file contract, not a ComfyUI marker format",
-}
-
 
 class SaveError(ValueError):
     """A model that cannot be saved as asked; names up to five layers."""
@@ -73,21 +59,13 @@ def marker_tensor(marker: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(marker).encode("utf-8")), dtype=torch.uint8)
 
 
-def _int8_marker(convrot: bool, group_size: int) -> dict:
-    if convrot:
-        return {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int(group_size)}
-    return {"format": "int8_tensorwise"}
-
-
 def _from_quant_linear(name: str, module: QuantLinear) -> SavedLayer:
     method = module.method
-    if method.name in _NO_MARKER:
-        raise _Unsupported(_NO_MARKER[method.name])
-    if method.name in ("int8_convrot", "int8_tensorwise"):
-        marker = _int8_marker(method.convrot, method.group_size)
-    elif method.name in ROLES:
-        marker = {"format": method.name}
-    else:
+    spec = format_spec(method.name)
+    if spec is not None and spec.unsaveable:
+        raise _Unsupported(spec.unsaveable)
+    marker = None if spec is None else spec.saved_marker(method)
+    if marker is None:
         raise _Unsupported(f"format {method.name!r} has no marker format")
     try:
         tensors = module.stored_tensors()
@@ -99,10 +77,10 @@ def _from_quant_linear(name: str, module: QuantLinear) -> SavedLayer:
 def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     weight = module.weight
     layout = layout_name(weight)
-    fmt = KITCHEN_FORMATS.get(layout)
-    if fmt == "float8_e4m3fn" and storage_dtype(weight) != torch.float8_e4m3fn:
-        fmt = None
-    if fmt is None:
+    spec = kitchen_format(layout)
+    if spec is not None and SAFETENSORS_DTYPES.get(storage_dtype(weight)) not in spec.contract.weight_dtypes:
+        spec = None   # e.g. an FP8 layout holding float8_e5m2
+    if spec is None:
         raise _Unsupported(f"comfy-kitchen layout {layout} ({storage_dtype(weight)}) has no marker format the "
                            f"pack's loaders read")
     if not hasattr(weight, "state_dict"):
@@ -111,8 +89,7 @@ def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     params = layout_params(weight)
     if params.get("transposed", False):
         raise _Unsupported(f"comfy-kitchen {layout} weight is held transposed; files store it untransposed")
-    marker = (_int8_marker(params.get("convrot", False), params.get("convrot_groupsize", 256))
-              if fmt == "int8_tensorwise" else {"format": fmt})
+    marker = spec.kitchen_marker(params)
     tensors = {key: t for key, t in weight.state_dict("weight").items()}
     for key, param in module._parameters.items():
         if key not in ("weight", "bias") and param is not None:
@@ -132,7 +109,8 @@ def quantized_layer(name: str, module: nn.Module) -> SavedLayer | None:
         layer = _from_kitchen_weight(name, module)
     else:
         return None
-    required, optional = ROLES[layer.marker["format"]]
+    contract = marker_formats()[layer.marker["format"]].contract
+    required, optional = contract.required, contract.optional
     roles = set(layer.tensors)
     if not required <= roles or roles - required - optional:
         raise _Unsupported(f"{layer.marker['format']} layer holds tensors {sorted(roles)}, the format stores "

@@ -12,6 +12,9 @@ Each such layer becomes a float8_e4m3fn layer with a per-tensor weight_scale.
 """
 from __future__ import annotations
 
+import torch
+
+from ..quant.fp8 import FP8, NAME as FP8_FORMAT
 from .layers import (Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale,
                      is_scalar)
 from .safetensors_header import HeaderReader, SafetensorsHeader
@@ -19,7 +22,7 @@ from .safetensors_header import HeaderReader, SafetensorsHeader
 MARKER = "scaled_fp8"
 _ROLES = {"scale_weight": "weight_scale", "scale_input": "input_scale"}   # file suffix -> FP8 method role
 _NAMES = {"weight_scale": "scaled_fp8 scale_weight", "input_scale": "scaled_fp8 scale_input"}
-_WEIGHT_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F32": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_WEIGHT_DTYPES = {"F8_E4M3": FP8, "F32": FP8, "F8_E5M2": torch.float8_e5m2}
 
 
 def marker_keys(header: SafetensorsHeader) -> list[str]:
@@ -46,9 +49,9 @@ def inspect_scaled_fp8(header: SafetensorsHeader, read: HeaderReader,
         if fp8 is None:
             problems.add(f"bad scaled_fp8 marker: its dtype must name the weights' FP8 type (F8_E4M3, or F32 "
                          f"for it), found {dtype}", key)
-        elif fp8 != "float8_e4m3fn":
-            problems.add(f"unsupported scaled_fp8 weights {fp8}: the pack's FP8 layers are float8_e4m3fn; "
-                         f"load this file with ComfyUI's UNETLoader", key)
+        elif fp8 != FP8:
+            problems.add(f"unsupported scaled_fp8 weights {str(fp8).replace('torch.', '')}: the pack's FP8 layers "
+                         f"are {FP8_FORMAT}; load this file with ComfyUI's UNETLoader", key)
         prefixes.append(key[:-len(MARKER)])
     problems.raise_if_any()
 
@@ -73,7 +76,7 @@ def inspect_scaled_fp8(header: SafetensorsHeader, read: HeaderReader,
         layers[name] = layer
     problems.raise_if_any()
     for layer in checked(layers.values(), check):
-        check_scales(layer, read, {"weight_scale": "float", "input_scale": "float"}, problems, _NAMES)
+        check_scales(layer, read, problems, _NAMES)
     problems.raise_if_any()
 
     notes = []
@@ -111,4 +114,4 @@ def _check_layer(header: SafetensorsHeader, name: str, present: dict[str, str],
             problems.add(f"shape mismatch: scaled_fp8 {suffix} must be a scalar, found {list(info.shape)}", name)
             return None
         tensors[role] = present[suffix]
-    return LayerFormat(name, "float8_e4m3fn", tensors, tuple(weight.shape), source=MARKER)
+    return LayerFormat(name, FP8_FORMAT, tensors, tuple(weight.shape), source=MARKER)

@@ -10,6 +10,7 @@ from ..loaders import LayerBuilder, inspect_checkpoint
 from ..quant import QuantConfig, available_methods, get_method
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import default_keep, describe_keep
+from ..quant.registry import format_aliases, online_formats
 from ..quant.patterns import parse_patterns
 from . import categories, checkpoint_compat as compat
 from .comfy_compat import NodeRun, node_output, quantized_layers, watch_quantized_layers
@@ -21,9 +22,9 @@ from .offload import install_offload, mode_problem
 
 log = pack_logger(__name__)
 
-ONLINE_FORMATS = ("auto", "int8_convrot", "float8_e4m3fn", "mxfp4", "none")
+ONLINE_FORMATS = ("auto", *online_formats(), "none")
 # Option values of earlier versions that saved workflows may hold -> today's spelling (the markers' and reports').
-OLD_FORMATS = {"fp8_e4m3fn": "float8_e4m3fn"}
+OLD_FORMATS = format_aliases()
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "

@@ -6,7 +6,7 @@ affected, instead of a bare ModuleNotFoundError in the sampler later.
 """
 from __future__ import annotations
 
-from ..quant.methods import kitchen_missing
+from ..quant.registry import kitchen_missing
 
 NEEDS_KITCHEN = ("QuantizeModelINT8", "MixedCheckpointLoader (quantized files)",
                  "LoadH3Quantized (a quantization other than none, or a quantized file)",

@@ -2,9 +2,10 @@
 
 Nothing here imports ComfyUI; `nodes/` adapts it.
 """
+from . import registry  # first: the formats register in its order
 from .dispatch import QuantConfig, plan_layers, quantize_layers, apply_replacements
 from .linear import QuantLinear
-from .methods import available_methods, get_method
+from .registry import available_methods, get_method
 from .report import QuantReport
 
 __all__ = [

@@ -14,28 +14,45 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .fp8 import Fp8Method
-from .int8_convrot import Int8ConvRotMethod
+from . import fp8, int8_convrot
 from .kernel_select import _time_ms
 from .linear import quantized_layer
-from .method import LinearMethod
+from .linear_method import LinearMethod, default_device
+from .registry import format_spec, get_method, register_selector
 
 # Preference order by compute capability (first match from the top).
 PREFERENCE = (
-    ((8, 9), ("float8_e4m3fn", "int8_convrot")),
-    ((7, 5), ("int8_convrot",)),
+    ((8, 9), (fp8.NAME, int8_convrot.CONVROT)),
+    ((7, 5), (int8_convrot.CONVROT,)),
 )
 DEFAULT_ROWS = 8192
 
 
 def preferred_formats(device: torch.device) -> tuple[str, ...]:
     if device.type != "cuda":
-        return ("int8_convrot",)  # no fast format on CPU; INT8 still halves memory
+        return (int8_convrot.CONVROT,)  # no fast format on CPU; INT8 still halves memory
     capability = torch.cuda.get_device_capability(device)
     for minimum, formats in PREFERENCE:
         if capability >= minimum:
             return formats
     return ()
+
+
+def fastest_native_methods(device: torch.device, in_features: int, out_features: int) -> list[LinearMethod]:
+    """Native formats of `device` that take this shape, fastest first (empty: none).
+
+    The order is the table above (FP8 on sm89+, INT8 ConvRot on sm75+ and on CPU,
+    where INT8 at least halves memory); each format takes its first variant that
+    fits the shape (INT8: the largest group size that divides the input width).
+    """
+    methods = []
+    for fmt in preferred_formats(device):
+        for options in format_spec(fmt).variants():
+            method = get_method(fmt, **options)
+            if method.skip_reason(in_features, out_features) is None:
+                methods.append(method)
+                break
+    return methods
 
 
 # Measured decisions for the process: (device, in, out, rows, group size, formats) ->
@@ -44,7 +61,7 @@ _MEASURED: dict[tuple, tuple[str | None, str, dict[str, float]]] = {}
 
 
 class AutoSelector:
-    """Picks a method per layer shape; `select` returns (method or None, reason).
+    """A Selector (quant/selector.py): picks a method per layer shape; `select` returns (method or None, reason).
 
     `time_ms(fn)` times one call of `fn` (CUDA events by default; tests pass a clock).
     """
@@ -53,11 +70,8 @@ class AutoSelector:
                  time_ms: Callable[[Callable[[], object]], float] | None = None):
         self.device = device
         self.group_size = group_size
-        self.methods: dict[str, LinearMethod] = {
-            "float8_e4m3fn": Fp8Method(),
-            "int8_convrot": Int8ConvRotMethod(group_size),
-        }
         self.order = preferred_formats(device)
+        self.methods: dict[str, LinearMethod] = {fmt: get_method(fmt, group_size=group_size) for fmt in self.order}
         self.measure = device.type == "cuda" if measure is None else measure
         self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
         self.time_ms = time_ms or (lambda fn: _time_ms(fn, iters=5))
@@ -96,6 +110,11 @@ class AutoSelector:
             times[fmt] = self.time_ms(lambda: layer(x))
             del layer
         return times
+
+
+@register_selector("auto")
+def _auto(group_size: int = 256, device=None, **_) -> AutoSelector:
+    return AutoSelector(torch.device(device) if device is not None else default_device(), group_size=group_size)
 
 
 def _fmt(times: dict[str, float]) -> str:

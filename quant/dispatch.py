@@ -8,21 +8,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
 from ..pack_logging import pack_logger
+from . import fp8, int8_convrot
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear, quantized_layer
-from .method import LinearMethod, default_device
+from .linear_method import LinearMethod, default_device
 from .patterns import first_match
 from .report import LayerRecord, QuantReport
-
-if TYPE_CHECKING:
-    from .auto import AutoSelector
+from .selector import Selector
 
 log = pack_logger(__name__)
 
@@ -35,13 +34,13 @@ class QuantizationError(RuntimeError):
 class QuantConfig:
     """What to quantize and how.
 
-    `method` is the default (a LinearMethod, or a selector with
-    `select(in, out) -> (method or None, reason)` such as auto); `rules` maps fnmatch patterns on module names to a
+    `method` is the default (a LinearMethod, or a Selector such as auto, which
+    picks one per layer shape); `rules` maps fnmatch patterns on module names to a
     method (or None to keep the layer), first match wins; `ignored` patterns
     keep layers as they are. fp32 weights in a lower-precision model are kept
     unless `include_fp32`.
     """
-    method: "LinearMethod | AutoSelector"
+    method: LinearMethod | Selector
     rules: list[tuple[str, LinearMethod | None]] = field(default_factory=list)
     ignored: tuple[str, ...] = ()
     include_fp32: bool = False
@@ -86,8 +85,8 @@ def _format_of(weight: torch.Tensor) -> str:
         return str(weight.dtype).replace("torch.", "")
     if layout_name(weight).startswith("TensorCoreFP8"):
         return str(storage_dtype(weight)).replace("torch.", "")
-    if layout_name(weight) == "TensorWiseINT8Layout":
-        return "int8_convrot" if layout_params(weight).get("convrot", False) else "int8_tensorwise"
+    if layout_name(weight) == int8_convrot.LAYOUT:
+        return int8_convrot.format_of_params(layout_params(weight))
     return layout_name(weight)
 
 
@@ -98,7 +97,7 @@ def fp8_format(module: nn.Module) -> str | None:
     """The format of a layer quantized to FP8 before (the pack's FP8 layers, a ComfyUI Linear with an fp8
     weight dtype, scaled or not, or with upstream's FP8 QuantizedTensor weight), else None."""
     if isinstance(module, QuantLinear):
-        return module.method.name if module.method.name == "float8_e4m3fn" else None
+        return module.method.name if module.method.name == fp8.NAME else None
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return None
@@ -181,7 +180,7 @@ def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_feature
     if dtype == torch.float32 and dominant not in (None, torch.float32) and not config.include_fp32:
         return None, "stored in fp32 on purpose"
     method, reason = config.method, None
-    if hasattr(method, "select"):  # a selector (auto) chooses per shape
+    if isinstance(method, Selector):  # auto chooses per shape
         method, reason = method.select(in_features, out_features)
         if method is None:
             return None, reason

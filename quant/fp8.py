@@ -17,9 +17,13 @@ import torch.nn.functional as F
 from ..dtypes import HALF_DTYPES
 from ..pack_logging import pack_logger
 from . import compiled_ops
-from .method import LinearMethod, output_dtype
+from .descriptor import Contract, QuantFormat
+from .linear_method import LinearMethod, output_dtype
+from .registry import register_format
 
 log = pack_logger(__name__)
+
+NAME = "float8_e4m3fn"
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -115,7 +119,7 @@ def native_fp8_supported(device: torch.device) -> bool:
 
 
 class Fp8Method(LinearMethod):
-    name = "float8_e4m3fn"
+    name = NAME
 
     def skip_reason(self, in_features: int, out_features: int) -> str | None:
         # cuBLASLt FP8 GEMMs need both dims to be multiples of 16.
@@ -124,7 +128,7 @@ class Fp8Method(LinearMethod):
         return None
 
     def describe(self) -> str:
-        return "float8_e4m3fn (per-channel weights, per-token activations)"
+        return f"{NAME} (per-channel weights, per-token activations)"
 
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         # A weight's output channels are rows: the same quantizer as the activations'.
@@ -179,3 +183,23 @@ class Fp8Method(LinearMethod):
 
 def _sixteen_bit(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in HALF_DTYPES else torch.bfloat16
+
+
+@register_format
+class Fp8Format(QuantFormat):
+    """FP8 E4M3, online and from ComfyUI markers: weight F8_E4M3 [N, K]; weight_scale float, per tensor or
+    [N, 1]; input_scale optional, a static activation scale. scaled_fp8 files load as these layers too."""
+    name = NAME
+    marker = True
+    online = True
+    aliases = ("fp8_e4m3fn",)   # LoadH3Quantized's option before it took the markers' spelling
+    kitchen_layouts = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout")   # ComfyUI registers both names
+    contract = Contract(required=frozenset({"weight", "weight_scale"}), optional=frozenset({"input_scale"}),
+                        weight_dtypes=("F8_E4M3",), encodings={"weight_scale": "float", "input_scale": "float"},
+                        stored_max=FP8_MAX)
+
+    def method(self, **_) -> LinearMethod:
+        return Fp8Method()
+
+    def native(self, device: torch.device) -> bool:
+        return native_fp8_supported(device)

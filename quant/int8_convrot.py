@@ -14,16 +14,21 @@ import torch
 import torch.nn.functional as F
 
 from . import compiled_ops
+from .descriptor import Contract, QuantFormat
 from .kernel_select import KernelChooser, rows_bucket
-from .method import LinearMethod, output_dtype
+from .linear_method import LinearMethod, output_dtype
+from .registry import register_format
 
+CONVROT = "int8_convrot"        # the online format (its files carry int8_tensorwise markers with convrot flags)
+TENSORWISE = "int8_tensorwise"  # ComfyUI's marker format, with or without the rotation
+LAYOUT = "TensorWiseINT8Layout"
 GROUP_SIZES = (16, 64, 256)
 
 # Row split: 8192-row calls dodge a slow Stream-K schedule of long GEMMs on
 # some GPUs and cost a few percent on others, so it is a candidate, measured per GPU.
 DEFAULT_SPLIT_ROWS = 8192
 
-_chooser = KernelChooser("int8_convrot", force_env="BIGDIT_INT8_KERNEL",
+_chooser = KernelChooser(CONVROT, force_env="BIGDIT_INT8_KERNEL",
                          known=("kitchen", "kitchen_split", "dequant"))
 
 
@@ -49,7 +54,7 @@ def forced_row_split(rows: int, out_features: int) -> int | None:
 class Int8ConvRotMethod(LinearMethod):
     """INT8 with per-channel (or per-tensor) weight scales; `convrot=False` is
     plain `int8_tensorwise`, as ComfyUI checkpoints without the rotation store it."""
-    name = "int8_convrot"
+    name = CONVROT
 
     def __init__(self, group_size: int = 256, row_split: str = "auto", convrot: bool = True):
         if convrot and group_size not in GROUP_SIZES:
@@ -60,10 +65,10 @@ class Int8ConvRotMethod(LinearMethod):
         self.row_split = row_split
         self.convrot = convrot
         if not convrot:
-            self.name = "int8_tensorwise"
+            self.name = TENSORWISE
 
     def describe(self) -> str:
-        return f"int8_convrot(g={self.group_size})" if self.convrot else "int8_tensorwise"
+        return f"{CONVROT}(g={self.group_size})" if self.convrot else TENSORWISE
 
     def skip_reason(self, in_features: int, out_features: int) -> str | None:
         if self.convrot and in_features % self.group_size:
@@ -127,3 +132,84 @@ class Int8ConvRotMethod(LinearMethod):
         choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split"))
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
+
+
+def format_of_params(params: dict) -> str:
+    """The format name of a comfy-kitchen INT8 weight, from its layout params."""
+    return CONVROT if params.get("convrot", False) else TENSORWISE
+
+
+def _int8_marker(convrot: bool, group_size: int) -> dict:
+    if convrot:
+        return {"format": TENSORWISE, "convrot": True, "convrot_groupsize": int(group_size)}
+    return {"format": TENSORWISE}
+
+
+def _cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= capability
+
+
+@register_format
+class Int8ConvRotFormat(QuantFormat):
+    """Online INT8 ConvRot; saved as int8_tensorwise markers with the rotation's flags."""
+    name = CONVROT
+    online = True
+
+    def method(self, group_size: int = 256, row_split: str = "auto", **_) -> LinearMethod:
+        return Int8ConvRotMethod(group_size=group_size, row_split=row_split)
+
+    def native(self, device: torch.device) -> bool:
+        return _cuda_at_least(device, (7, 5))  # comfy-kitchen's INT8 GEMM; CPU runs its eager reference
+
+    def variants(self) -> tuple[dict, ...]:
+        return tuple({"group_size": g} for g in sorted(GROUP_SIZES, reverse=True))  # largest group that fits
+
+    def saved_marker(self, method) -> dict:
+        return _int8_marker(method.convrot, method.group_size)
+
+
+def _marker_flags(marker: dict) -> tuple[object, object]:
+    """(convrot, convrot_groupsize) at the marker's top level or under "params", defaults filled in."""
+    params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
+    return (marker.get("convrot", params.get("convrot", False)),
+            marker.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+
+
+@register_format
+class Int8TensorwiseFormat(QuantFormat):
+    """ComfyUI's int8_tensorwise markers: weight I8 [N, K]; weight_scale float, per tensor or [N, 1];
+    convrot / convrot_groupsize at the marker's top level or under "params"."""
+    name = TENSORWISE
+    marker = True
+    kitchen_layouts = (LAYOUT,)
+    contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
+                        encodings={"weight_scale": "float"}, stored_max=128.0)   # int8's -128
+
+    def method(self, convrot: bool = False, convrot_groupsize: int = 256, **_) -> LinearMethod:
+        return Int8ConvRotMethod(group_size=convrot_groupsize, convrot=convrot)
+
+    def native(self, device: torch.device) -> bool:
+        return _cuda_at_least(device, (7, 5))
+
+    def marker_meaning(self, marker: dict) -> dict:
+        convrot, group_size = _marker_flags(marker)
+        meaning = {"format": marker["format"], "convrot": convrot}
+        if convrot:
+            meaning["convrot_groupsize"] = group_size
+        return meaning
+
+    def marker_options(self, marker: dict, in_features: int) -> dict:
+        convrot, group_size = _marker_flags(marker)
+        if not isinstance(convrot, bool) or not isinstance(group_size, int):
+            raise ValueError(f"bad marker: convrot must be true/false and convrot_groupsize an integer, "
+                             f"found {convrot!r} / {group_size!r}")
+        if convrot and (group_size not in GROUP_SIZES or in_features % group_size):
+            raise ValueError(f"bad marker: convrot_groupsize {group_size} must be one of {list(GROUP_SIZES)} "
+                             f"and divide in_features {in_features}")
+        return {"convrot": convrot, "convrot_groupsize": group_size}
+
+    def saved_marker(self, method) -> dict:
+        return _int8_marker(method.convrot, method.group_size)
+
+    def kitchen_marker(self, params: dict) -> dict:
+        return _int8_marker(params.get("convrot", False), params.get("convrot_groupsize", 256))

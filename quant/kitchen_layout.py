@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod, output_dtype
+from .linear_method import LinearMethod, output_dtype
 
 
 class KitchenLayoutMethod(LinearMethod):

@@ -17,7 +17,7 @@ from .witness import count_run
 
 
 class LayerMethod(Protocol):
-    """What a QuantLinear needs of its method; every LinearMethod (quant/method.py) is one.
+    """What a QuantLinear needs of its method; every LinearMethod (quant/linear_method.py) is one.
 
     Spelled out here so that this module, which the methods build on, does not import them."""
     name: str

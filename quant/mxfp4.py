@@ -34,9 +34,13 @@ import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
 from ..pack_logging import pack_logger
-from .method import LinearMethod, default_device, output_dtype
+from .descriptor import QuantFormat
+from .linear_method import LinearMethod, default_device, output_dtype
+from .registry import register_format
 
 log = pack_logger(__name__)
+
+NAME = "mxfp4"
 
 BLOCK_SIZE = 32          # MX block size k (spec: 32 for every concrete MX format)
 E2M1_EMAX = 2            # emax_elem: the largest E2M1 normal is 6.0 = 1.5 * 2^2
@@ -298,7 +302,7 @@ class Mxfp4Method(LinearMethod):
     `path`: "auto" (the best detected for `device`), "emulated", or "aiter" /
     "native" (ValueError naming the reason where unavailable).
     """
-    name = "mxfp4"
+    name = NAME
 
     def __init__(self, min_output_dim: int = MIN_OUTPUT_DIM, path: str = "auto",
                  device: torch.device | str | None = None):
@@ -319,8 +323,8 @@ class Mxfp4Method(LinearMethod):
 
     def describe(self) -> str:
         if self.path.name == "emulated":
-            return f"mxfp4 ({self.path.detail}; {self.path.reason})"
-        return f"mxfp4 ({self.path.detail})"
+            return f"{NAME} ({self.path.detail}; {self.path.reason})"
+        return f"{NAME} ({self.path.detail})"
 
     def skip_reason(self, in_features: int, out_features: int) -> str | None:
         if out_features < self.min_output_dim:
@@ -378,3 +382,17 @@ class Mxfp4Method(LinearMethod):
             self._native_refused.add(shape)
             log.warning("MXFP4 native GEMM refused N=%d K=%d (%s); this shape runs emulated", *shape, exc)
             return None
+
+
+@register_format
+class Mxfp4Format(QuantFormat):
+    """Online only: no checkpoint format the loaders read stores it."""
+    name = NAME
+    online = True
+    unsaveable = "MXFP4 is this pack's online format; no ComfyUI marker format stores it"
+
+    def method(self, min_output_dim: int | None = None, path: str = "auto", device=None, **_) -> LinearMethod:
+        return Mxfp4Method(MIN_OUTPUT_DIM if min_output_dim is None else min_output_dim, path=path, device=device)
+
+    def native(self, device: torch.device) -> bool:
+        return execution_path(device).name != "emulated"

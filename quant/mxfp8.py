@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import torch
 
+from .descriptor import Contract, QuantFormat
 from .kitchen_layout import KitchenLayoutMethod
+from .registry import register_format
 
+NAME = "mxfp8"
 LAYOUT = "TensorCoreMXFP8Layout"
 
 
-def native_mxfp8_supported(device: torch.device) -> bool:
-    return Mxfp8Method().native_supported(device)
-
-
 class Mxfp8Method(KitchenLayoutMethod):
-    name = "mxfp8"
+    name = NAME
     layout = LAYOUT
 
     def describe(self) -> str:
-        return "mxfp8 (E4M3, power-of-two scales per 32 elements)"
+        return f"{NAME} (E4M3, power-of-two scales per 32 elements)"
 
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         qdata, params = self.layout_class().quantize(weight)
@@ -38,3 +37,23 @@ class Mxfp8Method(KitchenLayoutMethod):
         return self.layout_class().Params(
             scale=tensors["weight_scale"].view(torch.float8_e8m0fnu), orig_dtype=layer.compute_dtype,
             orig_shape=(layer.out_features, layer.in_features))
+
+
+@register_format
+class Mxfp8Format(QuantFormat):
+    name = NAME
+    marker = True
+    kitchen_layouts = (LAYOUT,)
+    dequantized_elsewhere = True
+    contract = Contract(
+        required=frozenset({"weight", "weight_scale"}), optional=frozenset({"input_scale"}),
+        weight_dtypes=("F8_E4M3",), pad=32, block=32, block_scale_dtypes=("F8_E8M0", "U8"),
+        encodings={"weight_scale": "F8_E8M0"}, views={"weight_scale": torch.float8_e8m0fnu},
+        dropped=frozenset({"input_scale"}),   # its activations carry their own block scales
+        stored_max=448.0)
+
+    def method(self, **_) -> Mxfp8Method:
+        return Mxfp8Method()
+
+    def native(self, device: torch.device) -> bool:
+        return Mxfp8Method().native_supported(device)

@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from .descriptor import Contract, QuantFormat
 from .kitchen_layout import KitchenLayoutMethod
+from .registry import register_format
 
+NAME = "nvfp4"
 LAYOUT = "TensorCoreNVFP4Layout"
 
 
-def native_nvfp4_supported(device: torch.device) -> bool:
-    return Nvfp4Method().native_supported(device)
-
-
 class Nvfp4Method(KitchenLayoutMethod):
-    name = "nvfp4"
+    name = NAME
     layout = LAYOUT
 
     def describe(self) -> str:
-        return "nvfp4 (E2M1, fp8 scales per 16 elements)"
+        return f"{NAME} (E2M1, fp8 scales per 16 elements)"
 
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         qdata, params = self.layout_class().quantize(weight)
@@ -46,3 +45,23 @@ class Nvfp4Method(KitchenLayoutMethod):
     def quantize_input(self, x2d, tensors):
         from comfy_kitchen.tensor import QuantizedTensor
         return QuantizedTensor.from_float(x2d, self.layout, scale=tensors.get("input_scale"))
+
+
+@register_format
+class Nvfp4Format(QuantFormat):
+    name = NAME
+    marker = True
+    kitchen_layouts = (LAYOUT,)
+    dequantized_elsewhere = True
+    contract = Contract(
+        required=frozenset({"weight", "weight_scale", "weight_scale_2"}), optional=frozenset({"input_scale"}),
+        weight_dtypes=("U8",), weight_note="packed E2M1 pairs", pack=2, pad=16,
+        block=16, block_scale_dtypes=("F8_E4M3", "U8"),
+        encodings={"weight_scale": "F8_E4M3", "weight_scale_2": "float", "input_scale": "float"},
+        views={"weight_scale": torch.float8_e4m3fn}, stored_max=6.0)   # E2M1's largest value
+
+    def method(self, **_) -> Nvfp4Method:
+        return Nvfp4Method()
+
+    def native(self, device: torch.device) -> bool:
+        return Nvfp4Method().native_supported(device)

@@ -13,16 +13,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .method import LinearMethod, output_dtype
+from .descriptor import Contract, QuantFormat
+from .linear_method import LinearMethod, output_dtype
+from .registry import register_format
 
+NAME = "quanto_qint8"
 QINT8_MIN, QINT8_MAX = -128, 127
 
 
 class QuantoInt8Method(LinearMethod):
-    name = "quanto_qint8"
+    name = NAME
 
     def describe(self) -> str:
-        return "quanto_qint8 (weight-only, dequantized per call)"
+        return f"{NAME} (weight-only, dequantized per call)"
 
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         # Quanto's per-axis qint8: absmax / qmax per output channel, in the weight's dtype.
@@ -42,3 +45,17 @@ class QuantoInt8Method(LinearMethod):
         weight = t["weight"].to(dtype) * t["weight_scale"].to(dtype)
         bias = t.get("bias")
         return F.linear(apply_input_act(x, input_act).to(dtype), weight, None if bias is None else bias.to(dtype))
+
+
+@register_format
+class QuantoQint8Format(QuantFormat):
+    """Quanto's file contract itself (a quantization map, `weight._data` / `weight._scale`) is read by
+    loaders/quanto.py; the roles below are the renamed tensors."""
+    name = NAME
+    unsaveable = "Quanto qint8 is weight-only with its own file contract, not a ComfyUI marker format"
+    contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
+                        encodings={"weight_scale": "float"}, scales_as_stored=True, stored_max=128.0,
+                        ignored=("input_scale", "output_scale"))   # weight-only layers need them to be 1
+
+    def method(self, **_) -> LinearMethod:
+        return QuantoInt8Method()

@@ -97,5 +97,5 @@ class QuantReport:
 
 
 def _counts_text(counts: dict[str, int]) -> str:
-    """`{"int8_convrot": 24}` -> "int8_convrot x24", formats in name order."""
+    """`{format: count}` -> "<format> x<count>" parts, formats in name order."""
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))

@@ -60,7 +60,7 @@ def write_markers(src, dst, layers: dict, form="tensor", per_tensor_fp8=False):
     "both" (each layer's marker in both forms). per_tensor_fp8 stores FP8
     weight scales per tensor (ComfyUI's scaled-fp8 layout) instead of per channel.
     """
-    from bigdit.quant.methods import get_method
+    from bigdit.quant.registry import get_method
     sd, metadata = load(src)
     for name, marker in layers.items():
         weight = sd.pop(f"{name}.weight").float()

@@ -13,7 +13,7 @@ from bigdit.attention import Router, install
 from bigdit.loaders.offload.streaming import LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant import compiled_ops
-from bigdit.quant.methods import get_method
+from bigdit.quant.registry import get_method
 
 # every format that quantizes a bf16 layer on CPU
 FORMATS = ["int8_convrot", "int8_tensorwise", "float8_e4m3fn", "quanto_qint8", "nvfp4", "mxfp8", "mxfp4"]

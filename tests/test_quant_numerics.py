@@ -1,6 +1,6 @@
 """Numerics every method shares: the output dtype rule, and FP8's row quantization formula (torch path).
 
-The rule (quant/method.py): a quantized layer returns its input's dtype, as
+The rule (quant/linear_method.py): a quantized layer returns its input's dtype, as
 torch.nn.Linear and ComfyUI's cast layers do, whatever its format and compute
 dtype, so layers of different formats side by side (q, k, v) agree.
 """
@@ -12,7 +12,7 @@ from torch import nn
 
 from bigdit.quant import fp8
 from bigdit.quant.dispatch import quantize_linear
-from bigdit.quant.methods import get_method
+from bigdit.quant.registry import get_method
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # all three run on CPU
 METHODS = {

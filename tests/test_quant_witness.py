@@ -6,7 +6,7 @@ from torch import nn
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant.dispatch import walk_modules
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
-from bigdit.quant.method import LinearMethod
+from bigdit.quant.linear_method import LinearMethod
 from bigdit.quant.witness import RunWitness
 
 

@@ -1,0 +1,91 @@
+"""The formats and selectors by name, filled by decorators in their own modules.
+
+`@register_format` on a QuantFormat subclass (one per format module) and
+`register_selector` (auto) are the only ways in; everything else looks formats
+up here. The imports at the bottom fix the order formats are listed in.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .descriptor import QuantFormat
+from .selector import Selector
+
+_FORMATS: dict[str, QuantFormat] = {}
+_SELECTORS: dict[str, Callable[..., Selector]] = {}
+
+
+def register_format(cls: type[QuantFormat]) -> type[QuantFormat]:
+    """Class decorator: registers one instance of the format under its `name`."""
+    if not cls.name or cls.name in _FORMATS or cls.name in _SELECTORS:
+        raise ValueError(f"format name {cls.name!r} is empty or taken")
+    _FORMATS[cls.name] = cls()
+    return cls
+
+
+def register_selector(name: str):
+    """Decorator for a factory of a Selector (options as get_method's) under `name`."""
+    def register(factory: Callable[..., Selector]) -> Callable[..., Selector]:
+        if name in _FORMATS or name in _SELECTORS:
+            raise ValueError(f"selector name {name!r} is taken")
+        _SELECTORS[name] = factory
+        return factory
+    return register
+
+
+def formats() -> dict[str, QuantFormat]:
+    return dict(_FORMATS)
+
+
+def format_spec(name: str) -> QuantFormat | None:
+    return _FORMATS.get(name)
+
+
+def marker_formats() -> dict[str, QuantFormat]:
+    """The ComfyUI marker formats the loaders read, by name."""
+    return {name: spec for name, spec in _FORMATS.items() if spec.marker}
+
+
+def kitchen_format(layout: str) -> QuantFormat | None:
+    """The format whose layers a comfy-kitchen layout holds, or None."""
+    return next((spec for spec in _FORMATS.values() if layout in spec.kitchen_layouts), None)
+
+
+def online_formats() -> tuple[str, ...]:
+    return tuple(name for name, spec in _FORMATS.items() if spec.online)
+
+
+def format_aliases() -> dict[str, str]:
+    """Option spellings of earlier versions -> today's name."""
+    return {alias: name for name, spec in _FORMATS.items() for alias in spec.aliases}
+
+
+def available_methods() -> tuple[str, ...]:
+    return (*_FORMATS, *_SELECTORS)
+
+
+def get_method(name: str, **options):
+    """A format's LinearMethod, or for a selector (`auto`) a Selector that picks one per layer shape."""
+    if name in _FORMATS:
+        return _FORMATS[name].method(**options)
+    if name in _SELECTORS:
+        return _SELECTORS[name](**options)
+    raise ValueError(f"unknown quantization method {name!r}; valid: {', '.join(available_methods())}")
+
+
+def kitchen_missing() -> str | None:
+    """Why comfy-kitchen cannot be imported, or None when it can.
+
+    Every method's forward runs on it (its activation, INT8 and block-format
+    kernels, with eager CPU references), so callers check this before building
+    quantized layers rather than fail at the first forward.
+    """
+    try:
+        import comfy_kitchen  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+# The format modules register themselves on import; this order is the order formats are listed in.
+from . import int8_convrot, fp8, nvfp4, mxfp8, mxfp4, quanto_int8, auto  # noqa: E402,F401
