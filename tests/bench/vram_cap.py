@@ -14,6 +14,15 @@ ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it):
 The cap is then checked: an allocation of the whole card must fail. The
 environment variable BIGDIT_EMULATED_VRAM holds the card's bytes for reports.
 Without CUDA (a CPU test run) the cap is not applied and a line says so.
+
+Upstream ComfyUI's dynamic VRAM (comfy-aimdo, where the host has --vram-headroom)
+maps weight pages with the CUDA driver's virtual memory calls, outside PyTorch's
+allocator, and reads the real card through cuMemGetInfo/NVML: neither the fraction
+nor the patched mem_get_info reaches it. So the host's own --vram-headroom (GB
+that aimdo keeps free, besides its usual reserve) is raised to the real card less
+the emulated one, and aimdo evicts weight pages as a 24 GiB card would make it.
+That binds aimdo by its own budget, not by a failing allocation: the report's
+NVML peak (device_used_peak_sampling) shows whether it held.
 """
 import argparse
 import os
@@ -56,7 +65,16 @@ def emulate_card(cap_bytes: int) -> str:
     os.environ["BIGDIT_EMULATED_VRAM"] = str(cap_bytes)
     return (f"emulated card: {cap_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
             f"({held / 2**30:.2f} GiB held at start; allocator {torch.cuda.get_allocator_backend()}); "
-            f"allocating past it fails")
+            f"allocating past it fails{bind_dynamic_vram(total - cap_bytes)}")
+
+
+def bind_dynamic_vram(beyond_card: int) -> str:
+    """Raise the host's --vram-headroom (where it has one) so that dynamic VRAM keeps `beyond_card` bytes free."""
+    from comfy.cli_args import args
+    if not hasattr(args, "vram_headroom"):
+        return ""
+    args.vram_headroom = max(args.vram_headroom or 0, beyond_card / 2 ** 30)
+    return f"; dynamic VRAM (if enabled) keeps {args.vram_headroom:.2f} GiB free: --vram-headroom"
 
 
 def main():
