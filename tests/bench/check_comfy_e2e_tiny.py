@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 def test_tiny_run_measures_compares_and_records(tmp_path):
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, str(BENCH), "--tiny", "--work", str(tmp_path / "w"),
-           "--out", str(out), "--configs", "comfy_resident,pack_auto_sol,pack_auto_fp8attn",
+           "--out", str(out), "--configs", "comfy_resident,pack_auto_sol,pack_auto_fp8attn,comfy_int8_marker",
            "--fp8-attention-backend", "no_such_backend"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -51,6 +51,11 @@ def test_tiny_run_measures_compares_and_records(tmp_path):
     # a backend the pack does not offer is skipped, named, and costs no server start
     assert fp8["status"] == "skipped" and "does not offer 'no_such_backend'" in fp8["error"]
     assert "server_start_s" not in fp8
+    # a configuration this host cannot run (0.3.75 has no comfy-kitchen markers) is skipped before its file is made
+    marker = by["comfy_int8_marker"]
+    assert marker["status"] == "skipped" and "lacks kitchen_markers" in marker["error"]
+    assert list(data["models"]) == ["tiny_wan"]
+    assert data["environment"]["host_features"] == {"dynamic_vram": False, "kitchen_markers": False}
 
     assert list(data)[-1] == "summary"
     assert data["summary"]["sol_speedup"] == pytest.approx(ref["step_s"] / sol["step_s"])

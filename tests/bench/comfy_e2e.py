@@ -339,8 +339,8 @@ class Bench:
         self.payload = {
             "bench": "comfy-e2e",
             "environment": {"gpu": gpu_name(), "comfyui": comfyui_version(Path(opts.comfyui)),
-                            "python": sys.version.split()[0], "comfy_kitchen": kitchen_version(),
-                            "comfy_aimdo": kitchen_version("comfy-aimdo"), "host_features": opts.host_features},
+                            "python": sys.version.split()[0], "comfy_kitchen": package_version("comfy-kitchen"),
+                            "comfy_aimdo": package_version("comfy-aimdo"), "host_features": opts.host_features},
             "settings": {"models": opts.models, "lengths": opts.lengths, "configs": opts.configs,
                          "steps": opts.steps, "seed": opts.seed, "cap_gib": opts.cap_gib, "cpu": opts.cpu,
                          "configs_at": opts.configs_at, "fp8_attention_backend": opts.fp8_attention_backend,
@@ -451,6 +451,12 @@ class Bench:
                             text)
         return rec
 
+    def record(self, rec):
+        self.payload["results"].append(rec)
+        self.add_comparison(rec)
+        self.write()
+        print(f"[{time.monotonic() - self.started:4.0f} s] {result_line(rec)}", flush=True)
+
     def over_budget_with_generation(self) -> str | None:
         """Why a new model file would not fit the time budget (its generation as long as the slowest so far, and
         one configuration as long as the slowest), or None."""
@@ -484,15 +490,18 @@ class Bench:
             for fmt in formats:
                 runs = [(length, n) for length, names in plan.items() for n in names
                         if self.configs[n].model_format == fmt]
+                unmet = [(length, n) for length, n in runs if self.configs[n].needs
+                         and not self.opts.host_features.get(self.configs[n].needs)]
+                for length_name, name in unmet:  # recorded as skipped, with no model file made for them
+                    self.record(self.run_one(spec, spec.length(length_name), self.configs[name]))
+                runs = [r for r in runs if r not in unmet]
                 if not runs:
                     continue
                 key = model_name if fmt == "bf16" else f"{model_name}:{fmt}"
                 why = self.over_budget_with_generation()
                 if why:
                     for length_name, name in runs:
-                        rec = self.run_one(spec, spec.length(length_name), self.configs[name], skip=why)
-                        self.payload["results"].append(rec)
-                        print(f"[{time.monotonic() - self.started:4.0f} s] {result_line(rec)}", flush=True)
+                        self.record(self.run_one(spec, spec.length(length_name), self.configs[name], skip=why))
                     continue
                 try:
                     self.payload["models"][key] = self.prepare_model(spec, fmt)
@@ -503,11 +512,7 @@ class Bench:
                     continue
                 self.write()
                 for length_name, name in runs:
-                    rec = self.run_one(spec, spec.length(length_name), self.configs[name])
-                    self.payload["results"].append(rec)
-                    self.add_comparison(rec)
-                    self.write()
-                    print(f"[{time.monotonic() - self.started:4.0f} s] {result_line(rec)}", flush=True)
+                    self.record(self.run_one(spec, spec.length(length_name), self.configs[name]))
             if not self.opts.keep_model:
                 for old in (self.base / "models" / "diffusion_models").glob("bench_*.safetensors*"):
                     old.unlink()
@@ -609,7 +614,7 @@ def gpu_slug() -> str:
     return slug(gpu_name())
 
 
-def kitchen_version(package="comfy-kitchen"):
+def package_version(package):
     import importlib.metadata
     try:
         return importlib.metadata.version(package)

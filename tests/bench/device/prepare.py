@@ -11,7 +11,7 @@ holds the rest, xz-compressed (fa3-fwd's library shrinks 3x against its wheel):
 - site/: comfy-kitchen 0.2.40 without its HIP backend, fa3-fwd 0.0.3 (Hopper
   FlashAttention, the `flash` configuration), torchsde 0.2.6 and trampoline 0.1.2
   (ComfyUI's k-diffusion samplers import them), unpacked from cp312 x86-64 wheels.
-What start-up imports and the run never calls is left out: the frontend package
+What 0.3.75's start-up imports and the run never calls is left out: the frontend package
 (the server gets an empty --front-end-root), workflow templates and embedded docs
 (ComfyUI logs their absence), alembic/SQLAlchemy (ComfyUI warns and runs without
 its database), pydantic (only custom-node pyproject parsing), kornia and spandrel
@@ -22,10 +22,13 @@ which travels with the working tree.
 beside the repository ($BIGDIT_SHARED; or --comfyui with an unpacked copy), into .e2e-033/:
 its source (same cuts), comfy-kitchen 0.2.31 (the host's pin, without its HIP backend),
 comfy-aimdo 0.4.13 (dynamic VRAM: its CUDA library aimdo.so, without the ROCm one),
-torchsde and trampoline. Its other start-up imports that the image lacks are never
-used on this path either: simpleeval (one math node), blake3 (asset hashing, off
-without the database), PyOpenGL and comfy-angle (the GLSL node), besides the list above.
-No fa3-fwd: the 0.3.75 bundle carries it.
+torchsde and trampoline, and what upstream's server imports unconditionally:
+SQLAlchemy (asset queries) and pydantic with pydantic-core, annotated-types,
+typing-inspection and typing-extensions (asset routes). Its other start-up imports
+that the image lacks are never used on this path: simpleeval (one math node), blake3
+(asset hashing), PyOpenGL and comfy-angle (the GLSL node), alembic (no database), and
+the rest of the list above (the frontend, templates, docs, kornia, spandrel). No fa3-fwd:
+the 0.3.75 bundle carries it.
 
 Wheels are downloaded once into the test cache ($BIGDIT_CACHE, ~/.cache/bigdit)
 under e2e-wheels/. The folder .e2e/ is added to git's info/exclude, so it travels
