@@ -4,7 +4,8 @@
     cd COMFYUI && python vram_cap.py main.py [...]          # no cap: the same start-up path
 
 Before anything of ComfyUI's model management loads, with the CUDA allocator
-ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it):
+ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it,
+after comfy-aimdo's library where the host has dynamic VRAM):
 - `torch.cuda.set_per_process_memory_fraction` limits this process's allocator to
   the card size less what the device already holds at start (the CUDA context), so
   allocating past the card raises torch.OutOfMemoryError;
@@ -68,6 +69,16 @@ def emulate_card(cap_bytes: int) -> str:
             f"allocating past it fails{bind_dynamic_vram(total - cap_bytes)}")
 
 
+def load_dynamic_vram_library():
+    """Where the host enables dynamic VRAM, load comfy-aimdo's library before torch, as upstream's main.py does
+    (the cap imports torch first); main.py's own init call later applies its settings to the loaded library."""
+    import comfy.cli_args
+    enabled = getattr(comfy.cli_args, "enables_dynamic_vram", None)
+    if enabled is not None and enabled():
+        import comfy_aimdo.control
+        comfy_aimdo.control.init()
+
+
 def bind_dynamic_vram(beyond_card: int) -> str:
     """Raise the host's --vram-headroom (where it has one) so that dynamic VRAM keeps `beyond_card` bytes free."""
     from comfy.cli_args import args
@@ -92,6 +103,7 @@ def main():
         # main.py's own order: parse the arguments, let cuda_malloc pick the allocator, then torch.
         import comfy.options
         comfy.options.enable_args_parsing()
+        load_dynamic_vram_library()
         import cuda_malloc  # noqa: F401  (sets PYTORCH_CUDA_ALLOC_CONF unless --disable-cuda-malloc)
         print(f"vram_cap: {emulate_card(int(opts.gib * 2 ** 30))}", flush=True)
     runpy.run_path(script, run_name="__main__")
