@@ -25,7 +25,7 @@ nodes in tests/fixtures/bigdit_testnodes/bench.py record inside the server):
 - pack_reports: the text the pack's nodes returned (what they chose), and
   log_lines: ComfyUI's and the pack's loading, offload and attention lines.
 
-The JSON (tests/bench/results/comfy-e2e-<gpu>-<date>.json unless --out/--out-dir)
+The JSON (tests/bench/results/comfy-e2e-<gpu>-comfyui-<host version>-<date>.json unless --out/--out-dir)
 is rewritten after every configuration, so a run killed at its time limit keeps
 what finished; a failing configuration records its error and the run goes on.
 Each server's log goes to the .log file beside it. The JSON ends with issue 12's
@@ -332,7 +332,8 @@ class Bench:
         self.latents = {}  # (model, length, config) -> tensor
         self.started = time.monotonic()
         self.out = Path(opts.out) if opts.out else (Path(opts.out_dir) if opts.out_dir else RESULTS) / (
-            f"comfy-e2e-{'tiny-' if opts.tiny else ''}{gpu_slug()}-{datetime.date.today().isoformat()}.json")
+            f"comfy-e2e-{'tiny-' if opts.tiny else ''}{gpu_slug()}-comfyui-{comfyui_version(Path(opts.comfyui))}-"
+            f"{datetime.date.today().isoformat()}.json")
         self.log_path = self.out.with_suffix(".log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_text("")
