@@ -16,9 +16,19 @@ modulation tables N(0, 1/dim), norm scales 1 and norm shifts 0, other vectors
 runs the generation in a subprocess with the host's ComfyUI importable (as
 tests/tiny_models.py does), and returns what it measured. `make_lora` writes a
 random LoRA for a generated model file.
+
+`generate(..., fmt=...)` writes the same weights (same draws) as a ComfyUI
+per-layer marker file instead (FORMATS): every linear inside the blocks quantized
+on the generation device, with its `<layer>.comfy_quant` marker, the rest bf16.
+"int8_convrot" is {"format": "int8_tensorwise", "convrot": true,
+"convrot_groupsize": 256} with comfy-kitchen's per-channel ConvRot weight
+quantization; "fp8" is {"format": "float8_e4m3fn"} with one fp32 absmax/448
+scale per tensor (QUANTIZATION.md's float8_e4m3fn row). Upstream ComfyUI's
+UNETLoader loads them as its own QuantizedTensor layers.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import queue
@@ -30,7 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # safetensors dtype names of the torch dtypes we write
-_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int8": "I8", "uint8": "U8",
+              "float8_e4m3fn": "F8_E4M3"}
+
+# file format -> the ComfyUI marker of its quantized layers (None: plain bf16)
+FORMATS = {"bf16": None,
+           "int8_convrot": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
+           "fp8": {"format": "float8_e4m3fn"}}
+CONVROT_GROUP = 256
 
 
 @dataclass(frozen=True)
@@ -81,8 +98,8 @@ class ModelSpec:
                              f"{', '.join(l.name for l in self.lengths)} or WIDTHxHEIGHTxFRAMES") from None
         return Length(name, width, height, frames)
 
-    def file_name(self) -> str:
-        return f"bench_{self.name}_random_bf16.safetensors"
+    def file_name(self, fmt: str = "bf16") -> str:
+        return f"bench_{self.name}_random_{fmt}.safetensors"
 
 
 def _wan(name, dim, ffn_dim, num_layers, lengths):
@@ -244,12 +261,66 @@ def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0) -> di
     return {"layers": len(tensors) // 2, "bytes": sum(t.nbytes for t in tensors.values()), "rank": rank}
 
 
-def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False) -> dict:
-    """Write `spec`'s random model to `path`; returns {"seconds", "bytes", "tensors", "params", "device"}."""
+def quantized_layer(name: str, shape) -> bool:
+    """A marker file quantizes the linears inside the blocks (their input a multiple of the ConvRot group)."""
+    return name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2 \
+        and shape[1] % CONVROT_GROUP == 0
+
+
+def quantize(fmt: str, weight) -> dict:
+    """{role: tensor} of one layer in a marker file of format `fmt` (FORMATS), from its bf16 weight."""
+    import torch
+    if fmt == "fp8":
+        w = weight.float()
+        scale = w.abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(())}
+    if fmt == "int8_convrot":
+        from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+        qdata, params = TensorWiseINT8Layout.quantize(weight, is_weight=True, per_channel=True, convrot=True,
+                                                      convrot_groupsize=CONVROT_GROUP)
+        return {"weight": qdata, "weight_scale": params.scale.float()}
+    raise ValueError(f"unknown marker format {fmt!r} (known: {', '.join(f for f in FORMATS if FORMATS[f])})")
+
+
+def marker_tensor(fmt: str):
+    import torch
+    return torch.tensor(list(json.dumps(FORMATS[fmt]).encode()), dtype=torch.uint8)
+
+
+_PROBE_SHAPE = (4, CONVROT_GROUP)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_roles(fmt: str, device: str) -> tuple:
+    """(role, shape, dtype) of what `quantize` returns for a 4 x 256 weight."""
+    import torch
+    probe = quantize(fmt, torch.full(_PROBE_SHAPE, 0.5, device=device, dtype=torch.bfloat16))
+    return tuple((role, tuple(t.shape), t.dtype) for role, t in probe.items())
+
+
+def layer_entries(fmt: str, name: str, shape, device) -> list[tuple[str, tuple, object]]:
+    """The file's (name, shape, dtype) entries for one state_dict entry: quantized roles and marker, or bf16."""
+    import torch
+    if FORMATS[fmt] is None or not quantized_layer(name, shape):
+        return [(name, tuple(shape), torch.bfloat16)]
+    prefix = name[:-len(".weight")]
+    entries = []
+    for role, probe_dims, dtype in _probe_roles(fmt, str(device)):  # the probe's rows and columns: the layer's
+        dims = tuple(shape[i] if i < 2 and d == _PROBE_SHAPE[i] else d for i, d in enumerate(probe_dims))
+        entries.append((f"{prefix}.{role}", dims, dtype))
+    entries.append((f"{prefix}.comfy_quant", tuple(marker_tensor(fmt).shape), torch.uint8))
+    return entries
+
+
+def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False, fmt: str = "bf16") -> dict:
+    """Write `spec`'s random model to `path` in format `fmt` (FORMATS); returns {"seconds", "bytes", "tensors",
+    "params", "device", "format", "quantized_layers"}."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown model format {fmt!r} (known: {', '.join(FORMATS)})")
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     job = {"module": spec.module, "cls": spec.cls, "kwargs": spec.kwargs, "path": str(path),
-           "comfyui": str(comfyui), "seed": seed, "cpu": cpu}
+           "comfyui": str(comfyui), "seed": seed, "cpu": cpu, "format": fmt}
     result = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=comfyui, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"generating {path.name} failed:\n{result.stdout[-3000:]}{result.stderr[-6000:]}")
@@ -272,17 +343,30 @@ def _main(job):
     shapes = [(name, tuple(t.shape)) for name, t in module.state_dict().items()]
     del module
     device = torch.device("cuda" if torch.cuda.is_available() and not job["cpu"] else "cpu")
-    dtype = torch.bfloat16
-    writer = StreamingSafetensorsWriter(job["path"], [(n, s, dtype) for n, s in shapes],
-                                        metadata={"bigdit_bench": f"random {job['cls']}, seed {job['seed']}"})
+    fmt = job["format"]
+    entries = [layer_entries(fmt, name, shape, device) for name, shape in shapes]
+    writer = StreamingSafetensorsWriter(job["path"], [e for layer in entries for e in layer],
+                                        metadata={"bigdit_bench": f"random {job['cls']}, seed {job['seed']}, {fmt}"})
     t_build = time.perf_counter()
-    for index, (name, shape) in enumerate(shapes):
-        writer.write(name, draw(name, shape, job["seed"] * 1_000_003 + index, device, dtype))
+    quantized = 0
+    for index, ((name, shape), layer) in enumerate(zip(shapes, entries)):
+        # the same draw in every format: a marker file holds the bf16 file's weights, quantized
+        weight = draw(name, shape, job["seed"] * 1_000_003 + index, device, torch.bfloat16)
+        if len(layer) == 1:
+            writer.write(name, weight)
+            continue
+        tensors = quantize(fmt, weight)
+        tensors["comfy_quant"] = marker_tensor(fmt)
+        prefix = name[:-len(".weight")]
+        for entry_name, _, _ in layer:
+            writer.write(entry_name, tensors[entry_name[len(prefix) + 1:]])
+        quantized += 1
     writer.close()
     print(json.dumps({"seconds": round(time.perf_counter() - t0, 2),
                       "write_seconds": round(time.perf_counter() - t_build, 2),
                       "bytes": writer.total_bytes, "tensors": len(shapes),
-                      "params": sum(math.prod(s) for _, s in shapes), "device": str(device)}))
+                      "params": sum(math.prod(s) for _, s in shapes), "device": str(device), "format": fmt,
+                      "quantized_layers": quantized}))
 
 
 if __name__ == "__main__":

@@ -165,12 +165,14 @@ def save(fig, path: Path) -> Path:
 
 
 def main_bench(path: Path) -> str | None:
-    """The benchmark a results file is the main run of: "<bench>-<gpu>-<date>.json". Variant runs
-    ("formats-compiled-quant-<gpu>-<date>.json") carry extra words and get no chart of their own."""
+    """The benchmark a results file is the main run of: "<bench>-<gpu>-<date>.json", for comfy-e2e also
+    "comfy-e2e-<gpu>-comfyui-<host version>-<date>.json". Variant runs ("formats-compiled-quant-<gpu>-<date>.json")
+    carry extra words and get no chart of their own."""
     data = json.loads(path.read_text())
     gpu = (data.get("env") or data.get("environment") or {}).get("gpu") or "cpu"
     for bench in PLOTTERS:
-        if re.fullmatch(rf"{re.escape(bench)}-{re.escape(slug(gpu))}-\d{{4}}-\d{{2}}-\d{{2}}", path.stem):
+        if re.fullmatch(rf"{re.escape(bench)}-{re.escape(slug(gpu))}(-comfyui-[0-9.]+)?-\d{{4}}-\d{{2}}-\d{{2}}",
+                        path.stem):
             return bench
     return None
 

@@ -4,7 +4,8 @@
     cd COMFYUI && python vram_cap.py main.py [...]          # no cap: the same start-up path
 
 Before anything of ComfyUI's model management loads, with the CUDA allocator
-ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it):
+ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it,
+after comfy-aimdo's library where the host has dynamic VRAM):
 - `torch.cuda.set_per_process_memory_fraction` limits this process's allocator to
   the card size less what the device already holds at start (the CUDA context), so
   allocating past the card raises torch.OutOfMemoryError;
@@ -14,6 +15,15 @@ ComfyUI itself chooses (its cuda_malloc module runs first, as main.py runs it):
 The cap is then checked: an allocation of the whole card must fail. The
 environment variable BIGDIT_EMULATED_VRAM holds the card's bytes for reports.
 Without CUDA (a CPU test run) the cap is not applied and a line says so.
+
+Upstream ComfyUI's dynamic VRAM (comfy-aimdo, where the host has --vram-headroom)
+maps weight pages with the CUDA driver's virtual memory calls, outside PyTorch's
+allocator, and reads the real card through cuMemGetInfo/NVML: neither the fraction
+nor the patched mem_get_info reaches it. So the host's own --vram-headroom (GB
+that aimdo keeps free, besides its usual reserve) is raised to the real card less
+the emulated one, and aimdo evicts weight pages as a 24 GiB card would make it.
+That binds aimdo by its own budget, not by a failing allocation: the report's
+NVML peak (device_used_peak_sampling) shows whether it held.
 """
 import argparse
 import os
@@ -56,7 +66,26 @@ def emulate_card(cap_bytes: int) -> str:
     os.environ["BIGDIT_EMULATED_VRAM"] = str(cap_bytes)
     return (f"emulated card: {cap_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
             f"({held / 2**30:.2f} GiB held at start; allocator {torch.cuda.get_allocator_backend()}); "
-            f"allocating past it fails")
+            f"allocating past it fails{bind_dynamic_vram(total - cap_bytes)}")
+
+
+def load_dynamic_vram_library():
+    """Where the host enables dynamic VRAM, load comfy-aimdo's library before torch, as upstream's main.py does
+    (the cap imports torch first); main.py's own init call later applies its settings to the loaded library."""
+    import comfy.cli_args
+    enabled = getattr(comfy.cli_args, "enables_dynamic_vram", None)
+    if enabled is not None and enabled():
+        import comfy_aimdo.control
+        comfy_aimdo.control.init()
+
+
+def bind_dynamic_vram(beyond_card: int) -> str:
+    """Raise the host's --vram-headroom (where it has one) so that dynamic VRAM keeps `beyond_card` bytes free."""
+    from comfy.cli_args import args
+    if not hasattr(args, "vram_headroom"):
+        return ""
+    args.vram_headroom = max(args.vram_headroom or 0, beyond_card / 2 ** 30)
+    return f"; dynamic VRAM (if enabled) keeps {args.vram_headroom:.2f} GiB free: --vram-headroom"
 
 
 def main():
@@ -74,6 +103,7 @@ def main():
         # main.py's own order: parse the arguments, let cuda_malloc pick the allocator, then torch.
         import comfy.options
         comfy.options.enable_args_parsing()
+        load_dynamic_vram_library()
         import cuda_malloc  # noqa: F401  (sets PYTORCH_CUDA_ALLOC_CONF unless --disable-cuda-malloc)
         print(f"vram_cap: {emulate_card(int(opts.gib * 2 ** 30))}", flush=True)
     runpy.run_path(script, run_name="__main__")

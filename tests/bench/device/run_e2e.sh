@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repository root, with .e2e/ carried (tests/bench/device/prepare.py made it):
-#   bash tests/bench/device/run_e2e.sh [comfy_e2e.py options]
-# Unpacks every carried .e2e*/bundle.tar.xz into /tmp/e2e* (skipped when the same bundle is already there, as on
-# a machine still warm from the last call), puts each one's site/ and the PyAV stub on PYTHONPATH, and runs
-# tests/bench/comfy_e2e.py with ComfyUI from /tmp/e2e, writing the results JSON, its .log and this run's output
-# into $OUT. Without .e2e/ (a first call that carries only .e2e-fa3/) it unpacks and stops. The model file and
-# the servers' folders go to $E2E_WORK, by default on the disk filesystem (not tmpfs) with the most room among
-# /tmp and the repository's parent folder.
+# On the GPU machine, from the repository root, with the host's bundle carried (tests/bench/device/prepare.py made it):
+#   bash tests/bench/device/run_e2e.sh [--host 0.3.75|0.33.0] [comfy_e2e.py options]
+# --host picks the ComfyUI: 0.3.75 (the default) from .e2e/, upstream 0.33.0 from .e2e-033/. Unpacks every carried
+# .e2e*/bundle.tar.xz into $E2E_ROOT/e2e* (/tmp by default; skipped when the same bundle is already there, as on
+# a machine still warm from the last call), puts the host's site/, fa3-fwd's (/tmp/e2e-fa3, if unpacked) and the
+# PyAV stub on PYTHONPATH, and runs tests/bench/comfy_e2e.py with that host's ComfyUI, writing the results JSON, its
+# .log and this run's output into $OUT. Without the host's bundle (a first call that carries only .e2e-fa3/) it
+# unpacks and stops. The model file and the servers' folders go to $E2E_WORK, by default on the disk filesystem
+# (not tmpfs) with the most room among /tmp and the repository's parent folder.
 set -euo pipefail
 : "${OUT:?OUT must name the folder for the results}"
+host=0.3.75
+if [ "${1:-}" = --host ]; then host=${2:?--host needs a version}; shift 2; fi
+case "$host" in
+  0.3.75) own=.e2e ;;
+  0.33.0) own=.e2e-033 ;;
+  *) echo "run_e2e.sh: unknown --host $host (0.3.75 or 0.33.0)" >&2; exit 2 ;;
+esac
+root=${E2E_ROOT:-/tmp}
 PY=${PYTHON:-python3}
 t0=$(date +%s)
 for bundle in .e2e*/bundle.tar.xz; do
   [ -e "$bundle" ] || continue
-  folder=$(dirname "$bundle"); dest=/tmp/${folder#.}
+  folder=$(dirname "$bundle"); dest=$root/${folder#.}
   if ! cmp -s "$folder/bundle.sha256" "$dest/bundle.sha256"; then
     rm -rf "$dest" && mkdir -p "$dest"
     "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$bundle" "$dest"
@@ -21,11 +30,11 @@ for bundle in .e2e*/bundle.tar.xz; do
   fi
   echo "$bundle ready in $dest after $(( $(date +%s) - t0 )) s"
 done
-if [ ! -e .e2e/bundle.tar.xz ]; then
-  echo "no .e2e/ carried: unpacked only"; exit 0
+if [ ! -e "$own/bundle.tar.xz" ]; then
+  echo "no $own/ carried (ComfyUI $host): unpacked only"; exit 0
 fi
-site=$PWD/tests/bench/device/stubs
-for d in /tmp/e2e*/site; do [ -d "$d" ] && site=$site:$d; done
+site=$PWD/tests/bench/device/stubs:$root/${own#.}/site
+[ -d "$root/e2e-fa3/site" ] && site=$site:$root/e2e-fa3/site
 if [ -z "${E2E_WORK:-}" ]; then
   best=/tmp; room=-1
   for d in /tmp "$(dirname "$PWD")"; do
@@ -39,5 +48,5 @@ df -hT /tmp "$(dirname "$E2E_WORK")" | uniq; free -g | head -2
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-"$PY" tests/bench/comfy_e2e.py --comfyui /tmp/e2e/comfyui --work "$E2E_WORK" --out-dir "$OUT" "$@" 2>&1 \
+"$PY" tests/bench/comfy_e2e.py --comfyui "$root/${own#.}/comfyui" --work "$E2E_WORK" --out-dir "$OUT" "$@" 2>&1 \
   | tee "$OUT/comfy-e2e-stdout.log"

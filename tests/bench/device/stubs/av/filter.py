@@ -1,0 +1,1 @@
+from av import __getattr__  # noqa: F401
