@@ -8,7 +8,7 @@ from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.override import KEY as OVERRIDE_KEY, not_reached
 from ..attention.sol import MIN_TOKENS
 from . import categories
-from .comfy_compat import show_on_node
+from .node_report import show_on_node
 
 log = pack_logger(__name__)
 

@@ -46,7 +46,8 @@ from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, 
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
 from . import categories
-from .comfy_compat import module_view, node_output, quantized_layers, show_on_node
+from .comfy_compat import module_view, quantized_layers
+from .node_report import node_output, show_on_node
 
 log = pack_logger(__name__)
 

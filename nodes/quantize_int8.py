@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
-from ..quant.keep import default_keep, describe_keep
-from ..quant.patterns import parse_patterns
+from ..quant.keep import describe_keep, keep_patterns
 from . import categories, comfy_compat
 from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
+from .node_report import NodeRun, node_output, watch_quantized_layers
 
 
 class QuantizeModelINT8:
@@ -61,17 +61,16 @@ class QuantizeModelINT8:
         config = QuantConfig(
             method=Int8ConvRotMethod(int(group_size), row_split),
             # the layers LoadH3Quantized keeps for this architecture, then the user's
-            ignored=default_keep(names) + parse_patterns(ignored_layers),
+            ignored=keep_patterns(names, ignored_layers),
             compute_device=comfy_compat.compute_device(),
             requantize_fp8=bool(requantize_fp8),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
         short, full = "\n".join(report.brief()), report.render()
         # after each sampling: how many of these layers ran
-        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, short), layers,
-                                            "QuantizeModelINT8")
+        watch_quantized_layers(patched, NodeRun(unique_id, short), layers, "QuantizeModelINT8")
         install_lora_fold(patched)
-        return comfy_compat.node_output("QuantizeModelINT8", short, full, (patched, full))
+        return node_output("QuantizeModelINT8", short, full, (patched, full))
 
 
 NODES = {"QuantizeModelINT8": (QuantizeModelINT8, "Quantize Model (INT8 ConvRot)")}

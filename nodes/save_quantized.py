@@ -18,7 +18,8 @@ from ..loaders.safetensors_writer import write_safetensors
 from ..loaders.saving import SaveError, plan_save
 from . import categories
 from .checkpoint_compat import progress_counter
-from .comfy_compat import DIFFUSION_PREFIX, node_output
+from .comfy_compat import DIFFUSION_PREFIX
+from .node_report import node_output
 
 
 SUFFIX = ".safetensors"
