@@ -16,7 +16,6 @@ import comfy.utils
 from ..quant import QuantConfig, quantize_layers
 from ..quant.dispatch import walk_modules
 from ..quant.linear import QuantLinear
-from ..quant.report import QuantReport
 
 DIFFUSION_PREFIX = "diffusion_model."
 
@@ -115,7 +114,7 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
         patched.patches_uuid = uuid.uuid4()
     for name, module in replacements.items():
         patched.add_object_patch(DIFFUSION_PREFIX + name, module)
-    set_model_size(patched, model.model_size() - _bytes_replaced(report, replacements))
+    set_model_size(patched, model.model_size() - report.bytes_saved(replacements))
     return patched, report, replacements
 
 
@@ -123,7 +122,3 @@ def quantized_layers(patcher) -> dict[str, nn.Module]:
     """The QuantLinear layers of a diffusion model a loader built (what its report counts as quantized)."""
     root, overrides = module_view(patcher)
     return {name: m for name, m in walk_modules(root, overrides) if isinstance(m, QuantLinear)}
-
-
-def _bytes_replaced(report: QuantReport, replacements: dict) -> int:
-    return sum(r.bytes_before - r.bytes_after for r in report.records if r.name in replacements)
