@@ -48,6 +48,9 @@ class Choices:
         return self.old[value]
 
 
+# The offload mode of SetOffload and LoadH3Quantized; "layerwise" always ran as "auto" does.
+OFFLOAD_MODES = Choices("offload mode", ("auto", "none"), {"layerwise": "auto"}, option="offload",
+                        why="they always ran alike (stream what does not fit)")
 # LoadH3Quantized's `quantization`; old values are the spellings of earlier versions (today's is the markers' and
 # the reports').
 QUANTIZATIONS = Choices("quantization", ("auto", "int8_convrot", "float8_e4m3fn", "mxfp4", "none"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 import folder_paths
 
 from ..loaders import LayerBuilder, inspect_checkpoint
-from ..loaders.options import QUANTIZATIONS, online_config, online_method, parse_prefix_rules, progress_total
+from ..loaders.options import (OFFLOAD_MODES, QUANTIZATIONS, online_config, online_method, parse_prefix_rules,
+                               progress_total)
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import describe_keep
 from . import categories, checkpoint_compat as compat
@@ -12,8 +13,7 @@ from .comfy_compat import compute_device, quantized_layers
 from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
-from .offload import MODES as OFFLOAD_MODES
-from .offload import install_offload, mode_problem
+from .offload import install_offload
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
@@ -128,7 +128,7 @@ class LoadH3Quantized:
                                "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
                                "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
                                "GPU's fastest native format where it has no NVFP4 GEMM."}),
-                "offload": (list(OFFLOAD_MODES), {
+                "offload": (list(OFFLOAD_MODES.values), {
                     "default": "auto",
                     "tooltip": "auto: keep the model resident when it fits, else stream the blocks that do not "
                                "fit. none: everything resident (fails if it cannot fit)."}),
@@ -150,7 +150,7 @@ class LoadH3Quantized:
     # saved workflows still load; they are checked here instead.
     @classmethod
     def VALIDATE_INPUTS(cls, quantization="auto", offload="auto"):
-        return QUANTIZATIONS.problem(quantization) or mode_problem(offload) or True
+        return QUANTIZATIONS.problem(quantization) or OFFLOAD_MODES.problem(offload) or True
 
     def load(self, unet_name, quantization, offload, group_size="256", ignored_layers="", unique_id=None):
         return load_checkpoint("LoadH3Quantized", "diffusion_models", unet_name,

@@ -44,6 +44,7 @@ from ..pack_logging import pack_logger
 from ..loaders.memory_plan import (BLOCK_LIST_NAMES, CUDA_WORKSPACE_BYTES, GIB, MemoryPlan, RunShape, block_ranges,
                                    activation_bytes, find_blocks, infer_shape, latent_tokens,
                                    max_resident_tokens, module_bytes, plan_for_model, size_text)
+from ..loaders.options import OFFLOAD_MODES
 from ..loaders.streaming import HostPins, LayerwiseStreamer, normalize_device, offloaded_blocks
 from . import categories
 from .comfy_compat import module_view, quantized_layers
@@ -51,9 +52,6 @@ from .node_report import node_output, show_on_node
 
 log = pack_logger(__name__)
 
-MODES = ("auto", "none")
-# Values of earlier versions that saved workflows may hold -> the mode that behaves as they did.
-OLD_MODES = {"layerwise": "auto"}
 WRAPPER_KEY = "bigdit_offload"
 
 
@@ -270,24 +268,6 @@ def fits_resident(plan: MemoryPlan) -> bool:
     return plan.fits and plan.all_resident
 
 
-def mode_problem(mode) -> str | None:
-    """Why `mode` is not an offload mode, or None (for VALIDATE_INPUTS, which replaces ComfyUI's list check)."""
-    if mode in MODES or mode in OLD_MODES:
-        return None
-    return f"offload mode must be one of {', '.join(MODES)}, got {mode!r}"
-
-
-def read_mode(mode: str) -> str:
-    """`mode` as one of MODES: an old value of a saved workflow becomes the mode that behaves as it did."""
-    problem = mode_problem(mode)
-    if problem:
-        raise ValueError(problem)
-    if mode in OLD_MODES:
-        log.info("offload %r is read as %r: they always ran alike (stream what does not fit)", mode, OLD_MODES[mode])
-        return OLD_MODES[mode]
-    return mode
-
-
 def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, *,
                     vram_gib: float | None = None, on_run: Callable[[str], None] | None = None) -> OffloadReport:
     """Plan and install offload on `model_patcher` (the caller's clone); returns the report, brief and full.
@@ -299,7 +279,7 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
     after each sampling with one line, the run's plan and what streamed.
     Installing again replaces the previous install.
     """
-    mode = read_mode(mode)
+    mode = OFFLOAD_MODES.read(mode)
     offload = _Offload(mode, reserve_gib, vram_gib, on_run)
     plan = offload.plan(model_patcher)
     report = offload.describe(model_patcher, plan)
@@ -331,7 +311,7 @@ class SetOffload:
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The diffusion model. It is cloned, never changed."}),
-                "mode": (list(MODES), {
+                "mode": (list(OFFLOAD_MODES.values), {
                     "default": "auto",
                     "tooltip": "auto: keep everything on the GPU when it fits, else stream the blocks that do "
                                "not fit, one block ahead of the compute. none: everything on the GPU; fails with "
@@ -360,8 +340,9 @@ class SetOffload:
 
     @classmethod
     def VALIDATE_INPUTS(cls, mode="auto", reserve_gib=-1.0, vram_gib=0.0):
-        problems = [problem for problem in (mode_problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
-                                            cls._out_of_range("vram_gib", vram_gib)) if problem]
+        checks = (OFFLOAD_MODES.problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
+                  cls._out_of_range("vram_gib", vram_gib))
+        problems = [problem for problem in checks if problem]
         return "; ".join(problems) or True
 
     @classmethod
