@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from importlib.metadata import version as _version
 
 import torch
@@ -24,6 +25,12 @@ BLOCK = 64
 # (comfy-kitchen's docs; ComfyUI's sparse node defaults min_tokens to 12288),
 # and short sequences (text refiners) lose most from pooling.
 MIN_TOKENS = 12288
+
+
+def sol_min_tokens() -> int:
+    """Sol's minimum sequence length; below it the dense backend is faster. BIGDIT_SOL_MIN_TOKENS overrides."""
+    value = os.environ.get("BIGDIT_SOL_MIN_TOKENS", "").strip()
+    return int(value) if value else MIN_TOKENS
 # comfy-kitchen's eager reference refuses a score tensor above 4 GiB.
 EAGER_MAX_SCORE_BYTES = 4 * 2**30
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -24,6 +25,8 @@ from typing import Callable, Sequence
 import torch
 
 from .safetensors_header import DTYPE_SIZES
+
+SUFFIX = ".safetensors"
 
 SAFETENSORS_DTYPES = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8",
@@ -140,3 +143,20 @@ def write_safetensors(path, tensors: Sequence[tuple[str, torch.Tensor]], metadat
             pass
         raise
     return total
+
+
+def target_path(folder: str, filename: str) -> tuple[str, str]:
+    """(absolute path, name relative to `folder`) for the `filename` a user gave for a new file in
+    models/diffusion_models (`folder`); ValueError if it could leave `folder`."""
+    name = (filename or "").strip().replace("\\", "/")
+    if not name:
+        raise ValueError("filename is empty")
+    if "\x00" in name or name.startswith("/") or re.match(r"[A-Za-z]:", name):
+        raise ValueError(f"filename {filename!r} must be relative to models/diffusion_models")
+    parts = name.split("/")
+    if any(part in ("", ".", "..") or part.startswith(".") for part in parts):
+        raise ValueError(f"filename {filename!r}: empty, '.', '..' and hidden path parts are not allowed")
+    if not name.lower().endswith(SUFFIX):
+        raise ValueError(f"filename {filename!r} must end in {SUFFIX}")
+    # Checked on the name only: a sub-folder the user linked to another disk stays usable.
+    return os.path.join(folder, *parts), "/".join(parts)

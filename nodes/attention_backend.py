@@ -1,6 +1,4 @@
 """SetAttentionBackend: choose the attention kernel of a model."""
-import os
-
 import comfy.patcher_extension
 import torch
 from comfy_api.latest import io
@@ -8,20 +6,14 @@ from comfy_api.latest import io
 from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.override import KEY as OVERRIDE_KEY, not_reached
-from ..attention.sol import MIN_TOKENS
+from ..attention.sol import sol_min_tokens
 from . import categories
-from .comfy_compat import compiled_by_comfy, show_on_node
+from .node_report import compiled_by_comfy, show_on_node
 
 log = pack_logger(__name__)
 
 # key of our DIFFUSION_MODEL wrapper, ON_CLEANUP callback and attachment
 KEY = "bigdit_attention"
-
-
-def sol_min_tokens() -> int:
-    """Sol's minimum sequence length; below it the dense backend is faster. BIGDIT_SOL_MIN_TOKENS overrides."""
-    value = os.environ.get("BIGDIT_SOL_MIN_TOKENS", "").strip()
-    return int(value) if value else MIN_TOKENS
 
 
 class SetAttentionBackend(io.ComfyNode):

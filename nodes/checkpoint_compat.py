@@ -21,7 +21,7 @@ import comfy.utils
 
 from ..loaders import CheckpointError, CheckpointPlan, LayerBuilder
 from ..quant.dispatch import apply_replacements
-from .comfy_compat import compute_device, set_model_size  # noqa: F401 (the loaders call compat.compute_device)
+from .comfy_compat import set_model_size
 
 
 def interrupt_check():

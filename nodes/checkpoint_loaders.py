@@ -1,47 +1,19 @@
 """Loaders for quantized checkpoints: per-layer markers and Quanto files, and online quantization while loading."""
 from __future__ import annotations
 
-
 import folder_paths
 from comfy_api.latest import io
 
-from ..pack_logging import pack_logger
-from ..loaders import LayerBuilder, inspect_checkpoint
-from ..quant import QuantConfig, available_methods, get_method
+from ..loaders.options import OFFLOAD_MODES, QUANTIZATIONS
 from ..quant.int8_convrot import GROUP_SIZES
-from ..quant.keep import default_keep, describe_keep
-from ..quant.registry import format_aliases, online_formats
-from ..quant.patterns import parse_patterns
+from ..quant.keep import describe_keep
 from . import categories, checkpoint_compat as compat
-from .comfy_compat import NodeRun, node_output, quantized_layers, watch_quantized_layers
-from .kitchen import require_kitchen
-from .dynamic_backups import keep_backups_on_layers
-from .lora_fold import install_lora_fold
-from .offload import MODES as OFFLOAD_MODES
-from .offload import install_offload, mode_problem
-
-log = pack_logger(__name__)
-
-ONLINE_FORMATS = ("auto", *online_formats(), "none")
-# Option values of earlier versions that saved workflows may hold -> today's spelling (the markers' and reports').
-OLD_FORMATS = format_aliases()
+from .checkpoint_load import load_checkpoint
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
                   "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
                   "the report says which happened.")
-
-
-def _module_names(plan) -> set[str]:
-    """The module names of the file's tensors (quantized layers and plain keys)."""
-    return set(plan.layers) | {key.rpartition(".")[0] for key in plan.plain_keys}
-
-
-def _progress_total(plan) -> int:
-    """About one step per Linear: the quantized layers and the plain matrices."""
-    plain = sum(1 for key in plan.plain_keys.values()
-                if key.endswith(".weight") and len(plan.header.tensors[key].shape) == 2)
-    return plain + len(plan.layers)
 
 
 class MixedCheckpointLoader(io.ComfyNode):
@@ -80,29 +52,10 @@ class MixedCheckpointLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, unet_name, nvfp4="auto"):
-        unique_id = cls.hidden.unique_id
-        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
-        if plan.layers:
-            require_kitchen("MixedCheckpointLoader")
-        with plan.open() as source:
-            builder = LayerBuilder(plan, source, compat.compute_device(), nvfp4=nvfp4, title="MixedCheckpointLoader",
-                                   progress=compat.progress_counter(_progress_total(plan)))
-            builder.resolve_methods()
-            model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        short, full = "\n".join(builder.report.brief()), builder.report.render()
-        watch_quantized_layers(model, NodeRun(unique_id, short), quantized_layers(model), "MixedCheckpointLoader")
-        install_lora_fold(model)
-        keep_backups_on_layers(model)
-        return node_output("MixedCheckpointLoader", short, full, (model, full))
+        return load_checkpoint("MixedCheckpointLoader", "diffusion_models", unet_name, nvfp4=nvfp4,
+                               node_id=cls.hidden.unique_id)
 
 
-def online_method(name: str, group_size: int, device):
-    """The registered method for a LoadH3Quantized choice, or a clear error if this build lacks it."""
-    if name not in available_methods():
-        raise ValueError(f"quantization {name!r} is not available in this build yet "
-                         f"(available: {', '.join(available_methods())})")
-    return get_method(name, group_size=group_size, device=device)
 
 
 class LoadH3Quantized(io.ComfyNode):
@@ -125,7 +78,7 @@ class LoadH3Quantized(io.ComfyNode):
                     tooltip="A bf16/fp16 safetensors file in models/diffusion_models (marker layers in it load "
                             "as stored)."),
                 io.Combo.Input(
-                    "quantization", options=list(ONLINE_FORMATS), default="auto",
+                    "quantization", options=list(QUANTIZATIONS.values), default="auto",
                     tooltip="auto: the fastest native format of this GPU, measured per layer shape (a layer "
                             "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
                             "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
@@ -133,7 +86,7 @@ class LoadH3Quantized(io.ComfyNode):
                             "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
                             "GPU's fastest native format where it has no NVFP4 GEMM."),
                 io.Combo.Input(
-                    "offload", options=list(OFFLOAD_MODES), default="auto",
+                    "offload", options=list(OFFLOAD_MODES.values), default="auto",
                     tooltip="auto: keep the model resident when it fits, else stream the blocks that do not "
                             "fit. none: everything resident (fails if it cannot fit)."),
                 io.Combo.Input(
@@ -158,56 +111,15 @@ class LoadH3Quantized(io.ComfyNode):
     # saved workflows still load; they are checked here instead.
     @classmethod
     def validate_inputs(cls, quantization="auto", offload="auto"):
-        if quantization not in ONLINE_FORMATS and quantization not in OLD_FORMATS:
-            return f"quantization must be one of {', '.join(ONLINE_FORMATS)}, got {quantization!r}"
-        return mode_problem(offload) or True
+        return QUANTIZATIONS.problem(quantization) or OFFLOAD_MODES.problem(offload) or True
 
     @classmethod
     def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers=""):
-        unique_id = cls.hidden.unique_id
-        if quantization in OLD_FORMATS:
-            log.info("LoadH3Quantized: quantization %r is read as %r", quantization, OLD_FORMATS[quantization])
-            quantization = OLD_FORMATS[quantization]
-        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        device = compat.compute_device()
-        method = None
-        if quantization != "none":
-            require_kitchen("LoadH3Quantized")
-            method = online_method(quantization, int(group_size), device)
-        plan = compat.diffusion_namespace(inspect_checkpoint(path, compat.interrupt_check()))
-        if plan.layers:
-            require_kitchen("LoadH3Quantized")
-        config = None
-        if method is not None:
-            config = QuantConfig(method=method, compute_device=device,
-                                 ignored=default_keep(_module_names(plan)) + parse_patterns(ignored_layers))
-        with plan.open() as source:
-            builder = LayerBuilder(plan, source, device, online=config,
-                                   nvfp4="auto" if config is None else "requantize", title="LoadH3Quantized",
-                                   progress=compat.progress_counter(_progress_total(plan)))
-            builder.resolve_methods()
-            model = compat.load_diffusion_model(plan, builder, plan.state_dict(source))
-        # on the node: the layers' two lines, then the plan, which each sampling's `last run:` line replaces
-        run = NodeRun(unique_id, "\n".join(builder.report.brief()))
-        offload_report = install_offload(model, offload, on_run=lambda line: run.add("offload", line))
-        full = "\n".join([builder.report.render(), offload_report.full])
-        watch_quantized_layers(model, run, quantized_layers(model), "LoadH3Quantized")
-        install_lora_fold(model)
-        keep_backups_on_layers(model)
-        return node_output("LoadH3Quantized", f"{run.text}\n{offload_report.brief}", full, (model, full))
+        return load_checkpoint("LoadH3Quantized", "diffusion_models", unet_name,
+                               quantization=QUANTIZATIONS.read(quantization, "LoadH3Quantized"), group_size=group_size,
+                               ignored_layers=ignored_layers, offload=offload, node_id=cls.hidden.unique_id)
 
 
-def parse_prefix_rules(text: str) -> list[tuple[str, str]]:
-    """"old -> new" per line (new may be empty, to strip a prefix)."""
-    rules = []
-    for line in (text or "").splitlines():
-        if not line.strip():
-            continue
-        old, arrow, new = line.partition("->")
-        if not arrow or not old.strip():
-            raise ValueError(f"rename_prefixes: expected 'old -> new', got {line.strip()!r}")
-        rules.append((old.strip(), new.strip()))
-    return rules
 
 
 class QuantizedCLIPLoader(io.ComfyNode):
@@ -243,21 +155,8 @@ class QuantizedCLIPLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip_name, type, rename_prefixes="", nvfp4="auto"):
-        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
-        plan = inspect_checkpoint(path, compat.interrupt_check())
-        if plan.layers:
-            require_kitchen("QuantizedCLIPLoader")
-        rules = parse_prefix_rules(rename_prefixes)
-        if rules:
-            plan = plan.renamed(rules)
-        with plan.open() as source:
-            builder = LayerBuilder(plan, source, compat.compute_device(), nvfp4=nvfp4, title="QuantizedCLIPLoader",
-                                   progress=compat.progress_counter(_progress_total(plan)))
-            builder.resolve_methods()
-            clip = compat.load_text_encoder(plan, builder, plan.state_dict(source), type,
-                                            folder_paths.get_folder_paths("embeddings"))
-        full = builder.report.render()
-        return node_output("QuantizedCLIPLoader", "\n".join(builder.report.brief()), full, (clip, full))
+        return load_checkpoint("QuantizedCLIPLoader", "text_encoders", clip_name, clip_type=type,
+                               rename_prefixes=rename_prefixes, nvfp4=nvfp4)
 
 
 NODES = (MixedCheckpointLoader, LoadH3Quantized, QuantizedCLIPLoader)

@@ -1,8 +1,6 @@
 """Offload for ComfyUI, adapting loaders/offload/: `install_offload` (loaders call it; SetOffload on a clone).
-
-Where ComfyUI's dynamic VRAM places the weights (`patcher.is_dynamic()`) the pack only plans. Elsewhere,
-while sampling, `BaseModel.memory_required` answers at least the plan's estimate, and the blocks ComfyUI
-left in RAM stream one block ahead, pinned through ComfyUI's budgeted `pin_memory`."""
+Under dynamic VRAM (`patcher.is_dynamic()`) it only plans. Elsewhere, while sampling, `memory_required` answers
+at least the plan's estimate and the blocks left in RAM stream one ahead, pinned by ComfyUI's `pin_memory`."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,13 +14,14 @@ import comfy.patcher_extension
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
-from ..loaders.offload.budget import (MODES, Budget, ModelView, OffloadReport, brief_line, check_fits, describe,
-                                      mode_problem, read_mode)
+from ..loaders.offload.budget import Budget, ModelView, OffloadReport, brief_line, check_fits, describe
 from ..loaders.offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
 from ..loaders.offload.session import StreamSession
 from ..loaders.offload.streaming import normalize_device
+from ..loaders.options import OFFLOAD_MODES
 from . import categories
-from .comfy_compat import module_view, node_output, quantized_layers, show_on_node
+from .comfy_compat import module_view, quantized_layers
+from .node_report import node_output, show_on_node
 
 log = pack_logger(__name__)
 WRAPPER_KEY = "bigdit_offload"
@@ -34,8 +33,7 @@ def comfy_places_weights(patcher) -> bool:
 
 
 def host_pin_functions() -> dict:
-    """ComfyUI's pin_memory / unpin_memory (they keep pins within its host-memory budget); on a host
-    without them, none: the streamer then registers its pins itself."""
+    """ComfyUI's pin_memory / unpin_memory, within its host-memory budget (none: the streamer pins itself)."""
     functions = {"pin": getattr(comfy.model_management, "pin_memory", None),
                  "unpin": getattr(comfy.model_management, "unpin_memory", None)}
     return functions if all(functions.values()) else {}
@@ -115,7 +113,7 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
     """Plan and install offload on `model_patcher` (the caller's clone), replacing an earlier install. Mode
     "none" raises OffloadError with the plan where not every block fits. reserve_gib: VRAM to leave free (None:
     ComfyUI's --reserve-vram); vram_gib: plan for this much (None: what is free); on_run: gets a line per run."""
-    mode = read_mode(mode)
+    mode = OFFLOAD_MODES.read(mode)
     offload = _Offload(mode, Budget.from_gib(reserve_gib, vram_gib), on_run)
     plan = offload.plan(model_patcher)
     device, dynamic = normalize_device(model_patcher.load_device), comfy_places_weights(model_patcher)
@@ -146,7 +144,7 @@ class SetOffload(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model. It is cloned, never changed."),
                 io.Combo.Input(
-                    "mode", options=list(MODES), default="auto",
+                    "mode", options=list(OFFLOAD_MODES.values), default="auto",
                     tooltip="auto: keep everything on the GPU when it fits, else stream the blocks that do "
                             "not fit, one block ahead of the compute. none: everything on the GPU; fails with "
                             "the plan if it cannot fit."),
@@ -175,8 +173,9 @@ class SetOffload(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, mode="auto", reserve_gib=-1.0, vram_gib=0.0):
-        problems = [problem for problem in (mode_problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
-                                            cls._out_of_range("vram_gib", vram_gib)) if problem]
+        checks = (OFFLOAD_MODES.problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
+                  cls._out_of_range("vram_gib", vram_gib))
+        problems = [problem for problem in checks if problem]
         return "; ".join(problems) or True
 
     @classmethod

@@ -5,12 +5,12 @@ from comfy_api.latest import io
 
 from ..quant import QuantConfig
 from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
-from ..quant.keep import default_keep, describe_keep
-from ..quant.patterns import parse_patterns
+from ..quant.keep import describe_keep, keep_patterns
 from . import categories, comfy_compat
 from .kitchen import require_kitchen
 from .dynamic_backups import keep_backups_on_layers
 from .lora_fold import install_lora_fold
+from .node_report import NodeRun, node_output, watch_quantized_layers
 
 
 class QuantizeModelINT8(io.ComfyNode):
@@ -63,18 +63,17 @@ class QuantizeModelINT8(io.ComfyNode):
         config = QuantConfig(
             method=Int8ConvRotMethod(int(group_size), row_split),
             # the layers LoadH3Quantized keeps for this architecture, then the user's
-            ignored=default_keep(names) + parse_patterns(ignored_layers),
+            ignored=keep_patterns(names, ignored_layers),
             compute_device=comfy_compat.compute_device(),
             requantize_fp8=bool(requantize_fp8),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
         short, full = "\n".join(report.brief()), report.render()
         # after each sampling: how many of these layers ran
-        comfy_compat.watch_quantized_layers(patched, comfy_compat.NodeRun(unique_id, short), layers,
-                                            "QuantizeModelINT8")
+        watch_quantized_layers(patched, NodeRun(unique_id, short), layers, "QuantizeModelINT8")
         install_lora_fold(patched)
         keep_backups_on_layers(patched)
-        return comfy_compat.node_output("QuantizeModelINT8", short, full, (patched, full))
+        return node_output("QuantizeModelINT8", short, full, (patched, full))
 
 
 NODES = (QuantizeModelINT8,)

@@ -9,20 +9,19 @@ instead of a quantization pass.
 from __future__ import annotations
 
 import os
-import re
 
 import comfy.model_management
 import folder_paths
 from comfy_api.latest import io
 
-from ..loaders.safetensors_writer import write_safetensors
+from ..loaders.safetensors_writer import target_path, write_safetensors
 from ..loaders.saving import SaveError, plan_save
 from . import categories
 from .checkpoint_compat import progress_counter
-from .comfy_compat import DIFFUSION_PREFIX, node_output
+from .comfy_compat import DIFFUSION_PREFIX
+from .node_report import node_output
 
 
-SUFFIX = ".safetensors"
 NODE_NAME = "SaveQuantizedModel"
 
 
@@ -33,22 +32,6 @@ def diffusion_models_dir() -> str:
         if os.path.basename(os.path.normpath(path)) == "diffusion_models":
             return path
     return paths[0]
-
-
-def target_path(folder: str, filename: str) -> tuple[str, str]:
-    """(absolute path, name relative to `folder`) for `filename`; ValueError if it could leave `folder`."""
-    name = (filename or "").strip().replace("\\", "/")
-    if not name:
-        raise ValueError("filename is empty")
-    if "\x00" in name or name.startswith("/") or re.match(r"[A-Za-z]:", name):
-        raise ValueError(f"filename {filename!r} must be relative to models/diffusion_models")
-    parts = name.split("/")
-    if any(part in ("", ".", "..") or part.startswith(".") for part in parts):
-        raise ValueError(f"filename {filename!r}: empty, '.', '..' and hidden path parts are not allowed")
-    if not name.lower().endswith(SUFFIX):
-        raise ValueError(f"filename {filename!r} must end in {SUFFIX}")
-    # Checked on the name only: a sub-folder the user linked to another disk stays usable.
-    return os.path.join(folder, *parts), "/".join(parts)
 
 
 def _weights_written_in(patcher) -> bool:

@@ -65,6 +65,7 @@ class LayerPlan:
     reason: str
     linear: bool = True
     existing_format: str | None = None  # the format of a layer quantized before this pass
+    fp8: bool = False  # existing_format is an FP8 one (fp8_format), kept or re-quantized
     compute_dtype: torch.dtype | None = None  # of the new layer, where the old weight's dtype is not it (FP8)
 
 
@@ -206,8 +207,8 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
             continue
         fmt = fp8_format(module)
         if fmt is not None:  # before the Linear check: upstream's mixed-precision Linear is no nn.Linear
-            plans.append(_fp8_plan(config, name, module, dominant) if config.requantize_fp8 else
-                         LayerPlan(name, module, None, "already quantized", existing_format=fmt))
+            plans.append(_fp8_plan(config, name, module, fmt, dominant) if config.requantize_fp8 else
+                         LayerPlan(name, module, None, "already quantized", existing_format=fmt, fp8=True))
             continue
         if isinstance(module, QuantLinear):
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=module.method.name))
@@ -224,15 +225,16 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     return plans
 
 
-def _fp8_plan(config: QuantConfig, name: str, module: nn.Module, dominant: torch.dtype | None) -> LayerPlan:
-    """An FP8 layer under requantize_fp8: `method` where the float rules would choose it, else kept as it is."""
-    fmt = fp8_format(module)
+def _fp8_plan(config: QuantConfig, name: str, module: nn.Module, fmt: str,
+              dominant: torch.dtype | None) -> LayerPlan:
+    """An FP8 layer (of format `fmt`) under requantize_fp8: `method` where the float rules would choose it,
+    else kept as it is."""
     method, reason = choose_method(config, name, torch.float8_e4m3fn, module.in_features, module.out_features,
                                    dominant)
     if method is None:
-        return LayerPlan(name, module, None, reason, existing_format=fmt)
+        return LayerPlan(name, module, None, reason, existing_format=fmt, fp8=True)
     dtype = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
-    return LayerPlan(name, module, method, f"re-quantized from {fmt}: {reason}", existing_format=fmt,
+    return LayerPlan(name, module, method, f"re-quantized from {fmt}: {reason}", existing_format=fmt, fp8=True,
                      compute_dtype=dtype)
 
 
@@ -290,7 +292,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
 
 def _fp8_notes(plans: list[LayerPlan], config: QuantConfig) -> list[str]:
     """What the pass did with the FP8 layers it found, in plain words."""
-    fp8 = [p for p in plans if p.existing_format is not None and fp8_format(p.module) is not None]
+    fp8 = [p for p in plans if p.fp8]
     redone = [p for p in fp8 if p.method is not None]
     kept = len(fp8) - len(redone)
     notes = []

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from .patterns import parse_patterns
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -45,3 +47,8 @@ def default_keep(module_names: Iterable[str]) -> tuple[str, ...]:
 def describe_keep() -> str:
     """The defaults in one line, for tooltips: "MiniMax-H3: *adaln*, ...; Wan: head.*, ..."."""
     return "; ".join(f"{arch.name}: {', '.join(arch.keep)}" for arch in ARCHITECTURES)
+
+
+def keep_patterns(module_names: Iterable[str], ignored_layers: str | None) -> tuple[str, ...]:
+    """What a quantizing node keeps: the architecture's patterns, then the user's `ignored_layers` text."""
+    return default_keep(module_names) + parse_patterns(ignored_layers)

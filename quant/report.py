@@ -53,6 +53,10 @@ class QuantReport:
     def bytes_after(self) -> int:
         return sum(r.bytes_after for r in self.records)
 
+    def bytes_saved(self, names) -> int:
+        """How many bytes fewer the layers `names` take than before (the ones a caller installs)."""
+        return sum(r.bytes_before - r.bytes_after for r in self.records if r.name in names)
+
     def method_counts(self, records: list[LayerRecord] | None = None) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.quantized if records is None else records:

@@ -1,8 +1,8 @@
 """The numbers and text around a memory plan, from plain values: modes, capacity, the estimate
 ComfyUI's budget asks for, and the report.
 
-Two modes: "auto" streams what does not fit, "none" streams nothing and fails when the model
-does not fit. An old "layerwise" (which ran as "auto") is read as "auto", with a log line.
+Two modes (loaders/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
+nothing and fails when the model does not fit.
 """
 from __future__ import annotations
 
@@ -13,16 +13,10 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from ...pack_logging import pack_logger
 from .plan import (BLOCK_LIST_NAMES, GIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
                    latent_tokens, max_resident_tokens, module_bytes, plan_for_model, size_text)
 
 log = pack_logger(__name__)
-
-MODES = ("auto", "none")
-# Values of earlier versions that saved workflows may hold -> the mode that behaves as they did.
-OLD_MODES = {"layerwise": "auto"}
-
 
 class OffloadReport(NamedTuple):
     brief: str  # one line for the node: mode, device, the plan's summary
@@ -31,24 +25,6 @@ class OffloadReport(NamedTuple):
 
 class OffloadError(RuntimeError):
     """The model cannot run as asked (mode "none" that does not fit); the message holds the plan."""
-
-
-def mode_problem(mode) -> str | None:
-    """Why `mode` is not an offload mode, or None (for validate_inputs, which replaces ComfyUI's list check)."""
-    if mode in MODES or mode in OLD_MODES:
-        return None
-    return f"offload mode must be one of {', '.join(MODES)}, got {mode!r}"
-
-
-def read_mode(mode: str) -> str:
-    """`mode` as one of MODES: an old value of a saved workflow becomes the mode that behaves as it did."""
-    problem = mode_problem(mode)
-    if problem:
-        raise ValueError(problem)
-    if mode in OLD_MODES:
-        log.info("offload %r is read as %r: they always ran alike (stream what does not fit)", mode, OLD_MODES[mode])
-        return OLD_MODES[mode]
-    return mode
 
 
 def check_fits(mode: str, plan: MemoryPlan, text: str, weights_only: bool = False) -> None:
