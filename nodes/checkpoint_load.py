@@ -8,7 +8,7 @@ from ..loaders import LayerBuilder, inspect_checkpoint
 from ..loaders.options import online_config, online_method, parse_prefix_rules, progress_total
 from . import checkpoint_compat as compat
 from .comfy_compat import compute_device, quantized_layers
-from .dynamic_backups import keep_backups_on_layers
+from .dynamic_vram import prepare_dynamic_vram
 from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
@@ -55,5 +55,5 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
             short, full = f"{short}\n{offload_report.brief}", "\n".join([full, offload_report.full])
         watch_quantized_layers(loaded, run, quantized_layers(loaded), title)
         install_lora_fold(loaded)
-        keep_backups_on_layers(loaded)
+        prepare_dynamic_vram(loaded)
     return node_output(title, short, full, (loaded, full))

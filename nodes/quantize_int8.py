@@ -8,7 +8,7 @@ from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
 from ..quant.keep import describe_keep, keep_patterns
 from . import categories, comfy_compat
 from .kitchen import require_kitchen
-from .dynamic_backups import keep_backups_on_layers
+from .dynamic_vram import prepare_dynamic_vram
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
 
@@ -72,7 +72,7 @@ class QuantizeModelINT8(io.ComfyNode):
         # after each sampling: how many of these layers ran
         watch_quantized_layers(patched, NodeRun(unique_id, short), layers, "QuantizeModelINT8")
         install_lora_fold(patched)
-        keep_backups_on_layers(patched)
+        prepare_dynamic_vram(patched)
         return node_output("QuantizeModelINT8", short, full, (patched, full))
 
 

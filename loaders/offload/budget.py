@@ -16,7 +16,6 @@ from torch import nn
 from .plan import (BLOCK_LIST_NAMES, GIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
                    latent_tokens, max_resident_tokens, module_bytes, plan_for_model, size_text)
 
-log = pack_logger(__name__)
 
 class OffloadReport(NamedTuple):
     brief: str  # one line for the node: mode, device, the plan's summary

@@ -124,7 +124,7 @@ def test_dynamic_patcher_is_seen_and_accounted(comfy, tiny_wan):
 
 
 BACKUPS_PROBE = r"""
-import json, os, sys, types
+import collections, json, os, sys, types
 pack_root, unet = sys.argv[1], sys.argv[2]
 sys.path.insert(0, os.getcwd())
 import comfy_aimdo.control
@@ -135,13 +135,17 @@ import torch
 import comfy.model_patcher, comfy.patcher_extension, comfy.sd, comfy.utils
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.nodes import comfy_compat
-from bigdit.nodes.dynamic_backups import keep_backups_on_layers
+from bigdit.nodes.dynamic_vram import prepare_dynamic_vram
 from bigdit.quant import QuantConfig, get_method
+from bigdit.quant.dispatch import apply_replacements, quantize_layers
+from bigdit.quant.linear import QuantLinear
 
-cpu = torch.device("cpu")
+cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
 ON_LOAD = comfy.patcher_extension.CallbacksMP.ON_LOAD
 Dynamic = comfy.model_patcher.ModelPatcherDynamic
-out = {}
+Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+config = lambda: QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=cpu)
+out, cast_seen = {}, set()
 
 
 def snapshot(module):
@@ -154,33 +158,37 @@ def same(module, saved):
                                               for k in saved)
 
 
-def dynamic_load(p, path, layer):
-    # what ModelPatcherDynamic.load does for a module of at most 16 KiB (force_load_param: weight, bias,
-    # then the other tensors), with the CPU as the device, then its ON_LOAD callbacks
+def dynamic_load(p):
+    # ModelPatcherDynamic.load for a module without comfy_cast_weights (restore the backups, install the object
+    # patches, back up each parameter and set a device copy of it), then its ON_LOAD callbacks; the copy is a
+    # clone here, on the CPU
     p.restore_loaded_backups()
     p.patch_model(load_weights=False)
-    names = ["weight", "bias"] + [k for k in layer._parameters if k not in ("weight", "bias")]
-    for name in names:
-        key = f"{path}.{name}"
-        if key in p.backup:
-            comfy.utils.set_attr_param(p.model, key, p.backup[key].weight)
-        p.patch_weight_to_device(key, device_to=cpu, force_cast=True)
+    for name, module in p.model.named_modules():
+        if isinstance(module, QuantLinear):
+            cast_seen.add(hasattr(module, "comfy_cast_weights"))
+            for tensor_name, param in list(module.named_parameters(recurse=False)):
+                key = f"{name}.{tensor_name}"
+                if key not in p.backup:
+                    p.backup[key] = Backup(param, False)
+                comfy.utils.set_attr_param(p.model, key, param.detach().clone())
     for callback in p.get_all_callbacks(ON_LOAD):
         callback(p, cpu, 0, False, False)
 
 
-def quantized_clone(patcher, keep):
-    config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=cpu)
-    clone, _, layers = comfy_compat.quantize_on_clone(patcher, config, title="test")
-    if keep:
-        keep_backups_on_layers(clone)
-    name, layer = next(iter(layers.items()))
-    return clone, comfy_compat.DIFFUSION_PREFIX + name, layer
+def with_lora(p, path, layer, gen):
+    diff = 0.05 * torch.randn(layer.out_features, layer.in_features, generator=gen)
+    lora = p.clone()
+    lora.add_patches({path + ".weight": (diff,)}, 0.5)
+    return lora, diff
 
 
 plain = comfy.sd.load_diffusion_model(unet)
-patcher = Dynamic(plain.model, load_device=torch.device("cuda", 0), offload_device=cpu)
-quantized, path, layer = quantized_clone(patcher, keep=True)
+patcher = Dynamic(plain.model, load_device=cuda, offload_device=cpu)
+quantized, _, layers = comfy_compat.quantize_on_clone(patcher, config(), title="test")
+prepare_dynamic_vram(quantized)
+name, layer = next(iter(layers.items()))
+path = comfy_compat.DIFFUSION_PREFIX + name
 original = comfy.utils.get_attr(patcher.model, path)
 original_saved, layer_saved = snapshot(original), snapshot(layer)
 gen = torch.Generator().manual_seed(0)
@@ -188,22 +196,19 @@ x = torch.randn(3, layer.in_features, generator=gen)
 with torch.no_grad():
     before = layer(x)
     base = layer.method.dequantize(layer, cpu).float()
-diff = 0.05 * torch.randn(layer.out_features, layer.in_features, generator=gen)
 
-# 1. a LoRA clone, loaded twice, then unloaded for good (detach, unpatch_all)
-lora = quantized.clone()
-lora.add_patches({path + ".weight": (diff,)}, 0.5)
-dynamic_load(lora, path, layer)
+# 1. a LoRA clone of QuantizeModelINT8's clone, loaded twice, then unloaded for good (detach, unpatch_all)
+lora, diff = with_lora(quantized, path, layer, gen)
+dynamic_load(lora)
 out["live_is_layer"] = comfy.utils.get_attr(lora.model, path) is layer
 with torch.no_grad():
     first = layer(x)
     ref = torch.nn.functional.linear(x, base + 0.5 * diff, layer.bias.float())
 out["lora_err"] = ((first - ref).norm() / ref.norm()).item()
 out["lora_effect"] = ((ref - before).norm() / before.norm()).item()
-dynamic_load(lora, path, layer)  # the next load patches from the unpatched weight again
+dynamic_load(lora)  # the next load restores the backups, then writes the LoRA in again
 with torch.no_grad():
     out["second_load_err"] = ((layer(x) - first).norm() / first.norm()).item()
-out["backups_left"] = sorted(k for k in lora.backup if k.startswith(path + "."))
 lora.detach(unpatch_all=True)
 out["original_kept"] = same(original, original_saved)
 out["tree_has_original"] = comfy.utils.get_attr(patcher.model, path) is original
@@ -212,7 +217,7 @@ with torch.no_grad():
     out["layer_output_restored"] = torch.equal(layer(x), before)
 
 # 2. ComfyUI switches to another clone of the model: detach without unpatching, then the other loads
-dynamic_load(quantized, path, layer)
+dynamic_load(quantized)
 quantized.detach(unpatch_all=False)
 patcher.unpatch_model(unpatch_weights=False)  # what the next clone's partially_load does first
 patcher.patch_model(load_weights=False)
@@ -220,11 +225,33 @@ patcher.restore_loaded_backups()
 out["switch_original_kept"] = same(original, original_saved)
 out["switch_layer_restored"] = same(layer, layer_saved)
 
-# 3. the same load and unload on a clone without the callbacks: upstream's order of restoring
-bare, bare_path, bare_layer = quantized_clone(patcher, keep=False)
-bare_original = comfy.utils.get_attr(patcher.model, bare_path)
+# 3. a loader's layers, built in place: the LoRA written in at load, the backups restored by ComfyUI
+own = comfy.sd.load_diffusion_model(unet)
+replacements, _ = quantize_layers(own.model.diffusion_model, config(), title="test")
+apply_replacements(own.model.diffusion_model, replacements)
+in_place = Dynamic(own.model, load_device=cuda, offload_device=cpu)
+prepare_dynamic_vram(in_place)
+own_layer = replacements[name]
+own_saved = snapshot(own_layer)
+with torch.no_grad():
+    own_before = own_layer(x)
+    own_base = own_layer.method.dequantize(own_layer, cpu).float()
+own_lora, own_diff = with_lora(in_place, path, own_layer, gen)
+dynamic_load(own_lora)
+with torch.no_grad():
+    own_ref = torch.nn.functional.linear(x, own_base + 0.5 * own_diff, own_layer.bias.float())
+    out["in_place_lora_err"] = ((own_layer(x) - own_ref).norm() / own_ref.norm()).item()
+own_lora.detach(unpatch_all=True)
+out["in_place_restored"] = same(own_layer, own_saved) and own_layer._unpatched is None
+with torch.no_grad():
+    out["in_place_output_restored"] = torch.equal(own_layer(x), own_before)
+out["cast_layers"] = sorted(cast_seen)  # the prepared layers only
+
+# 4. the same load and unload on a clone without the callbacks: upstream's order of restoring
+bare, _, bare_layers = comfy_compat.quantize_on_clone(patcher, config(), title="test")
+bare_original = comfy.utils.get_attr(patcher.model, path)
 bare_saved = snapshot(bare_original)
-dynamic_load(bare, bare_path, bare_layer)
+dynamic_load(bare)
 bare.detach(unpatch_all=True)
 out["without_original_kept"] = same(bare_original, bare_saved)
 out["without_stray"] = sorted(set(bare_original._parameters) - set(bare_saved))
@@ -232,25 +259,24 @@ print(json.dumps(out))
 """
 
 
-def test_dynamic_backups_stay_on_quantized_layers(comfy, tiny_wan):
-    """ComfyUI's backups of a force-loaded QuantLinear come back to that layer, never to the Linear it replaced.
-
-    Upstream's ModelPatcherDynamic.unpatch_model removes the object patches before it restores the backups
-    by path; the pack's ON_LOAD / ON_DETACH callbacks (nodes/dynamic_backups.py) keep them on the layer.
-    """
+def test_dynamic_vram_loads_quantized_layers_whole_and_restores_them(comfy, tiny_wan):
+    """Under dynamic VRAM the pack's layers are loaded as ComfyUI loads a non-cast module (whole, backed up),
+    a LoRA is written into them at load, and ComfyUI's backups of an object-patched layer never land on the
+    Linear it replaced (upstream's unpatch_model removes the object patches before it restores the backups)."""
     result = subprocess.run([str(comfy.host.python), "-c", BACKUPS_PROBE, str(PACK_ROOT), str(tiny_wan["path"])],
                             cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["cast_layers"] == [False], out  # no comfy_cast_weights: dynamic loading loads them whole
     assert out["live_is_layer"]
     assert out["lora_effect"] > 1e-2, out
     # the LoRA requantized into int8 with group 16: int8 rounding of the patched weight
-    assert out["lora_err"] < 2e-2, out
+    assert out["lora_err"] < 2e-2 and out["in_place_lora_err"] < 2e-2, out
     assert out["second_load_err"] < 1e-6, out  # patched once, not twice
-    assert out["backups_left"] == [], out
     assert out["original_kept"] and out["tree_has_original"], out
     assert out["layer_restored"] and out["layer_output_restored"], out
     assert out["switch_original_kept"] and out["switch_layer_restored"], out
+    assert out["in_place_restored"] and out["in_place_output_restored"], out
     # what the callbacks prevent; if upstream restores in the other order one day, this says so
     assert not out["without_original_kept"] and out["without_stray"], (
-        "upstream no longer puts QuantLinear backups on the original Linear: nodes/dynamic_backups.py may go", out)
+        "upstream no longer puts QuantLinear backups on the original Linear: nodes/dynamic_vram.py may go", out)
