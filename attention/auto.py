@@ -17,6 +17,7 @@ import torch
 
 from .base import Backend, capability
 from .kernels import FA2, FA4, FA3Fwd, FA3Interface, KitchenInt8, Sage, Sdpa, SdpaCudnn, SdpaFlash
+from .registry import register_backend
 
 # Milliseconds for one attention of 56 heads x 32760 tokens x head dim 128,
 # bf16 (MiniMax-H3 at 1344x768x107), keyed by compute capability.
@@ -46,8 +47,9 @@ def ranking(cap: tuple[int, int] | None) -> list[str]:
     return sorted(times, key=times.get) + ["sdpa"]
 
 
+@register_backend("auto", selector=True)
 class Auto(Backend):
-    def __init__(self):
+    def __init__(self, **_):
         super().__init__("auto", [])
         self._by_cap = {}
 

@@ -12,8 +12,9 @@ has no fp16 kernel of its own.
 from __future__ import annotations
 
 from . import fp8_qkv
-from .base import HALF_DTYPES, Constraints, Impl, convert, load
+from .base import HALF_DTYPES, Backend, Constraints, Impl, convert, load
 from .kernels import _first
+from .registry import register_backend
 
 # head dims the fa3-fwd 0.0.3 wheel compiles FP8 kernels for
 FP8_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
@@ -42,3 +43,7 @@ class FA3Fp8(Impl):
                         q_descale=x.descale[0], k_descale=x.descale[1], v_descale=x.descale[2]))
         return convert(out.to(q.dtype), "BSHD", layout)
 
+
+@register_backend("fa3_fp8", aliases=("flash_fp8",))
+def fa3_fp8(**_) -> Backend:
+    return Backend("fa3_fp8", [FA3Fp8()])

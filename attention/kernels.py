@@ -8,7 +8,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .base import FLOAT_DTYPES, HALF_DTYPES, Constraints, Impl, Unsupported, convert, load
+from .base import FLOAT_DTYPES, HALF_DTYPES, Backend, Constraints, Impl, Unsupported, convert, load
+from .registry import register_backend
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -190,3 +191,23 @@ class KitchenInt8(Impl):
         ck = kitchen()
         qh, kh, vh = (convert(t, layout, "BHSD") for t in (q, k, v))
         return convert(ck.int8_attention(qh, kh, vh, scale=scale, attn_mask=mask), "BHSD", layout)
+
+
+@register_backend("sdpa", aliases=("pytorch",))
+def sdpa(**_) -> Backend:
+    return Backend("sdpa", [Sdpa()])
+
+
+@register_backend("sage", aliases=("sageattention", "sage_attn"))
+def sage(**_) -> Backend:
+    return Backend("sage", [Sage()])
+
+
+@register_backend("kitchen_int8", aliases=("int8",))
+def kitchen_int8(**_) -> Backend:
+    return Backend("kitchen_int8", [KitchenInt8()])
+
+
+@register_backend("flash", aliases=("fa", "flash_attn"))
+def flash(**_) -> Backend:
+    return Backend("flash", [FA3Fwd(), FA3Interface(), FA2(), FA4()])

@@ -1,4 +1,5 @@
-"""Backend names and the registry that builds them.
+"""Backend names and the registry that builds them: each backend module registers a factory
+(`@register_backend`), so a new backend is one new module and its line in the import below.
 
 Names are read case-insensitively, with "-" and "_" alike, and with aliases.
 Each backend lists its kernels in preference order:
@@ -19,24 +20,36 @@ Each backend lists its kernels in preference order:
 """
 from __future__ import annotations
 
-from .auto import Auto
-from .base import Backend
-from .fa3_fp8 import FA3Fp8
-from .kernels import FA2, FA4, FA3Fwd, FA3Interface, KitchenInt8, Sage, Sdpa
-from .sol import MIN_TOKENS, Sol
+from typing import Callable
 
-BACKENDS = ("auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol")
-DENSE_BACKENDS = ("auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8")
-ALIASES = {
-    "pytorch": "sdpa",
-    "sageattention": "sage",
-    "sage_attn": "sage",
-    "fa": "flash",
-    "flash_attn": "flash",
-    "flash_fp8": "fa3_fp8",
-    "int8": "kitchen_int8",
-    "sol_attn": "sol",
-}
+from .base import Backend
+
+# name -> (factory(sol_tau=..., sol_min_tokens=...) -> Backend, dense); filled by @register_backend
+_BACKENDS: dict[str, tuple[Callable[..., Backend], bool]] = {}
+_SELECTORS: dict[str, Callable[..., Backend]] = {}
+ALIASES: dict[str, str] = {}
+
+
+def register_backend(name: str, *, dense: bool = True, aliases: tuple[str, ...] = (), selector: bool = False):
+    """Register a backend factory under `name`: `dense` backends compute exact-shape dense attention (they
+    can be a dense_backend); a `selector` (auto) picks among the others and is listed first."""
+    def register(factory: Callable[..., Backend]) -> Callable[..., Backend]:
+        if name in _BACKENDS or name in _SELECTORS:
+            raise ValueError(f"attention backend {name!r} is registered twice")
+        if selector:
+            _SELECTORS[name] = factory
+        else:
+            _BACKENDS[name] = (factory, dense)
+        ALIASES.update({alias: name for alias in aliases})
+        return factory
+    return register
+
+
+# Each module registers its backends as it is imported; this order is the nodes' option order.
+from . import auto, kernels, fa3_fp8, sol  # noqa: E402,F401
+
+BACKENDS = (*_SELECTORS, *_BACKENDS)
+DENSE_BACKENDS = (*_SELECTORS, *(name for name, (_, dense) in _BACKENDS.items() if dense))
 
 
 def parse(name: str, *, dense: bool = False) -> str:
@@ -53,17 +66,8 @@ def parse(name: str, *, dense: bool = False) -> str:
     return canonical
 
 
-def create(name: str, *, sol_tau: float = 1.0, sol_min_tokens: int = MIN_TOKENS) -> Backend:
+def create(name: str, *, sol_tau: float = 1.0, sol_min_tokens: int = sol.MIN_TOKENS) -> Backend:
     """A backend by (any accepted spelling of) its name."""
     name = parse(name)
-    if name == "auto":
-        return Auto()
-    impls = {
-        "sdpa": [Sdpa()],
-        "sage": [Sage()],
-        "kitchen_int8": [KitchenInt8()],
-        "flash": [FA3Fwd(), FA3Interface(), FA2(), FA4()],
-        "fa3_fp8": [FA3Fp8()],
-        "sol": [Sol(tau=sol_tau, min_tokens=sol_min_tokens)],
-    }[name]
-    return Backend(name, impls)
+    factory = _SELECTORS[name] if name in _SELECTORS else _BACKENDS[name][0]
+    return factory(sol_tau=sol_tau, sol_min_tokens=sol_min_tokens)

@@ -17,8 +17,9 @@ from importlib.metadata import version as _version
 
 import torch
 
-from .base import FLOAT_DTYPES, Constraints, Impl, Plan, Unsupported, convert, dims
+from .base import FLOAT_DTYPES, Backend, Constraints, Impl, Plan, Unsupported, convert, dims
 from .kernels import kitchen
+from .registry import register_backend
 
 BLOCK = 64
 # Below about 12k tokens dense attention is usually faster than Sol
@@ -127,3 +128,8 @@ class Sol(Impl):
             return convert(out, "BSHD", layout)
 
         return Plan(self.label, run)
+
+
+@register_backend("sol", dense=False, aliases=("sol_attn",))
+def sol(sol_tau: float = 1.0, sol_min_tokens: int = MIN_TOKENS, **_) -> Backend:
+    return Backend("sol", [Sol(tau=sol_tau, min_tokens=sol_min_tokens)])

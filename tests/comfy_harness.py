@@ -428,6 +428,18 @@ class ComfyServer:
         return safetensors.torch.load_file(str(path))["latent_tensor"]
 
 
+def combo_options(spec) -> list | None:
+    """A combo input's choices as /object_info serves them: `[[choices], {...}]` (V1 nodes) or
+    `["COMBO", {"options": [choices]}]` (V3 nodes); None for any other input."""
+    if not spec:
+        return None
+    if isinstance(spec[0], list):
+        return spec[0]
+    if spec[0] == "COMBO" and len(spec) > 1:
+        return spec[1].get("options")
+    return None
+
+
 if __name__ == "__main__":
     for each in HOSTS:
         print(each.ensure())

@@ -95,6 +95,11 @@ def test_graph_check_names_the_missing_choice():
     assert "does not offer 'fa3_fp8'" in comfy_e2e.unoffered_choice(graph, info)
     info["SetAttentionBackend"]["input"]["required"]["backend"][0].append("fa3_fp8")
     assert comfy_e2e.unoffered_choice(graph, info) is None  # unet_name is not checked: the file comes later
+    # V3 nodes serve a combo as ["COMBO", {"options": [...]}]
+    info["SetAttentionBackend"]["input"]["required"]["backend"] = ["COMBO", {"options": ["auto", "sol"]}]
+    assert "does not offer 'fa3_fp8'" in comfy_e2e.unoffered_choice(graph, info)
+    info["SetAttentionBackend"]["input"]["required"]["backend"][1]["options"].append("fa3_fp8")
+    assert comfy_e2e.unoffered_choice(graph, info) is None
     del info["BigditStepTimer"]
     assert comfy_e2e.unoffered_choice(graph, info) == "node BigditStepTimer is not installed"
 

@@ -89,7 +89,8 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
 from _pack import RESULTS, slug  # noqa: E402
-from comfy_harness import ComfyServer, PromptError, cache_dir, comfyui_version, link_packs  # noqa: E402
+from comfy_harness import (ComfyServer, PromptError, cache_dir, combo_options, comfyui_version,  # noqa: E402
+                            link_packs)
 
 GIB = 1024 ** 3
 REFERENCE = "comfy_resident"
@@ -229,10 +230,11 @@ def unoffered_choice(graph: dict, object_info: dict) -> str | None:
         declared = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
         for name, value in node["inputs"].items():
             spec = declared.get(name)
-            if name == "unet_name" or not isinstance(value, str) or not spec or not isinstance(spec[0], list):
+            choices = combo_options(spec)
+            if name == "unet_name" or not isinstance(value, str) or choices is None:
                 continue
-            if value not in spec[0]:
-                return f"{node['class_type']}.{name} does not offer {value!r} (choices: {', '.join(spec[0])})"
+            if value not in choices:
+                return f"{node['class_type']}.{name} does not offer {value!r} (choices: {', '.join(choices)})"
     return None
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from checkpoint_files import write_markers
+from comfy_harness import combo_options
 from graphs import chain_id, node_report, rel_l2, wan_t2v_graph
 
 pytestmark = pytest.mark.integration
@@ -23,9 +24,9 @@ def test_node_inputs_as_documented(comfy):
     assert list(info["input"]["optional"]) == ["row_split", "requantize_fp8"]
     assert info["input"]["optional"]["requantize_fp8"][0] == "BOOLEAN"
     assert info["input"]["optional"]["requantize_fp8"][1]["default"] is False
-    assert info["input"]["required"]["group_size"][0] == ["256", "64", "16"]
+    assert combo_options(info["input"]["required"]["group_size"]) == ["256", "64", "16"]
     assert info["input"]["required"]["group_size"][1]["default"] == "256"
-    assert info["input"]["optional"]["row_split"][0] == ["auto", "off"]
+    assert combo_options(info["input"]["optional"]["row_split"]) == ["auto", "off"]
     assert info["output"] == ["MODEL", "STRING"] and info["category"] == "model/patch"
 
 
