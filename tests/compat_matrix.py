@@ -62,6 +62,8 @@ FEATURES = [
       "test_examples_and_ui::test_h3_example_runs_on_the_tiny_h3"]),
     ("Examples load in the host's own frontend", ["test_examples_and_ui::test_ui_workflow_loads_to_the_api_workflow"]),
     ("Starts without comfy-kitchen, clear message", ["test_without_kitchen::"]),
+    ("V3 nodes serve the V1 nodes' inputs and outputs (/object_info)",
+     ["test_object_info_snapshot::test_object_info_equals_the_snapshot"]),
 ]
 
 _HOST = re.compile(r"comfy-(\d+\.\d+\.\d+)-?")
