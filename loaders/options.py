@@ -22,7 +22,7 @@ log = pack_logger(__name__)
 class Choices:
     """An option's values, and the values of earlier versions -> the value read instead.
 
-    A node that names the option in VALIDATE_INPUTS replaces ComfyUI's list check of
+    A node that names the option in validate_inputs replaces ComfyUI's list check of
     it, so saved workflows with an old value still load; `problem` is that check.
     """
     what: str                          # in the error: "<what> must be one of ..."
