@@ -26,16 +26,10 @@ import comfy.utils
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .comfy_compat import module_view
+from .comfy_compat import quantized_layers
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced
-
-
-def _quantized_layers(patcher) -> list[QuantLinear]:
-    root, overrides = module_view(patcher)
-    layers = [m for m in root.modules() if isinstance(m, QuantLinear)]
-    return layers + [m for m in overrides.values() if isinstance(m, QuantLinear)]
 
 
 def _object_patched(patcher) -> dict[str, QuantLinear]:
@@ -92,7 +86,7 @@ def prepare_dynamic_vram(patcher) -> None:
     """On a dynamic-VRAM patcher, have ComfyUI load the pack's quantized layers whole (see the module's docstring)."""
     if not getattr(patcher, "is_dynamic", lambda: False)():
         return
-    for layer in _quantized_layers(patcher):
+    for layer in quantized_layers(patcher).values():
         layer.__dict__.pop("comfy_cast_weights", None)
     callbacks = comfy.patcher_extension.CallbacksMP
     for kind, function in ((callbacks.ON_LOAD, on_load), (callbacks.ON_DETACH, on_detach)):
