@@ -109,8 +109,8 @@ def describe(mode: str, device: torch.device, plan: MemoryPlan, view: ModelView,
     if dynamic:
         how = ("ComfyUI's dynamic VRAM places the weights"
                + (" with block prefetch" if block_prefetch else "") + "; the pack only plans")
-        if quantized:  # ComfyUI faults in only its own layers' weights
-            how += "; quantized layers copy their weight and bias from RAM at every call"
+        if quantized:  # nodes/dynamic_vram.py: ComfyUI pages only its own cast layers
+            how += "; quantized layers are loaded and evicted whole"
     elif device.type == "cpu":
         how = "CPU device: streamed blocks are copied host-to-host, running the same hooks"
     else:
