@@ -12,6 +12,7 @@ the file maps lazily is read once.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +29,7 @@ from ..quant.report import LayerRecord, QuantReport
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
 from .safetensors_header import torch_dtype
+from .staging import PinnedStaging
 
 NVFP4_MODES = ("auto", "requantize")
 
@@ -81,6 +83,10 @@ class LayerBuilder:
         self._paths: dict[str, dict[str, int]] = {}
         self._online_counts: dict[str, int] = {}
         self.online_plan = {} if online is None else plan_online(plan, online)
+        largest = max((layer.dtype.itemsize * layer.shape[0] * layer.shape[1]
+                       for layer in self.online_plan.values() if layer.method is not None), default=0)
+        self.staging = PinnedStaging(self.device, largest)
+        self._quantize_seconds = 0.0
 
     # -- before building -------------------------------------------------------
     def resolve_methods(self) -> None:
@@ -170,10 +176,20 @@ class LayerBuilder:
         if method is None:
             self.report.records.append(LayerRecord(name, None, reason, plain_bytes, plain_bytes))
             return None
+        start = time.perf_counter()
+        weight = self.staging.to_device(weight)
         built = quantized_layer(method, weight, in_features, out_features, bias, compute_dtype, self.device, home)
+        self._quantize_seconds += time.perf_counter() - start
         self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, parameter_bytes(built)))
         self._online_counts[reason] = self._online_counts.get(reason, 0) + 1
         return built
+
+    def _timing_note(self) -> str:
+        line = f"quantizing while loading took {self._quantize_seconds:.1f} s on {self.device}"
+        if self.staging.staged_bytes:
+            line += (f", of which {self.staging.seconds:.1f} s reading {self.staging.staged_bytes / 1024 ** 3:.2f} GiB"
+                     " of weights into pinned memory")
+        return line
 
     # -- after building ----------------------------------------------------------
     def finish(self) -> QuantReport:
@@ -182,6 +198,8 @@ class LayerBuilder:
         if self._online_counts:
             self.report.notes.append("quantized while loading: " + ", ".join(
                 f"{label} x{n}" for label, n in self._online_counts.items()))
+            self.report.notes.append(self._timing_note())
+        self.staging.close()
         for fmt, paths in self._paths.items():
             where = f"{self.device.type}" + (f" sm{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
                                             if self.device.type == "cuda" else "")

@@ -78,3 +78,43 @@ def test_every_shape_of_the_model_runs(plain_file, tmp_path):
             out = model.get_submodule(name)(x)
             bound = TOLERANCE[fmt] * 1.5 + 0.01
             assert rel_err(out, reference_output(name, x.float().cpu()).cuda()) < bound, (fmt, name)
+
+
+def test_pinned_staging_copies_each_weight_exactly():
+    from bigdit.loaders.staging import PinnedStaging
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(300, 256, generator=gen).to(torch.bfloat16),
+               torch.randn(256, 300, generator=gen).to(torch.float16),
+               torch.randn(64, 512, generator=gen).t(),  # not contiguous
+               torch.randn(400, 100, generator=gen)]      # fp32, 160 KB: larger than the buffer, moved as it is
+    staging = PinnedStaging(torch.device("cuda"), largest_bytes=300 * 256 * 2)
+    moved = [staging.to_device(t) for t in sources]  # one buffer, reused: earlier copies must not change
+    torch.cuda.synchronize()
+    for source, out in zip(sources, moved):
+        assert out.is_cuda and out.dtype == source.dtype and out.shape == source.shape
+        assert torch.equal(out.cpu(), source)
+    assert staging.staged_bytes == sum(t.numel() * t.element_size() for t in sources[:3])
+    staging.close()
+
+
+def test_online_quantization_stages_through_pinned_memory_bit_exactly(plain_file):
+    """The loader's weights go to the GPU through the pinned buffer: each layer's tensors equal those
+    quantized from the same weight moved directly."""
+    from bigdit.quant import QuantConfig, get_method
+    from bigdit.quant.linear import quantized_layer
+    method = get_method("int8_convrot", group_size=64)
+    model, report, _ = build(plain_file, compute_dtype=torch.bfloat16, device="cuda",
+                             online=QuantConfig(method=method, ignored=("head.*",)))
+    assert "of weights into pinned memory" in report.render()
+    sd = plain_state_dict()
+    checked = 0
+    for name, (n_out, n_in) in LINEARS.items():
+        layer = model.get_submodule(name)
+        if not hasattr(layer, "method"):
+            continue
+        direct = quantized_layer(method, sd[f"{name}.weight"].to("cuda"), n_in, n_out, None, torch.bfloat16,
+                                 torch.device("cuda"), torch.device("cuda"))
+        for key, tensor in direct.named_parameters():
+            assert torch.equal(getattr(layer, key), tensor), (name, key)
+        checked += 1
+    assert checked >= 3
