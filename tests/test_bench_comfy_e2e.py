@@ -75,11 +75,35 @@ def test_draw_is_variance_preserving_and_seeded():
 
 
 def test_wan14b_lengths_are_the_issue_token_counts():
-    assert e2e_models.WAN14B.length("long").tokens == 32760
-    assert e2e_models.WAN14B.length("short").tokens == 7800
-    assert e2e_models.WAN14B.length("832x480x41").tokens == 11 * 30 * 52
+    wan = e2e_models.WAN14B
+    assert wan.tokens(wan.length("long")) == 32760
+    assert wan.tokens(wan.length("short")) == 7800
+    assert wan.tokens(wan.length("832x480x41")) == 11 * 30 * 52
     with pytest.raises(ValueError, match="unknown length"):
         e2e_models.WAN14B.length("huge")
+
+
+def test_h3_lengths_count_text_video_and_audio_tokens():
+    h3 = e2e_models.H3_PRUNED
+    # 107 frames: 32 latent frames of 24 x 42 patches, 178 audio frames (107 / 24 s at 40 a second), 256 text
+    assert h3.tokens(h3.length("long")) == 256 + 32 * 24 * 42 + 178 == 32690
+    assert h3.tokens(h3.length("short")) == 256 + 7 * 24 * 42 + 37
+    assert h3.tokens(h3.length("1344x768x100")) == h3.tokens(h3.length("long"))  # snapped up to 107, as upstream
+    assert h3.latent_inputs(h3.length("long")) == {"width": 1344, "height": 768, "length": 107}
+
+
+def test_h3_graph_measures_the_video_part_of_the_av_latent():
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    graph = comfy_e2e.sampling_graph(configs["pack_auto"], e2e_models.TINY_H3, "m.safetensors",
+                                     e2e_models.TINY_H3.length("short"), 2, 0, "p")
+    assert graph["latent"] == {"class_type": "EmptyMiniMaxH3LatentAV",
+                               "inputs": {"width": 64, "height": 64, "length": 5}}
+    assert graph["split"] == {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["sampler", 0]}}
+    assert graph["save"]["inputs"]["samples"] == graph["report"]["inputs"]["samples"] == ["split", 0]
+    wan = comfy_e2e.sampling_graph(configs["pack_auto"], e2e_models.TINY_WAN, "m.safetensors",
+                                   e2e_models.TINY_WAN.length("short"), 2, 0, "p")
+    assert "split" not in wan and wan["save"]["inputs"]["samples"] == ["sampler", 0]
+    assert wan["latent"]["inputs"]["batch_size"] == 1
 
 
 def test_graph_check_names_the_missing_choice():
@@ -127,6 +151,8 @@ def test_summary_follows_issue_12():
         _rec("pack_auto_lora", 2.55, "pack", peak=16.9, cosine=0.99, lora=True),
         _rec("pack_auto_12g", 2.4, "pack", peak=11.0, own_cap=True),
         _rec("pack_auto_lora_12g", 2.52, "pack", peak=11.2, cosine=0.99, lora=True, own_cap=True),
+        # the pack with no cap: the reference of its capped runs, not a dense configuration under the cap
+        _rec("pack_auto_resident", 2.2, "pack", capped=False, peak=40.0),
     ]
     detail, summary = comfy_e2e.summarize(results, {"wan14b": {}, "other": {}})
     assert list(summary) == ["dense_speedup", "sol_speedup", "vs_comfy_best", "peak_gib_capped", "lora_cost"]

@@ -52,16 +52,11 @@ CONVROT_GROUP = 256
 
 @dataclass(frozen=True)
 class Length:
-    """One video size: the EmptyHunyuanLatentVideo inputs and the tokens the DiT sees (patch 1x2x2)."""
+    """One video size: the empty-latent node's width, height and length (frames); ModelSpec.tokens counts it."""
     name: str
     width: int
     height: int
     frames: int
-
-    @property
-    def tokens(self) -> int:
-        latent_frames = (self.frames - 1) // 4 + 1
-        return latent_frames * (self.height // 16) * (self.width // 16)
 
     @property
     def label(self) -> str:
@@ -75,8 +70,11 @@ class ModelSpec:
     `module`/`cls`/`kwargs`: the host's model class and its constructor arguments;
     `text_dim`: the width of the cross-attention context the conditioning node makes;
     `text_len`: its token count; `latent_node`: the host node that makes the empty latent of a
-    Length (its inputs width, height, length, batch_size). Another family (MiniMax-H3 on
-    upstream ComfyUI) is another spec.
+    Length; `family` "wan" (EmptyHunyuanLatentVideo: width, height, length, batch_size; a video
+    latent) or "h3" (upstream's EmptyMiniMaxH3LatentAV: width, height, length; a video+audio latent
+    that the graph splits, the video part saved and compared); `keep_fp32`: the tensors the host
+    class builds in fp32 even in a bf16 model (H3's patch and output projections, its AdaLN curve
+    basis) are written in fp32, as in the published files; everything else is bf16.
     """
     name: str
     module: str
@@ -86,6 +84,25 @@ class ModelSpec:
     text_len: int
     lengths: tuple[Length, ...] = field(default_factory=tuple)
     latent_node: str = "EmptyHunyuanLatentVideo"
+    family: str = "wan"
+    keep_fp32: bool = False
+
+    def tokens(self, length: Length) -> int:
+        """The sequence one model call sees: Wan's video tokens (VAE 4x8x8, patch 1x2x2); H3's text, video
+        (VAE 16x16 in space, patch 1x2x2, latent frames as upstream's temporal_shape) and audio tokens
+        (40 latent frames a second at 24 fps)."""
+        if self.family == "h3":
+            frames = length.frames
+            while frames % 17 != 5:  # upstream snaps the length to its 17k+5 grid
+                frames += 1
+            latent_t = 2 if frames <= 5 else (frames - 5) // 17 * 5 + 2
+            return self.text_len + latent_t * (length.height // 32) * (length.width // 32) + round(frames / 24 * 40)
+        latent_frames = (length.frames - 1) // 4 + 1
+        return latent_frames * (length.height // 16) * (length.width // 16)
+
+    def latent_inputs(self, length: Length) -> dict:
+        inputs = {"width": length.width, "height": length.height, "length": length.frames}
+        return inputs if self.family == "h3" else {**inputs, "batch_size": 1}
 
     def length(self, name: str) -> Length:
         for length in self.lengths:
@@ -115,7 +132,26 @@ WAN14B = _wan("wan14b", 5120, 13824, 40,
 # The same class at a size a CPU runs in a second (ComfyUI 0.3.75 needs dim = 128 * heads).
 TINY_WAN = _wan("tiny_wan", 256, 512, 2,
                 (Length("long", 96, 64, 9), Length("short", 64, 64, 5)))
-MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN)}
+
+# MiniMax-H3's pruned DiT as Comfy-Org ships it (40 GB bf16): upstream's defaults (50 blocks, hidden 5376,
+# 56 x 128 heads, ffn 14336) in curve form, where each block's AdaLN projection reads a small shared basis of
+# the time-embedding curve (`adaln_t_table`, grid x basis) instead of the 2688-wide embedding: 6.2 M fp32
+# parameters a block instead of 260 M. The grid and basis sizes are this benchmark's choice.
+# 1344x768x107: 256 text + 32 x 24 x 42 video + 178 audio = 32,690 tokens; x22: 7,349.
+def _h3(name, lengths, **kwargs):
+    return ModelSpec(name, "comfy.ldm.minimax.model", "MiniMaxH3Model", kwargs, text_dim=kwargs.get("text_dim", 5120),
+                     text_len=256, lengths=lengths, latent_node="EmptyMiniMaxH3LatentAV", family="h3",
+                     keep_fp32=True)
+
+
+H3_PRUNED = _h3("h3pruned", (Length("long", 1344, 768, 107), Length("short", 1344, 768, 22)),
+                adaln_curve_grid=1000, time_embed_dim=64)
+# The same class at a size a CPU runs in seconds (text_dim differs from hidden, as upstream's detection needs).
+TINY_H3 = _h3("tiny_h3", (Length("long", 64, 64, 22), Length("short", 64, 64, 5)),
+              hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
+              ffn_hidden_size=512, text_dim=320, time_embed_hidden_size=256, adaln_curve_grid=100,
+              time_embed_dim=64)
+MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN, H3_PRUNED, TINY_H3)}
 
 
 # ---- init and writing (no ComfyUI needed) ------------------------------------
@@ -298,11 +334,13 @@ def _probe_roles(fmt: str, device: str) -> tuple:
     return tuple((role, tuple(t.shape), t.dtype) for role, t in probe.items())
 
 
-def layer_entries(fmt: str, name: str, shape, device) -> list[tuple[str, tuple, object]]:
-    """The file's (name, shape, dtype) entries for one state_dict entry: quantized roles and marker, or bf16."""
+def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[str, tuple, object]]:
+    """The file's (name, shape, dtype) entries for one state_dict entry: quantized roles and marker, or the
+    tensor as stored (`dtype`, default bf16; fp32 tensors are never quantized)."""
     import torch
-    if FORMATS[fmt] is None or not quantized_layer(name, shape):
-        return [(name, tuple(shape), torch.bfloat16)]
+    dtype = dtype or torch.bfloat16
+    if FORMATS[fmt] is None or dtype != torch.bfloat16 or not quantized_layer(name, shape):
+        return [(name, tuple(shape), dtype)]
     prefix = name[:-len(".weight")]
     entries = []
     for role, probe_dims, dtype in _probe_roles(fmt, str(device)):  # the probe's rows and columns: the layer's
@@ -320,7 +358,7 @@ def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False, f
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     job = {"module": spec.module, "cls": spec.cls, "kwargs": spec.kwargs, "path": str(path),
-           "comfyui": str(comfyui), "seed": seed, "cpu": cpu, "format": fmt}
+           "comfyui": str(comfyui), "seed": seed, "cpu": cpu, "format": fmt, "keep_fp32": spec.keep_fp32}
     result = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=comfyui, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"generating {path.name} failed:\n{result.stdout[-3000:]}{result.stderr[-6000:]}")
@@ -339,19 +377,22 @@ def _main(job):
 
     import comfy.ops
     cls = getattr(importlib.import_module(job["module"]), job["cls"])
-    module = cls(**job["kwargs"], device="meta", operations=comfy.ops.disable_weight_init)
+    # built in bf16, the modules the class pins to fp32 come out fp32; without keep_fp32 all is written bf16
+    module = cls(**job["kwargs"], device="meta", dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
+    stored = {name: (torch.float32 if job["keep_fp32"] and t.dtype == torch.float32 else torch.bfloat16)
+              for name, t in module.state_dict().items()}
     shapes = [(name, tuple(t.shape)) for name, t in module.state_dict().items()]
     del module
     device = torch.device("cuda" if torch.cuda.is_available() and not job["cpu"] else "cpu")
     fmt = job["format"]
-    entries = [layer_entries(fmt, name, shape, device) for name, shape in shapes]
+    entries = [layer_entries(fmt, name, shape, device, stored[name]) for name, shape in shapes]
     writer = StreamingSafetensorsWriter(job["path"], [e for layer in entries for e in layer],
                                         metadata={"bigdit_bench": f"random {job['cls']}, seed {job['seed']}, {fmt}"})
     t_build = time.perf_counter()
     quantized = 0
     for index, ((name, shape), layer) in enumerate(zip(shapes, entries)):
         # the same draw in every format: a marker file holds the bf16 file's weights, quantized
-        weight = draw(name, shape, job["seed"] * 1_000_003 + index, device, torch.bfloat16)
+        weight = draw(name, shape, job["seed"] * 1_000_003 + index, device, stored[name])
         if len(layer) == 1:
             writer.write(name, weight)
             continue
