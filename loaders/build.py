@@ -26,6 +26,7 @@ from ..quant.linear_method import LinearMethod
 from ..quant.nvfp4 import NAME as NVFP4
 from ..quant.registry import available_methods, get_method
 from ..quant.report import LayerRecord, QuantReport
+from ..quant.selector import Selector
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
 from .safetensors_header import torch_dtype
@@ -44,13 +45,14 @@ class OnlineLayer:
 
 
 def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
-           dominant: torch.dtype) -> tuple[LinearMethod | None, str]:
-    """The decision quant.dispatch.plan_layers makes for a module, from a weight's dtype and shape."""
+           dominant: torch.dtype, compute_dtype: torch.dtype | None = None) -> tuple[LinearMethod | None, str]:
+    """The decision quant.dispatch.plan_layers makes for a module, from a weight's dtype and shape
+    (and the dtype it will compute in, the stored one by default)."""
     if name in config.keep:
         return None, config.keep[name]
     if dtype not in FLOAT_DTYPES:
         return None, f"already quantized ({str(dtype).replace('torch.', '')})"
-    return choose_method(config, name, dtype, in_features, out_features, dominant)
+    return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
 
 
 def plan_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:
@@ -169,10 +171,13 @@ class LayerBuilder:
 
     def _online(self, name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes):
         planned = self.online_plan.get(name)
-        if planned is not None and planned.dtype == weight.dtype and planned.shape == (out_features, in_features):
+        if (planned is not None and planned.dtype == weight.dtype and planned.shape == (out_features, in_features)
+                and (planned.dtype == compute_dtype or not isinstance(self.online.method, Selector))):
             method, reason = planned.method, planned.reason
-        else:  # ComfyUI renamed, split or converted this key (diffusers files, HunyuanVideo): the header could not say
-            method, reason = decide(self.online, name, weight.dtype, in_features, out_features, self._dominant)
+        else:  # ComfyUI renamed, split or converted this key (diffusers files, HunyuanVideo): the header could not
+            # say; or it computes in another dtype than the file's, the one auto must measure in
+            method, reason = decide(self.online, name, weight.dtype, in_features, out_features, self._dominant,
+                                    compute_dtype)
         if method is None:
             self.report.records.append(LayerRecord(name, None, reason, plain_bytes, plain_bytes))
             return None

@@ -79,8 +79,9 @@ class LoadH3Quantized(io.ComfyNode):
                             "as stored)."),
                 io.Combo.Input(
                     "quantization", options=list(QUANTIZATIONS.values), default="auto",
-                    tooltip="auto: the fastest native format of this GPU, measured per layer shape (a layer "
-                            "no format speeds up stays bf16). int8_convrot: INT8 with ConvRot rotation. "
+                    tooltip="auto: the fastest native format of this GPU, measured per layer shape in the dtype "
+                            "ComfyUI computes in (a layer no format speeds up stays as it is). "
+                            "int8_convrot: INT8 with ConvRot rotation. "
                             "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
                             "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
                             "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "

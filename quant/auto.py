@@ -2,9 +2,11 @@
 
 The table gives each GPU generation's first choice (FP8 from sm89, where its
 GEMMs outrun INT8 ConvRot's; INT8 before, its native fast format; the README
-has the measurements). Then, once per (device, in, out), a micro-benchmark
-times bf16 against the candidates at a representative token count; a layer
-whose formats are all slower than bf16 stays in bf16, so no layer gets slower.
+has the measurements). Then, once per (device, in, out, compute dtype), a
+micro-benchmark times the plain GEMM against the candidates at a representative
+token count, all in the dtype the layer computes in (ComfyUI may run a bf16 file
+in fp16); a layer whose formats are all slower than its plain GEMM stays as it
+is, so no layer gets slower.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import FLOAT_DTYPES
 from . import fp8, int8_convrot
 from .kernel_select import _time_ms
 from .linear import quantized_layer
@@ -55,8 +58,8 @@ def fastest_native_methods(device: torch.device, in_features: int, out_features:
     return methods
 
 
-# Measured decisions for the process: (device, in, out, rows, group size, formats) ->
-# (format or None for bf16, reason, timings). Every load of the same model shares them.
+# Measured decisions for the process: (device, in, out, dtype, rows, group size, formats) ->
+# (format or None to keep the layer, reason, timings). Every load of the same model shares them.
 _MEASURED: dict[tuple, tuple[str | None, str, dict[str, float]]] = {}
 
 
@@ -75,36 +78,38 @@ class AutoSelector:
         self.measure = device.type == "cuda" if measure is None else measure
         self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
         self.time_ms = time_ms or (lambda fn: _time_ms(fn, iters=5))
-        self.timings: dict[tuple[int, int], dict[str, float]] = {}  # (in, out) -> ms, for measured shapes
+        self.timings: dict[tuple, dict[str, float]] = {}  # (in, out, dtype) -> ms, for measured shapes
 
-    def select(self, in_features: int, out_features: int) -> tuple[LinearMethod | None, str]:
+    def select(self, in_features: int, out_features: int, dtype: torch.dtype) -> tuple[LinearMethod | None, str]:
         usable = tuple(f for f in self.order if self.methods[f].skip_reason(in_features, out_features) is None)
         if not usable:
             return None, "auto: no native format fits this shape" if self.order else "auto: no fast format on this GPU"
-        if not self.measure:
+        if not self.measure or dtype not in FLOAT_DTYPES:
             return self.methods[usable[0]], f"auto: {usable[0]} (table)"
-        key = (str(self.device), in_features, out_features, self.rows, self.group_size, usable)
+        key = (str(self.device), in_features, out_features, dtype, self.rows, self.group_size, usable)
         if key not in _MEASURED:
-            _MEASURED[key] = self._decide(in_features, out_features, usable)
-        best, reason, self.timings[(in_features, out_features)] = _MEASURED[key]
+            _MEASURED[key] = self._decide(in_features, out_features, dtype, usable)
+        best, reason, self.timings[(in_features, out_features, dtype)] = _MEASURED[key]
         return (None if best is None else self.methods[best]), reason
 
-    def _decide(self, k: int, n: int, formats: tuple[str, ...]) -> tuple[str | None, str, dict[str, float]]:
-        times = self._time(k, n, formats)
-        best = min(times, key=times.get)
-        if best == "bf16":
-            return None, f"auto: bf16 fastest at {k}->{n} ({_fmt(times)})", times
-        return best, f"auto: {best} ({_fmt(times)})", times
+    def _decide(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]
+                ) -> tuple[str | None, str, dict[str, float]]:
+        times = self._time(k, n, dtype, formats)
+        best, plain = min(times, key=times.get), _name(dtype)
+        if best == plain:
+            return None, f"auto: {plain} fastest at {k}->{n} ({_fmt(times)})", times
+        return best, f"auto: {best} at {plain} ({_fmt(times)})", times
 
-    def _time(self, k: int, n: int, formats: tuple[str, ...]) -> dict[str, float]:
+    def _time(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]) -> dict[str, float]:
+        """ms of the plain GEMM (keyed by the dtype's name) and of each format's layer, inputs in `dtype`."""
         gen = torch.Generator(device=self.device).manual_seed(0)
-        linear = torch.nn.Linear(k, n, bias=False, device=self.device, dtype=torch.bfloat16)
+        linear = torch.nn.Linear(k, n, bias=False, device=self.device, dtype=dtype)
         with torch.no_grad():
             linear.weight.normal_(0, k ** -0.5, generator=gen)
-        x = torch.randn(self.rows, k, device=self.device, dtype=torch.bfloat16, generator=gen)
-        times = {"bf16": self.time_ms(lambda: F.linear(x, linear.weight))}
+        x = torch.randn(self.rows, k, device=self.device, dtype=dtype, generator=gen)
+        times = {_name(dtype): self.time_ms(lambda: F.linear(x, linear.weight))}
         for fmt in formats:
-            layer = quantized_layer(self.methods[fmt], linear.weight.detach(), k, n, None, torch.bfloat16,
+            layer = quantized_layer(self.methods[fmt], linear.weight.detach(), k, n, None, dtype,
                                     self.device, self.device)
             layer(x)  # first call runs any kernel measurement of the format itself
             times[fmt] = self.time_ms(lambda: layer(x))
@@ -115,6 +120,10 @@ class AutoSelector:
 @register_selector("auto")
 def _auto(group_size: int = 256, device=None, **_) -> AutoSelector:
     return AutoSelector(torch.device(device) if device is not None else default_device(), group_size=group_size)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _fmt(times: dict[str, float]) -> str:

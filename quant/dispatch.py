@@ -168,9 +168,12 @@ def _linear_like(module: nn.Module) -> bool:
 
 
 def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
-                  dominant: torch.dtype | None) -> tuple[LinearMethod | None, str]:
+                  dominant: torch.dtype | None, compute_dtype: torch.dtype | None = None
+                  ) -> tuple[LinearMethod | None, str]:
     """The method for a full-precision Linear, or None and why it stays as it is.
 
+    `dtype` is the weight's as stored; `compute_dtype` the one its QuantLinear
+    would compute in (what a selector measures in), the stored one by default.
     In order: ignored patterns, fp32 kept on purpose (in a model of another
     dtype), the default method or the selector's choice (auto), the first
     matching rule, then the method's own shape check.
@@ -182,7 +185,7 @@ def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_feature
         return None, "stored in fp32 on purpose"
     method, reason = config.method, None
     if isinstance(method, Selector):  # auto chooses per shape
-        method, reason = method.select(in_features, out_features)
+        method, reason = method.select(in_features, out_features, compute_dtype or dtype)
         if method is None:
             return None, reason
     for rule_pattern, rule_method in config.rules:
@@ -229,11 +232,11 @@ def _fp8_plan(config: QuantConfig, name: str, module: nn.Module, fmt: str,
               dominant: torch.dtype | None) -> LayerPlan:
     """An FP8 layer (of format `fmt`) under requantize_fp8: `method` where the float rules would choose it,
     else kept as it is."""
+    dtype = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
     method, reason = choose_method(config, name, torch.float8_e4m3fn, module.in_features, module.out_features,
-                                   dominant)
+                                   dominant, dtype)
     if method is None:
         return LayerPlan(name, module, None, reason, existing_format=fmt, fp8=True)
-    dtype = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
     return LayerPlan(name, module, method, f"re-quantized from {fmt}: {reason}", existing_format=fmt, fp8=True,
                      compute_dtype=dtype)
 

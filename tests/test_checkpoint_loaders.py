@@ -10,6 +10,7 @@ import base64
 import json
 import time
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -265,7 +266,7 @@ def test_online_layers_are_decided_from_the_header_before_building(plain_file):
         def __init__(self):
             self.calls = []
 
-        def select(self, in_features, out_features):
+        def select(self, in_features, out_features, dtype):
             self.calls.append((in_features, out_features))
             return method, "chosen from the header"
 
@@ -277,12 +278,49 @@ def test_online_layers_are_decided_from_the_header_before_building(plain_file):
         expected = sorted((n_in, n_out) for name, (n_out, n_in) in LINEARS.items() if name != "head.head")
         assert sorted(selector.calls) == expected
         sd = plan.state_dict(source)
-        for name, (n_out, n_in) in LINEARS.items():
-            builder.build(name, sd[f"{name}.weight"], n_in, n_out, sd[f"{name}.bias"], torch.float32, None)
+        for name, (n_out, n_in) in LINEARS.items():  # computing in the file's dtype, as the plan assumed
+            builder.build(name, sd[f"{name}.weight"], n_in, n_out, sd[f"{name}.bias"], torch.bfloat16, None)
         report = builder.finish()
     assert len(selector.calls) == len(expected)
     assert {r.name: r.reason for r in report.records} == {
         name: "ignored (matches 'head.*')" if name == "head.head" else "chosen from the header" for name in LINEARS}
+
+
+def test_selector_decides_again_in_the_dtype_comfyui_computes_in(plain_file):
+    """ComfyUI may compute a bf16 file in fp16: the plan (from the header) asked the selector for bfloat16; a
+    layer built with another compute dtype is decided again for that one, and its record gives that reason.
+    A fixed method is not decided again."""
+    int8, fp8 = get_method("int8_convrot", group_size=64), get_method("float8_e4m3fn")
+
+    class ByDtype:  # a selector whose choice depends on the dtype, as auto's measurement may
+        def __init__(self):
+            self.dtypes = []
+
+        def select(self, in_features, out_features, dtype):
+            self.dtypes.append(dtype)
+            return (fp8, "fp8 for float16") if dtype == torch.float16 else (int8, "int8 for bfloat16")
+
+    selector = ByDtype()
+    plan = inspect_checkpoint(plain_file)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=selector))
+        assert set(selector.dtypes) == {torch.bfloat16}
+        planned = len(selector.dtypes)
+        sd = plan.state_dict(source)
+        built = builder.build("blocks.0.ffn.0", sd["blocks.0.ffn.0.weight"], 128, 256, None, torch.float16, None)
+        same = builder.build("blocks.0.ffn.2", sd["blocks.0.ffn.2.weight"], 256, 128, None, torch.bfloat16, None)
+    assert selector.dtypes[planned:] == [torch.float16]
+    assert built.method.name == "float8_e4m3fn" and built.compute_dtype == torch.float16
+    assert same.method.name == "int8_convrot"
+    assert [r.reason for r in builder.report.records] == ["fp8 for float16", "int8 for bfloat16"]
+
+    fixed = QuantConfig(method=int8)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cpu"), online=fixed)
+        builder.online_plan["blocks.0.ffn.0"] = replace(builder.online_plan["blocks.0.ffn.0"], reason="planned")
+        sd = plan.state_dict(source)
+        builder.build("blocks.0.ffn.0", sd["blocks.0.ffn.0.weight"], 128, 256, None, torch.float16, None)
+    assert [r.reason for r in builder.report.records] == ["planned"]
 
 
 def test_online_layer_the_header_does_not_name_is_decided_from_its_tensor(plain_file):

@@ -6,6 +6,7 @@ from torch import nn
 from bigdit.quant import QuantConfig, get_method, quantize_layers
 from bigdit.quant.auto import AutoSelector, preferred_formats
 from bigdit.quant.fp8 import FP8, Fp8Method, quantize_rows
+from bigdit.quant.linear import quantized_layer
 
 
 def rel_err(out, ref):
@@ -73,21 +74,22 @@ def test_fp8_skips_shapes_cublas_cannot_take():
 def test_auto_on_cpu_uses_table_without_timing():
     selector = AutoSelector(torch.device("cpu"))
     assert preferred_formats(torch.device("cpu")) == ("int8_convrot",)
-    method, why = selector.select(256, 128)
+    method, why = selector.select(256, 128, torch.bfloat16)
     assert method.name == "int8_convrot" and "table" in why
     assert selector.timings == {}
-    method, why = selector.select(100, 128)  # not divisible by the group size
+    method, why = selector.select(100, 128, torch.bfloat16)  # not divisible by the group size
     assert method is None and "no native format" in why
 
 
 class ScriptedClock:
-    """Runs each timed call for real and answers the next scripted time (bf16 is timed first)."""
+    """Runs each timed call for real, keeps its output's dtype, and answers the next scripted time
+    (the plain GEMM is timed first)."""
 
     def __init__(self, *ms):
-        self.ms, self.calls = list(ms), 0
+        self.ms, self.calls, self.dtypes = list(ms), 0, []
 
     def __call__(self, fn):
-        fn()
+        self.dtypes.append(fn().dtype)
         self.calls += 1
         return self.ms.pop(0)
 
@@ -98,16 +100,57 @@ def test_auto_measures_once_and_keeps_bf16_where_nothing_is_faster(monkeypatch):
     monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
     fast = ScriptedClock(2.0, 1.0)
     selector = AutoSelector(torch.device("cpu"), measure=True, time_ms=fast)
-    method, why = selector.select(256, 128)
-    assert method.name == "int8_convrot" and why.startswith("auto: int8_convrot (bf16 2.000 ms")
-    assert selector.timings[(256, 128)] == {"bf16": 2.0, "int8_convrot": 1.0}
+    method, why = selector.select(256, 128, torch.bfloat16)
+    assert method.name == "int8_convrot" and why.startswith("auto: int8_convrot at bfloat16 (bfloat16 2.000 ms")
+    assert selector.timings[(256, 128, torch.bfloat16)] == {"bfloat16": 2.0, "int8_convrot": 1.0}
     assert fast.calls == 2
     # a second selector (another load) reuses the measurement
     again = AutoSelector(torch.device("cpu"), measure=True, time_ms=fast)
-    assert again.select(256, 128)[0].name == "int8_convrot" and fast.calls == 2
+    assert again.select(256, 128, torch.bfloat16)[0].name == "int8_convrot" and fast.calls == 2
     slow = ScriptedClock(1.0, 3.0)
-    method, why = AutoSelector(torch.device("cpu"), measure=True, time_ms=slow).select(512, 128)
-    assert method is None and why.startswith("auto: bf16 fastest at 512->128")
+    method, why = AutoSelector(torch.device("cpu"), measure=True, time_ms=slow).select(512, 128, torch.bfloat16)
+    assert method is None and why.startswith("auto: bfloat16 fastest at 512->128")
+
+
+def test_auto_measures_in_the_dtype_the_layer_computes_in(monkeypatch):
+    """ComfyUI may compute a bf16 file in fp16: each compute dtype is its own measurement, whose inputs,
+    reference weight and quantized layer are all in that dtype, and whose reason names it."""
+    from bigdit.quant import auto
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
+    built = []
+
+    def observed_layer(method, weight, k, n, bias, compute_dtype, device, home):
+        built.append((weight.dtype, compute_dtype))
+        return quantized_layer(method, weight, k, n, bias, compute_dtype, device, home)
+
+    monkeypatch.setattr(auto, "quantized_layer", observed_layer)
+    clock = ScriptedClock(2.0, 1.0, 1.0, 3.0)
+    selector = AutoSelector(torch.device("cpu"), measure=True, time_ms=clock)
+    method, why = selector.select(256, 128, torch.float16)
+    assert method.name == "int8_convrot"
+    assert why == "auto: int8_convrot at float16 (float16 2.000 ms, int8_convrot 1.000 ms)"
+    assert clock.dtypes == [torch.float16, torch.float16] and built == [(torch.float16, torch.float16)]
+    method, why = selector.select(256, 128, torch.bfloat16)  # not the fp16 measurement again
+    assert method is None and why.startswith("auto: bfloat16 fastest at 256->128 (bfloat16 1.000 ms")
+    assert clock.dtypes[2:] == [torch.bfloat16, torch.bfloat16] and built[1:] == [(torch.bfloat16, torch.bfloat16)]
+    assert set(selector.timings) == {(256, 128, torch.float16), (256, 128, torch.bfloat16)}
+    assert selector.select(256, 128, torch.float16)[0].name == "int8_convrot" and clock.calls == 4
+    # a dtype no GEMM computes in (an FP8 storage dtype) has nothing to measure: the table answers
+    method, why = selector.select(256, 128, torch.float8_e4m3fn)
+    assert method.name == "int8_convrot" and why == "auto: int8_convrot (table)" and clock.calls == 4
+
+
+def test_auto_through_the_dispatcher_measures_in_the_models_dtype(monkeypatch):
+    from bigdit.quant import auto
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
+    clock = ScriptedClock(2.0, 1.0)
+    model = nn.Sequential(nn.Linear(256, 256)).to(torch.float16)
+    replacements, report = quantize_layers(model, QuantConfig(method=AutoSelector(torch.device("cpu"), measure=True,
+                                                                                   time_ms=clock)))
+    assert replacements["0"].compute_dtype == torch.float16 and clock.dtypes == [torch.float16, torch.float16]
+    assert report.records[0].reason.startswith("auto: int8_convrot at float16 (float16 2.000 ms")
 
 
 def test_auto_through_the_dispatcher():

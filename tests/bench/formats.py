@@ -49,7 +49,7 @@ def bench(name, k, n, act, rows, selector):
     row = {"shape": name, "K": k, "N": n, "rows": rows, "bf16_ms": cuda_time_ms(bf16), "bf16_cos": cosine(bf16(), ref)}
     for fmt in FORMATS:
         if fmt == "auto":
-            method, why = selector.select(k, n)
+            method, why = selector.select(k, n, torch.bfloat16)
             row["auto_pick"] = why
             if method is None:
                 row.update(auto_ms=row["bf16_ms"], auto_ratio=1.0, auto_cos=row["bf16_cos"])
