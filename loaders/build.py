@@ -183,7 +183,8 @@ class LayerBuilder:
             return None
         start = time.perf_counter()
         weight = self.staging.to_device(weight)
-        built = quantized_layer(method, weight, in_features, out_features, bias, compute_dtype, self.device, home)
+        built = quantized_layer(method, weight, in_features, out_features, bias, compute_dtype, self.device, home,
+                                self.staging.to_host if home.type == "cpu" else None)
         self._quantize_seconds += time.perf_counter() - start
         self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, parameter_bytes(built)))
         self._online_counts[reason] = self._online_counts.get(reason, 0) + 1
@@ -191,9 +192,11 @@ class LayerBuilder:
 
     def _timing_note(self) -> str:
         line = f"quantizing while loading took {self._quantize_seconds:.1f} s on {self.device}"
-        if self.staging.staged_bytes:
-            line += (f", of which {self.staging.seconds:.1f} s reading {self.staging.staged_bytes / 1024 ** 3:.2f} GiB"
-                     " of weights into pinned memory")
+        staging, gib = self.staging, 1024 ** 3
+        if staging.staged_bytes:
+            line += (f": {staging.seconds:.1f} s reading {staging.staged_bytes / gib:.2f} GiB of weights into pinned "
+                     f"memory, {staging.host_seconds:.1f} s quantizing and moving {staging.host_bytes / gib:.2f} GiB "
+                     "back to RAM")
         return line
 
     # -- after building ----------------------------------------------------------

@@ -7,7 +7,7 @@ full-precision weight, for every caller.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -33,8 +33,10 @@ class LayerMethod(Protocol):
 
 def quantized_layer(method: LayerMethod, weight: torch.Tensor, in_features: int, out_features: int,
                     bias: torch.Tensor | None, compute_dtype: torch.dtype, device: torch.device,
-                    home: torch.device) -> "QuantLinear":
-    """`weight` [out, in] quantized by `method` on `device`, as a QuantLinear whose tensors live on `home`.
+                    home: torch.device, to_home: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> "QuantLinear":
+    """`weight` [out, in] quantized by `method` on `device`, as a QuantLinear whose tensors live on `home`
+    (moved there by `to_home` if given: a loader's pinned staging).
 
     The one way a quantized layer is made from a full-precision weight: the
     quantization pass, auto's measurement and the loaders all build through it,
@@ -42,7 +44,8 @@ def quantized_layer(method: LayerMethod, weight: torch.Tensor, in_features: int,
     """
     with torch.no_grad():
         tensors = method.quantize_weight(weight.to(device))
-    tensors = {k: v.to(home) for k, v in tensors.items()}
+    move = to_home or (lambda t: t.to(home))
+    tensors = {k: move(v) for k, v in tensors.items()}
     return QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
 
 

@@ -6,6 +6,7 @@ import torch
 from test_checkpoint_loaders import (EXPECTED_METHOD, LINEARS, MIXED, TOLERANCE, build, layer_input,
                                      plain_state_dict, reference_output, rel_err)
 from checkpoint_files import save, write_markers, write_quanto
+from bigdit.loaders import LayerBuilder, inspect_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,40 +82,52 @@ def test_every_shape_of_the_model_runs(plain_file, tmp_path):
 
 
 def test_pinned_staging_copies_each_weight_exactly():
-    from bigdit.loaders.staging import PinnedStaging
+    from bigdit.loaders.staging import SMALL_BYTES, PinnedStaging
     gen = torch.Generator().manual_seed(0)
-    sources = [torch.randn(300, 256, generator=gen).to(torch.bfloat16),
-               torch.randn(256, 300, generator=gen).to(torch.float16),
-               torch.randn(64, 512, generator=gen).t(),  # not contiguous
-               torch.randn(400, 100, generator=gen)]      # fp32, 160 KB: larger than the buffer, moved as it is
-    staging = PinnedStaging(torch.device("cuda"), largest_bytes=300 * 256 * 2)
+    sources = [torch.randn(1024, 1024, generator=gen).to(torch.bfloat16),  # 2 MiB: the buffer's size
+               torch.randn(1024, 768, generator=gen).to(torch.float16),
+               torch.randn(256, 1024, generator=gen).t(),       # fp32, not contiguous
+               torch.randn(1024, 1024, generator=gen),          # fp32, 4 MiB: over the buffer, moved as it is
+               torch.randn(64, 64, generator=gen)]              # under SMALL_BYTES, moved as it is
+    staging = PinnedStaging(torch.device("cuda"), largest_bytes=1024 * 1024 * 2)
     moved = [staging.to_device(t) for t in sources]  # one buffer, reused: earlier copies must not change
+    back = [staging.to_host(t * 2) for t in moved]   # the way back, after GPU work on each
     torch.cuda.synchronize()
-    for source, out in zip(sources, moved):
+    for source, out, host in zip(sources, moved, back):
         assert out.is_cuda and out.dtype == source.dtype and out.shape == source.shape
         assert torch.equal(out.cpu(), source)
-    assert staging.staged_bytes == sum(t.numel() * t.element_size() for t in sources[:3])
+        assert host.device.type == "cpu" and not host.is_pinned() and torch.equal(host, source * 2)
+    assert SMALL_BYTES > 64 * 64 * 4
+    assert staging.staged_bytes == staging.host_bytes == sum(t.numel() * t.element_size() for t in sources[:3])
     staging.close()
 
 
-def test_online_quantization_stages_through_pinned_memory_bit_exactly(plain_file):
-    """The loader's weights go to the GPU through the pinned buffer: each layer's tensors equal those
-    quantized from the same weight moved directly."""
+def test_online_quantization_stages_through_pinned_memory_bit_exactly(tmp_path):
+    """The loader's weights go to the GPU and back to RAM through the pinned buffer: each layer's tensors
+    equal those quantized from the same weight moved directly."""
+    import safetensors.torch
     from bigdit.quant import QuantConfig, get_method
     from bigdit.quant.linear import quantized_layer
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"blocks.0.ffn.0": (2048, 1024), "blocks.0.ffn.2": (1024, 2048), "blocks.0.q": (256, 256)}
+    sd = {f"{name}.weight": (torch.randn(shape, generator=gen) / shape[1] ** 0.5).to(torch.bfloat16)
+          for name, shape in shapes.items()}
+    path = tmp_path / "wide.safetensors"
+    safetensors.torch.save_file(sd, str(path))
     method = get_method("int8_convrot", group_size=64)
-    model, report, _ = build(plain_file, compute_dtype=torch.bfloat16, device="cuda",
-                             online=QuantConfig(method=method, ignored=("head.*",)))
-    assert "of weights into pinned memory" in report.render()
-    sd = plain_state_dict()
-    checked = 0
-    for name, (n_out, n_in) in LINEARS.items():
-        layer = model.get_submodule(name)
-        if not hasattr(layer, "method"):
-            continue
+    plan = inspect_checkpoint(path)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cuda"), online=QuantConfig(method=method))
+        tensors = plan.state_dict(source)
+        built = {name: builder.build(name, tensors[f"{name}.weight"], n_in, n_out, None, torch.bfloat16,
+                                     torch.device("cpu")) for name, (n_out, n_in) in shapes.items()}
+        report = builder.finish()
+    text = report.render()
+    assert "reading 0.01 GiB of weights into pinned memory" in text and "moving 0.00 GiB back to RAM" in text, text
+    assert builder.staging.staged_bytes == 2 * 2048 * 1024 * 2  # the small layer went the plain way
+    for name, (n_out, n_in) in shapes.items():
         direct = quantized_layer(method, sd[f"{name}.weight"].to("cuda"), n_in, n_out, None, torch.bfloat16,
-                                 torch.device("cuda"), torch.device("cuda"))
+                                 torch.device("cuda"), torch.device("cpu"))
         for key, tensor in direct.named_parameters():
-            assert torch.equal(getattr(layer, key), tensor), (name, key)
-        checked += 1
-    assert checked >= 3
+            got = getattr(built[name], key)
+            assert got.device.type == "cpu" and torch.equal(got, tensor), (name, key)
