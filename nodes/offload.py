@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -62,15 +62,17 @@ class _Offload:
         self.on_run = on_run or (lambda line: None)  # one line per sampling: the plan, and what streamed
         self.session: StreamSession | None = None
 
-    def plan(self, patcher, latent_shape=None) -> MemoryPlan:
+    def plan(self, patcher, latent_shapes=None) -> MemoryPlan:
         device = normalize_device(patcher.load_device)
         return model_view(patcher).plan(self.budget.capacity(available(device)), self.budget.reserve(host_reserve()),
-                                        CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0, latent_shape)
+                                        CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0, latent_shapes)
 
     def outer_sample(self, executor, noise, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
-        plan = self.plan(patcher, tuple(noise.shape))
-        log.info("offload (%s): %s", self.mode, plan.summary_line())
+        parts = _packed_parts(kwargs.get("latent_shapes"))
+        plan = self.plan(patcher, parts(tuple(noise.shape)))
+        log.info("offload (%s) for %s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
+                 plan.summary_line())
         log.debug("offload plan:\n%s", plan.render())
         check_fits(self.mode, plan, plan.render())
         if comfy_places_weights(patcher):
@@ -82,7 +84,7 @@ class _Offload:
                                                streams=self.mode != "none", **host_pin_functions())
         extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))
         try:
-            with _memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra)):
+            with _memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra, parts)):
                 return executor(noise, *args, **kwargs)
         finally:
             self.session = None
@@ -92,6 +94,14 @@ class _Offload:
         if self.session is not None:
             self.session.start(executor.class_obj)
         return executor(*args, **kwargs)
+
+
+def _packed_parts(latent_shapes) -> Callable[[Sequence[int]], list[tuple[int, ...]]]:
+    """shape -> the latents it stands for. Upstream samples the streams of an audio-video model (H3) packed
+    into one [B, 1, N] latent and hands their shapes to OUTER_SAMPLE as `latent_shapes`."""
+    if not latent_shapes or len(latent_shapes) < 2:
+        return lambda shape: [tuple(shape)]
+    return lambda shape: [(int(shape[0]), *tuple(part)[1:]) for part in latent_shapes]
 
 
 @contextmanager

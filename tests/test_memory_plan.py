@@ -210,3 +210,16 @@ def test_max_resident_tokens():
     plan = plan_placement([1000] * 2, 0, 0, capacity_bytes=1000 * 2 + 146_944 * 7 + 5, reserve_bytes=0,
                           workspace_bytes=0)
     assert max_resident_tokens(plan, h3_shape(1)) == 7
+
+
+def test_run_shape_adds_the_streams_of_an_audio_video_latent():
+    from bigdit.loaders.offload.budget import ModelView
+    model = Model()
+    model.patch_size = (1, 2, 2)
+    view = ModelView(model, {}, torch.bfloat16)
+    video, audio = (1, 24, 32, 48, 84), (1, 32, 2, 178)
+    assert view.run_shape(video).tokens == 32 * 24 * 42
+    assert view.run_shape(video, audio).tokens == 32 * 24 * 42 + 178  # audio: one token a latent frame
+    assert view.run_shape((2, *video[1:]), audio).batch == 2
+    required = view.memory_required(0, parts=lambda shape: [video, audio])
+    assert required((1, 1, 24 * 32 * 48 * 84 + 32 * 2 * 178)) == activation_bytes(view.run_shape(video, audio))

@@ -71,27 +71,33 @@ class ModelView:
     def blocks(self) -> list[tuple[str, nn.Module]]:
         return [(path, self.overrides.get(path, block)) for path, block in find_blocks(self.diffusion)]
 
-    def run_shape(self, latent_shape: Sequence[int]) -> RunShape | None:
-        """The blocks' shape for a latent of `latent_shape` ([B, C, *spatial]); None without blocks."""
+    def run_shape(self, *latent_shapes: Sequence[int]) -> RunShape | None:
+        """The blocks' shape for one sequence made of latents of `latent_shapes` ([B, C, *spatial] each): one
+        latent, or the streams of an audio-video model, whose tokens add up: the first (video) patchified,
+        each other one token per position of its last axis (H3's audio latent frames). None without blocks."""
         blocks = self.blocks
         if not blocks:
             return None
-        tokens = latent_tokens(latent_shape, getattr(self.diffusion, "patch_size", None))
+        first, *others = latent_shapes
+        tokens = latent_tokens(first, getattr(self.diffusion, "patch_size", None)) + sum(int(s[-1]) for s in others)
         heads = getattr(self.diffusion, "num_heads", None)
-        return infer_shape(blocks[0][1], tokens, self.dtype, batch=int(latent_shape[0]),
+        return infer_shape(blocks[0][1], tokens, self.dtype, batch=int(first[0]),
                            heads=heads if isinstance(heads, int) else None)
 
     def plan(self, capacity_bytes: int, reserve_bytes: int, workspace_bytes: int,
-             latent_shape: Sequence[int] | None = None) -> MemoryPlan:
-        """The plan for a latent of `latent_shape`; None: the weights only (activations unknown yet)."""
-        shape = None if latent_shape is None else self.run_shape(latent_shape)
+             latent_shapes: Sequence[Sequence[int]] | None = None) -> MemoryPlan:
+        """The plan for a run on `latent_shapes` (as run_shape); None: the weights only (activations unknown yet)."""
+        shape = None if latent_shapes is None else self.run_shape(*latent_shapes)
         return plan_for_model(self.diffusion, self.blocks, shape, capacity_bytes, reserve_bytes, self.overrides,
                               workspace_bytes)
 
-    def memory_required(self, extra_bytes: int) -> Callable[[Sequence[int]], int]:
-        """ComfyUI's memory_required(input_shape) as a plan sees it: activations plus `extra_bytes`."""
+    def memory_required(self, extra_bytes: int,
+                        parts: Callable[[Sequence[int]], Sequence[Sequence[int]]] = lambda shape: [shape]
+                        ) -> Callable[[Sequence[int]], int]:
+        """ComfyUI's memory_required(input_shape) as a plan sees it: activations plus `extra_bytes`;
+        `parts(input_shape)`: the latents a packed input stands for."""
         def memory_required(input_shape) -> int:
-            shape = self.run_shape(input_shape)
+            shape = self.run_shape(*parts(input_shape))
             return (0 if shape is None else activation_bytes(shape)) + extra_bytes
         return memory_required
 
