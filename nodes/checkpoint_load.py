@@ -2,9 +2,12 @@
 LayerBuilder, and install what a model with quantized layers needs after each load and sampling."""
 from __future__ import annotations
 
+import os
+
 import folder_paths
 
 from ..loaders import LayerBuilder, inspect_checkpoint
+from ..loaders.mapping import release_file
 from ..loaders.options import online_config, online_method, parse_prefix_rules, progress_total
 from . import checkpoint_compat as compat
 from .comfy_compat import compute_device, quantized_layers
@@ -46,6 +49,12 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
         else:
             loaded = compat.load_text_encoder(plan, builder, state_dict, clip_type,
                                               folder_paths.get_folder_paths("embeddings"))
+        copied = release_file(loaded.model if clip_type is None else loaded.cond_stage_model,
+                              state_dict.values(), os.path.getsize(path))
+        del state_dict
+    if copied:
+        builder.report.notes.append(f"copied the {copied / 1024 ** 3:.2f} GiB of the file's tensors ComfyUI kept "
+                                    "mapped, so the file's map is released")
     short, full = "\n".join(builder.report.brief()), builder.report.render()
     if clip_type is None:
         # on the node: the layers' lines, then the plan, which each sampling's `last run:` line replaces
