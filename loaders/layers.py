@@ -16,7 +16,7 @@ import torch
 from ..quant.descriptor import Contract, QuantFormat
 from ..quant.registry import format_spec
 from .errors import CheckpointError
-from .safetensors_header import FLOAT_DTYPES, HeaderReader, TensorInfo
+from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, TensorInfo
 
 # Called now and then during long inspections; raising from it (e.g. on a user's interrupt) stops them.
 Check = Callable[[], None] | None
@@ -168,7 +168,7 @@ def expect_dtype(info: TensorInfo, allowed: tuple[str, ...], what: str, layer: s
 
 
 def float_scale(info: TensorInfo, what: str, layer: str, problems: Problems) -> bool:
-    return expect_dtype(info, FLOAT_DTYPES, what, layer, problems)
+    return expect_dtype(info, FLOAT_HEADER_DTYPES, what, layer, problems)
 
 
 # ---- tensors as the methods take them ---------------------------------------

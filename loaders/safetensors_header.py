@@ -29,7 +29,7 @@ DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+FLOAT_HEADER_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 class TensorInfo(NamedTuple):     # a tuple: a header holds one per tensor, tens of thousands

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -122,3 +123,14 @@ def quantized_layers(patcher) -> dict[str, nn.Module]:
     """The QuantLinear layers of a diffusion model a loader built (what its report counts as quantized)."""
     root, overrides = module_view(patcher)
     return {name: m for name, m in walk_modules(root, overrides) if isinstance(m, QuantLinear)}
+
+
+def weight_patched_quant_tensors(patcher) -> Iterator[tuple[str, QuantLinear, str]]:
+    """(patch key, layer, "weight" or "bias") for each tensor of a QuantLinear in the live module tree that
+    `patcher` has a weight patch for (a LoRA): what the pack's ON_LOAD callbacks write with patch_weight_to_device."""
+    for name, module in patcher.model.named_modules():
+        if isinstance(module, QuantLinear):
+            for tensor_name in ("weight", "bias"):
+                key = f"{name}.{tensor_name}"
+                if key in patcher.patches:
+                    yield key, module, tensor_name

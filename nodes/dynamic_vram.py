@@ -26,7 +26,7 @@ import comfy.utils
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .comfy_compat import quantized_layers
+from .comfy_compat import quantized_layers, weight_patched_quant_tensors
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced
@@ -38,11 +38,8 @@ def _object_patched(patcher) -> dict[str, QuantLinear]:
 
 def on_load(patcher, device_to=None, *_) -> None:
     """Write weight patches into the QuantLinear layers of the live tree; record object-patched layers' backups."""
-    for name, module in patcher.model.named_modules():
-        if isinstance(module, QuantLinear):
-            for tensor_name in ("weight", "bias"):
-                if f"{name}.{tensor_name}" in patcher.patches:
-                    patcher.patch_weight_to_device(f"{name}.{tensor_name}", device_to=device_to)
+    for key, _, _ in weight_patched_quant_tensors(patcher):
+        patcher.patch_weight_to_device(key, device_to=device_to)
     layers = _object_patched(patcher)
     backups: dict[str, dict] = {}
     for key, saved in patcher.backup.items():

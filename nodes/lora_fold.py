@@ -24,7 +24,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 
 from ..pack_logging import pack_logger
-from ..quant.linear import QuantLinear
+from .comfy_compat import weight_patched_quant_tensors
 
 log = pack_logger(__name__)
 
@@ -43,21 +43,17 @@ def fold_offloaded_patches(patcher, device_to=None, *_) -> int:
         return 0
     pinned = getattr(patcher, "pinned", set())
     folded = 0
-    for name, module in patcher.model.named_modules():
-        if not isinstance(module, QuantLinear):
+    for key, module, tensor_name in weight_patched_quant_tensors(patcher):
+        functions = getattr(module, f"{tensor_name}_function")
+        if not any(_per_call_patch(f) for f in functions):
             continue
-        for tensor_name in ("weight", "bias"):
-            key = f"{name}.{tensor_name}"
-            functions = getattr(module, f"{tensor_name}_function")
-            if key not in patcher.patches or not any(_per_call_patch(f) for f in functions):
-                continue
-            was_pinned = key in pinned
-            patcher.unpin_weight(key)  # the unpatched tensor now only waits in the backup
-            patcher.patch_weight_to_device(key, device_to=device_to)
-            setattr(module, f"{tensor_name}_function", [f for f in functions if not _per_call_patch(f)])
-            if was_pinned:
-                patcher.pin_weight_to_device(key)
-            folded += 1
+        was_pinned = key in pinned
+        patcher.unpin_weight(key)  # the unpatched tensor now only waits in the backup
+        patcher.patch_weight_to_device(key, device_to=device_to)
+        setattr(module, f"{tensor_name}_function", [f for f in functions if not _per_call_patch(f)])
+        if was_pinned:
+            patcher.pin_weight_to_device(key)
+        folded += 1
     if folded:
         counter = getattr(patcher.model, "lowvram_patch_counter", None)
         if isinstance(counter, int):

@@ -59,8 +59,8 @@ def fastest_native_methods(device: torch.device, in_features: int, out_features:
 
 
 # Measured decisions for the process: (device, in, out, dtype, rows, group size, formats) ->
-# (format or None to keep the layer, reason, timings). Every load of the same model shares them.
-_MEASURED: dict[tuple, tuple[str | None, str, dict[str, float]]] = {}
+# (format or None to keep the layer, reason naming the timings). Every load of the same model shares them.
+_MEASURED: dict[tuple, tuple[str | None, str]] = {}
 
 
 class AutoSelector:
@@ -78,7 +78,6 @@ class AutoSelector:
         self.measure = device.type == "cuda" if measure is None else measure
         self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
         self.time_ms = time_ms or (lambda fn: _time_ms(fn, iters=5))
-        self.timings: dict[tuple, dict[str, float]] = {}  # (in, out, dtype) -> ms, for measured shapes
 
     def select(self, in_features: int, out_features: int, dtype: torch.dtype) -> tuple[LinearMethod | None, str]:
         usable = tuple(f for f in self.order if self.methods[f].skip_reason(in_features, out_features) is None)
@@ -89,16 +88,15 @@ class AutoSelector:
         key = (str(self.device), in_features, out_features, dtype, self.rows, self.group_size, usable)
         if key not in _MEASURED:
             _MEASURED[key] = self._decide(in_features, out_features, dtype, usable)
-        best, reason, self.timings[(in_features, out_features, dtype)] = _MEASURED[key]
+        best, reason = _MEASURED[key]
         return (None if best is None else self.methods[best]), reason
 
-    def _decide(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]
-                ) -> tuple[str | None, str, dict[str, float]]:
+    def _decide(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]) -> tuple[str | None, str]:
         times = self._time(k, n, dtype, formats)
         best, plain = min(times, key=times.get), _name(dtype)
         if best == plain:
-            return None, f"auto: {plain} fastest at {k}->{n} ({_fmt(times)})", times
-        return best, f"auto: {best} at {plain} ({_fmt(times)})", times
+            return None, f"auto: {plain} fastest at {k}->{n} ({_fmt(times)})"
+        return best, f"auto: {best} at {plain} ({_fmt(times)})"
 
     def _time(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]) -> dict[str, float]:
         """ms of the plain GEMM (keyed by the dtype's name) and of each format's layer, inputs in `dtype`."""

@@ -83,9 +83,7 @@ def main():
             cells = " ".join(f"{r[f + '_ratio']:>7.2f}x cos {r[f + '_cos']:.5f}" for f in FORMATS)
             print(f"{name:11} {rows:>6} {r['bf16_ms']:>8.3f} {cells}   [{r['auto_pick']}]", flush=True)
     write_json(Path(args.out) if args.out else default_out("formats"), {
-        "bench": "formats", "env": environment(), "rows": results,
-        "auto_timings_ms": {str(k): v for k, v in selector.timings.items()},
-    })
+        "bench": "formats", "env": environment(), "rows": results})
 
 
 if __name__ == "__main__":
