@@ -71,15 +71,17 @@ class _Offload:
         patcher = executor.class_obj.model_patcher
         parts = _packed_parts(kwargs.get("latent_shapes"))
         plan = self.plan(patcher, parts(tuple(noise.shape)))
-        log.info("offload (%s) for %s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
-                 plan.summary_line())
+        dynamic = comfy_places_weights(patcher)
+        log.info("offload (%s) for %s%s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
+                 ", a plan only (ComfyUI's dynamic VRAM places the weights)" if dynamic else "", plan.summary_line())
         log.debug("offload plan:\n%s", plan.render())
         check_fits(self.mode, plan, plan.render())
-        if comfy_places_weights(patcher):
+        if dynamic:
             try:
                 return executor(noise, *args, **kwargs)
             finally:
-                self.on_run(f"{plan.summary_line()}; ComfyUI's dynamic VRAM placed the weights")
+                self.on_run(f"ComfyUI's dynamic VRAM placed the weights; the pack's plan, not applied: "
+                            f"{plan.summary_line()}")
         session = self.session = StreamSession(plan, normalize_device(patcher.load_device),
                                                streams=self.mode != "none", **host_pin_functions())
         extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))

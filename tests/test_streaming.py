@@ -266,7 +266,10 @@ def test_session_pins_streamed_blocks_through_the_host_functions_and_unpins_at_c
     session.start(model)  # the run's later forwards attach nothing again
     big = [model.blocks[i].fc1.weight for i in (1, 3)] + [model.blocks[i].fc2.weight for i in (1, 3)]
     assert sorted(map(id, host.pinned)) == sorted(map(id, big)) and not host.unpinned
-    assert session.close().startswith("streamed 2 of 4 blocks (1, 3); ")
+    closed = session.close()
+    assert closed.startswith("streamed 2 of 4 blocks (1, 3); ")
+    # everything fits the plan's budget: what streams is what the host left off the device, and the line says so
+    assert plan.streamed == () and closed.endswith("where the plan streams 0 whole blocks"), closed
     assert sorted(map(id, host.unpinned)) == sorted(map(id, big))
     assert_restored(model, before)
 

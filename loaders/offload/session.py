@@ -48,5 +48,8 @@ class StreamSession:
         self.pins.release()
         summary = (f"streamed {len(self.streamer.order)} of {self.plan.n_blocks} blocks "
                    f"({block_ranges(self.streamer.order)}); {self.streamer.stats.render()}")
+        if set(self.streamer.order) != set(self.plan.streamed):  # what streams is what the host left in RAM
+            summary += (f"; the host's loading left weights of these blocks in RAM, where the plan streams "
+                        f"{len(self.plan.streamed)} whole blocks")
         log.info("offload: %s", summary)
         return summary
