@@ -205,8 +205,8 @@ def _upstream_tarball_missing():
     tarball = _upstream_tarball()
     if tarball.is_file():
         return None
-    return (f"ComfyUI 0.33.0 needs {tarball} (upstream's source, with its .sha256 beside it): put the project's "
-            f"shared/ folder beside the repository, or set BIGDIT_SHARED to a folder with hosts/ holding both")
+    return (f"{tarball} is missing (upstream's source, with its .sha256 beside it): put the project's shared/ "
+            f"folder beside the repository, or set BIGDIT_SHARED to a folder whose hosts/ holds both")
 
 
 def _unpack_upstream_tarball(tmp: Path) -> Path:
