@@ -4,7 +4,7 @@ written in, and ComfyUI's backups of object-patched layers kept off the layers t
 Dynamic loading treats a module with `comfy_cast_weights` as a cast layer: its
 weight and bias get a virtual-VRAM slot that only upstream's own cast path
 faults in, so a QuantLinear's weight would stay in pageable RAM and be copied
-at every call (README, end to end on 0.33.0). `prepare_dynamic_vram(patcher)` takes that attribute
+at every call (docs/benchmarks.md, Wan 2.1 14B on ComfyUI 0.33.0). `prepare_dynamic_vram(patcher)` takes that attribute
 off the QuantLinear layers, so ComfyUI loads them whole onto the GPU, counts
 them as loaded and evicts them whole; it adds:
 - an ON_LOAD callback that writes a LoRA into those layers with the patcher's

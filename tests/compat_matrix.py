@@ -1,4 +1,4 @@
-"""The README's host x feature matrix, from a JUnit report of the integration suite.
+"""docs/compatibility.md's host x feature matrix, from a JUnit report of the integration suite.
 
     python -m pytest tests -q --junitxml=suite.xml     (or BIGDIT_REPORTS=dir bash .ci/run)
     python tests/compat_matrix.py suite.xml            prints the Markdown table

@@ -5,7 +5,9 @@ integration tests that drive a real ComfyUI server.
 Every test that uses `comfy` (directly or through `tiny_wan`, `tiny_vae`, ...)
 runs once per host of tests/comfy_harness.py's HOSTS, with the host in its id
 (`test_x[comfy-0.3.75]`, `test_x[comfy-0.33.0]`); `--host VERSION` (repeatable)
-picks hosts. A test that needs a host feature says so with
+picks hosts. A host whose source cannot be had here (comfy_harness `Host.missing()`,
+e.g. no shared/ beside the clone) is left out, and the run's summary says so in one
+line; with `CI` set, or named by `--host`, it fails the tests instead. A test that needs a host feature says so with
 `@pytest.mark.host_feature("minimax_h3", ...)` (names: comfy_harness.FEATURES)
 and is skipped on a host that lacks it, with the reason "ComfyUI <v> lacks ...";
 inside a test, `if reason := comfy.host.lacks(...): pytest.skip(reason)`.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from comfy_harness import HOSTS, ComfyServer
+from comfy_harness import HOSTS, ComfyServer, in_ci
 from tiny_models import H3_TEXT_DIM, make_tiny_h3, make_tiny_wan, make_tiny_wan_vae
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -44,10 +46,27 @@ def pytest_configure(config):
                                        "skipped where this venv's comfy-kitchen lacks one")
 
 
+LEFT_OUT_HOSTS = pytest.StashKey[dict]()
+
+
+def hosts_to_test(config):
+    """(hosts to test, {version: why it is left out}): those --host names, else every host but those missing
+    outside CI."""
+    chosen = config.getoption("host")
+    if chosen:
+        return [h for h in HOSTS if h.version in chosen], {}
+    left_out = {} if in_ci() else {h.version: reason for h in HOSTS if (reason := h.missing())}
+    return [h for h in HOSTS if h.version not in left_out], left_out
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for version, reason in config.stash.get(LEFT_OUT_HOSTS, {}).items():
+        terminalreporter.write_line(f"skipped host ComfyUI {version}: {reason}", yellow=True)
+
+
 def pytest_generate_tests(metafunc):
     if "comfy" in metafunc.fixturenames:
-        chosen = metafunc.config.getoption("host") or [h.version for h in HOSTS]
-        hosts = [h for h in HOSTS if h.version in chosen]
+        hosts, metafunc.config.stash[LEFT_OUT_HOSTS] = hosts_to_test(metafunc.config)
         metafunc.parametrize("comfy", hosts, indirect=True, scope="session",
                              ids=[f"comfy-{h.version}" for h in hosts])
 
@@ -78,9 +97,9 @@ def comfy(request, tmp_path_factory):
     host = request.param
     try:
         host.check()
-    except Exception as e:  # never skip: a missing host must fail the run
-        pytest.fail(f"ComfyUI {host.version} is not set up ({e}); run `bash .ci/setup_env.sh`, "
-                    f"or choose hosts with --host", pytrace=False)
+    except Exception as e:  # never skip a host that was asked for: it must fail the run
+        how = host.missing() or "run `bash .ci/setup_env.sh`"
+        pytest.fail(f"ComfyUI {host.version} is not set up ({e}); {how}, or choose hosts with --host", pytrace=False)
     server = ComfyServer(tmp_path_factory.mktemp(f"comfy-{host.version}"), host)
     yield server
     server.stop()

@@ -113,5 +113,5 @@ def test_registry_archive_holds_the_pack_and_no_tests():
         assert modules and modules <= files, package
     assert {f"web/docs/{p.name}" for p in (PACK_ROOT / "web" / "docs").glob("*.md")} <= files
     assert any(f.startswith("example_workflows/") and f.endswith(".json") for f in files)
-    for left_out in ("tests/", ".ci/", "web/screenshots/"):
+    for left_out in ("tests/", ".ci/", "web/screenshots/", "docs/"):
         assert not any(f.startswith(left_out) for f in files), left_out

@@ -1,4 +1,4 @@
-"""Charts of the benchmark results, for the README: one PNG beside each JSON in tests/bench/results/.
+"""Charts of the benchmark results, for docs/benchmarks.md: one PNG beside each JSON in tests/bench/results/.
 
     python tests/bench/plot.py [RESULTS_DIR]
 

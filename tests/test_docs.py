@@ -1,0 +1,94 @@
+"""The README and docs/ against what they describe: every node input in the node docs (from the
+/object_info snapshots that tests/integration/test_object_info_snapshot.py checks against the real
+servers), the headline table against the benchmark JSON, the compatibility matrix's rows against
+tests/compat_matrix.py, and no project history in them."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import compat_matrix
+import doc_tables
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+README = PACK_ROOT / "README.md"
+DOCS = [README, PACK_ROOT / "docs" / "benchmarks.md", PACK_ROOT / "docs" / "compatibility.md"]
+SNAPSHOTS = sorted((PACK_ROOT / "tests" / "fixtures").glob("object_info_*.json"))
+
+
+def node_sections(text) -> dict:
+    """{node id: its section's text} for each "### Display name — `NodeId`" heading."""
+    parts = re.split(r"^### .*?`(\w+)`\s*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def section(text, heading) -> str:
+    """The text under a "## heading" up to the next "## "."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    assert match, f"no section '## {heading}'"
+    return match.group(1)
+
+
+def test_node_sections_are_found_by_their_headings():
+    sections = node_sections("### A — `NodeA`\n| `x` |\n### B — `NodeB`\ntext `y`\n## Next\n")
+    assert list(sections) == ["NodeA", "NodeB"]
+    assert "`x`" in sections["NodeA"] and "`x`" not in sections["NodeB"]
+
+
+@pytest.mark.parametrize("snapshot", SNAPSHOTS, ids=lambda p: p.stem)
+def test_readme_documents_every_node_and_every_input(snapshot):
+    assert len(SNAPSHOTS) == 2
+    nodes = json.loads(snapshot.read_text())
+    sections = node_sections(section(README.read_text(), "Nodes"))
+    assert sorted(sections) == sorted(nodes)
+    for name, node in nodes.items():
+        heading = re.search(rf"^### (.*?) — `{name}`$", README.read_text(), flags=re.M).group(1)
+        assert heading == node["display_name"], name
+        for kind in ("required", "optional"):
+            for input_name in node["input"].get(kind, {}):
+                # a table row that starts with the input, so a mention in passing does not count
+                assert re.search(rf"^\| `{input_name}` \|", sections[name], flags=re.M), \
+                    f"README's {name} section has no row for input {input_name!r}"
+
+
+def test_readme_headline_is_the_table_from_the_benchmark_json():
+    text = README.read_text()
+    marker = "<!-- headline: tests/doc_tables.py writes this table from tests/bench/results/ -->\n"
+    assert marker in text
+    assert text.split(marker, 1)[1].startswith(doc_tables.headline() + "\n")
+
+
+def test_headline_rows_read_the_runs_they_name():
+    table = doc_tables.headline()
+    assert "| ComfyUI UNETLoader bf16 (reference) | no cap | 3.096 | 1.00x | 29.9 | 1.0000 |" in table
+    # 0.33.0's bench reads the GPU's used memory (NVML), which is what its rows show
+    assert "| LoadH3Quantized `auto` (FP8) | 24 GiB | 3.399 | 1.15x | 19.3 | 0.9994 |" in table
+
+
+def test_compatibility_matrix_lists_the_features_of_compat_matrix():
+    text = DOCS[2].read_text()
+    rows = re.findall(r"^\| (.+?) \| (.+?) \| (.+?) \|$", text, flags=re.M)
+    assert rows[0] == ("Feature", "ComfyUI 0.3.75", "ComfyUI 0.33.0")
+    assert [feature for feature, _, _ in rows[1:]] == [feature for feature, _ in compat_matrix.FEATURES]
+    for _, *cells in rows[1:]:
+        assert all(re.fullmatch(r"pass \d+|skipped: .+", cell) for cell in cells), cells
+
+
+def test_docs_link_only_to_files_that_exist():
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
+            if not target.startswith("http"):
+                assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_say_the_state_not_the_story(doc):
+    text = doc.read_text()
+    for story in (r"\bissue \d+", r"\brun [1-9]\b", r"\bthis round\b", r"\bsince\b", r"\bbefore the\b.*\bchanges?\b",
+                  r"\bnow\b", r"\bno longer\b"):
+        assert not re.search(story, text, flags=re.I), f"{doc.name}: {re.search(story, text, flags=re.I).group(0)!r}"
+
+
+def test_readme_is_short():
+    assert len(README.read_text().splitlines()) <= 250
