@@ -41,6 +41,7 @@ from .comfy_compat import quantized_layers
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced
+_MOVED = "_bigdit_moved_patches"  # on a layer: the host's LoRA patches on_load moved into its per-call patches
 
 
 def _object_patched(patcher) -> dict[str, QuantLinear]:
@@ -101,6 +102,7 @@ def on_load(patcher, device_to=None, *_) -> None:
                 if patch is not None:
                     setattr(module, f"{tensor_name}_lowvram_function", None)
                     setattr(module, f"{tensor_name}_function", [patch, *getattr(module, f"{tensor_name}_function")])
+                    module.__dict__.setdefault(_MOVED, []).append((tensor_name, patch))
     layers = _object_patched(patcher)
     backups: dict[str, dict] = {}
     for key, saved in patcher.backup.items():
@@ -126,7 +128,12 @@ def _restore(layer: QuantLinear, originals: dict) -> None:
 
 
 def on_detach(patcher, unpatch_all: bool = True) -> None:
-    """Put object-patched layers' tensors back where they belong (see the module's docstring)."""
+    """Take out the LoRA patches on_load moved; put object-patched layers' tensors back where they belong (see
+    the module's docstring)."""
+    for layer in {*patcher.model.modules(), *_object_patched(patcher).values()}:
+        for tensor_name, patch in layer.__dict__.pop(_MOVED, []):
+            setattr(layer, f"{tensor_name}_function",
+                    [f for f in getattr(layer, f"{tensor_name}_function") if f is not patch])
     for path, layer in _object_patched(patcher).items():
         record = layer.__dict__.pop(_RECORD, None)
         if record is None:

@@ -164,6 +164,12 @@ def retarget(p):
     return p
 
 
+def unload(p):
+    # detach for good; upstream's partial unload (of the VRAM it never used here) asserts a GPU load device
+    p.load_device = cuda
+    p.detach(unpatch_all=True)
+
+
 def dynamic_load(p):
     # upstream's own ModelPatcherDynamic.partially_load (unpatch, object patches, load, ON_LOAD callbacks)
     for name, module in p.model.named_modules():
@@ -207,7 +213,7 @@ out["lora_effect"] = ((ref - before).norm() / before.norm()).item()
 dynamic_load(lora)  # the next load restores the backups, then writes the LoRA in again
 with torch.no_grad():
     out["second_load_err"] = ((layer(x) - first).norm() / first.norm()).item()
-lora.detach(unpatch_all=True)
+unload(lora)
 out["original_kept"] = same(original, original_saved)
 out["tree_has_original"] = comfy.utils.get_attr(patcher.model, path) is original
 out["layer_restored"] = same(layer, layer_saved) and layer._unpatched is None
@@ -239,7 +245,7 @@ dynamic_load(retarget(own_lora))
 with torch.no_grad():
     own_ref = torch.nn.functional.linear(x, own_base + 0.5 * own_diff, own_layer.bias.float())
     out["in_place_lora_err"] = ((own_layer(x) - own_ref).norm() / own_ref.norm()).item()
-own_lora.detach(unpatch_all=True)
+unload(own_lora)
 out["in_place_restored"] = same(own_layer, own_saved) and own_layer._unpatched is None
 with torch.no_grad():
     out["in_place_output_restored"] = torch.equal(own_layer(x), own_before)
@@ -250,7 +256,7 @@ bare, _, bare_layers = comfy_compat.quantize_on_clone(patcher, config(), title="
 bare_original = comfy.utils.get_attr(patcher.model, path)
 bare_saved = snapshot(bare_original)
 dynamic_load(retarget(bare))
-bare.detach(unpatch_all=True)
+unload(bare)
 out["without_original_kept"] = same(bare_original, bare_saved)
 out["without_stray"] = sorted(set(bare_original._parameters) - set(bare_saved))
 print(json.dumps(out))
