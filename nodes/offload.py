@@ -82,10 +82,14 @@ class _Offload:
         if dynamic:
             PAGED.reset()
             self.model_calls = 0
+            if normalize_device(patcher.load_device).type == "cuda" and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats(patcher.load_device)  # the run's own allocator peak
             try:
                 return executor(noise, *args, **kwargs)
             finally:
-                self.on_run(self.paged_line(patcher, plan))
+                line = self.paged_line(patcher, plan)
+                log.info("last run: %s", line)
+                self.on_run(line)
         session = self.session = StreamSession(plan, normalize_device(patcher.load_device),
                                                streams=self.mode != "none", **host_pin_functions())
         extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))

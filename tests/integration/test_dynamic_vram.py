@@ -229,7 +229,7 @@ patcher.restore_loaded_backups()
 out["switch_original_kept"] = same(original, original_saved)
 out["switch_layer_restored"] = same(layer, layer_saved)
 
-# 3. a loader's layers, built in place: the LoRA written in at load, the backups restored by ComfyUI
+# 3. a loader's layers, built in place: the LoRA applied per call, the backups restored by ComfyUI
 own = comfy.sd.load_diffusion_model(unet)
 replacements, _ = quantize_layers(own.model.diffusion_model, config(), title="test")
 apply_replacements(own.model.diffusion_model, replacements)
