@@ -4,16 +4,19 @@ Upstream 0.33.0 (dynamic VRAM): its real `ModelPatcherDynamic.load`, retargeted 
 device-selector nodes retarget a patcher (`load_device`, `register_load_device`), so that it runs here
 without comfy-aimdo's virtual VRAM. It loads whole only what it would load whole on a GPU (modules that
 are not cast layers, small layers, the quantized layers' scales); weight and bias of every other cast
-layer, the pack's QuantLinear included (nodes/dynamic_vram.py), get a page that the cast path faults in
-per call. Before issue 19 the pack took `comfy_cast_weights` off its layers, and this load copied every
+layer, the pack's QuantLinear included (nodes/dynamic_vram.py), are left to the cast path (a page on a
+GPU; here, with no virtual VRAM, read from RAM). Before issue 19 the pack took `comfy_cast_weights` off its layers, and this load copied every
 quantized layer whole (the OOM on a 12 GiB card). ComfyUI 0.3.75: its real partial load
 (`ModelPatcher.load` with `lowvram_model_memory`), which leaves the layers past the budget in RAM.
 
 The budget is half the quantized layers' bytes; what the host loaded is its own account
 (`model_loaded_weight_memory`). A tiny model (Wan on both hosts, MiniMax-H3 from upstream's class on
-0.33.0) quantized in place as a loader does (int8_convrot, group 16) samples 3 Euler steps on the
-model's own sigmas after the constrained load and after a full load of the same quantized weights.
-What faults pages in on a GPU is not run here (tests/bench: comfy_e2e.py's capped configurations).
+0.33.0) quantized in place as a loader does (int8_convrot, group 16, the pack's default keep patterns)
+samples 3 euler steps through ComfyUI's own KSampler path (`nodes.common_ksampler`) after the constrained
+load and after a full load of the same quantized weights. On upstream the sampler's load_models_gpu runs
+the dynamic load itself; 0.3.75's loads a CPU model fully, so there the probe makes the partial load and
+the sampler finds the model loaded. What faults pages in on a GPU is not run here (tests/bench:
+comfy_e2e.py's capped configurations on 0.33.0).
 """
 import json
 import subprocess
@@ -81,7 +84,8 @@ def constrained(patcher, budget):
         patcher.register_load_device(cpu)
         prepare_dynamic_vram(patcher)
         return patcher
-    # 0.3.75's load_models_gpu on a CPU loads fully: its partial load, as it runs it on a small card
+    # 0.3.75's load_models_gpu loads a CPU model fully: its partial load as it runs it on a small card,
+    # then the sampler finds the model loaded
     comfy.model_management.load_models_gpu = lambda models, *a, **k: None
     patcher.load(cpu, lowvram_model_memory=budget)
     return patcher
