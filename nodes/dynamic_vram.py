@@ -1,45 +1,108 @@
-"""The pack's quantized layers under upstream's dynamic VRAM (`patcher.is_dynamic()`): loaded whole, LoRA
-written in, and ComfyUI's backups of object-patched layers kept off the layers they replaced.
+"""The pack's quantized layers under upstream's dynamic VRAM (`patcher.is_dynamic()`): paged by the host like
+its own layers, a LoRA applied per call, and ComfyUI's backups of object-patched layers kept off the layers
+they replaced.
 
 Dynamic loading treats a module with `comfy_cast_weights` as a cast layer: its
-weight and bias get a virtual-VRAM slot that only upstream's own cast path
-faults in, so a QuantLinear's weight would stay in pageable RAM and be copied
-at every call (docs/benchmarks.md, Wan 2.1 14B on ComfyUI 0.33.0). `prepare_dynamic_vram(patcher)` takes that attribute
-off the QuantLinear layers, so ComfyUI loads them whole onto the GPU, counts
-them as loaded and evicts them whole; it adds:
-- an ON_LOAD callback that writes a LoRA into those layers with the patcher's
-  own `patch_weight_to_device` (ComfyUI attaches weight patches only to cast
-  layers), and records the backups of object-patched layers;
+weight and bias get a slot in comfy-aimdo's virtual VRAM, which only the host's
+cast path (`comfy.ops.cast_bias_weight`) faults in, and its other tensors (a
+QuantLinear's scales) are loaded whole. `prepare_dynamic_vram(patcher)` gives
+each QuantLinear `page_weights` as its `weight_pager`: each call takes weight
+and bias through that cast path in their stored dtype (int8, fp8, packed), so
+the host keeps them resident while the card has room, evicts them under
+pressure and copies them in from pinned memory otherwise (block prefetch
+included), exactly as it pages its own quantized weights. Nothing is loaded
+past the card. It adds:
+- an ON_LOAD callback that moves a LoRA the host attached for its own cast path
+  (`weight_lowvram_function`, which would requantize the patched weight as a
+  plain dtype into the page) into the layer's per-call patches, applied by the
+  pack on the dequantized weight; and records the backups of object-patched layers;
 - an ON_DETACH callback for object-patched layers (QuantizeModelINT8's).
   `ModelPatcherDynamic.unpatch_model` puts the object patches back before it
-  restores the backups by path, so their int8 weight and scales land on the
-  original Linear: the callback gives that Linear back its own tensors and the
-  layer its originals (weight last, which also restores the scales a LoRA
-  replaced). A switch to another clone detaches without unpatching, and the
-  next load would restore the shared backups under that clone's object
-  patches: there the callback takes them out first.
+  restores the backups by path, so the scales it loaded (and small layers it
+  loaded whole) land on the original Linear: the callback gives that Linear back its own
+  tensors and the layer its originals (weight last). A switch to another clone
+  detaches without unpatching, and the next load would restore the shared
+  backups under that clone's object patches: there the callback takes them out first.
+`PageCounter` counts what the pager copied, for the run's report.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import comfy.ops
 import comfy.patcher_extension
 import comfy.utils
+import torch
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .comfy_compat import quantized_layers, weight_patched_quant_tensors
+from .comfy_compat import quantized_layers
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced
+_MOVED = "_bigdit_moved_patches"  # on a layer: the host's LoRA patches on_load moved into its per-call patches
 
 
 def _object_patched(patcher) -> dict[str, QuantLinear]:
     return {path: m for path, m in patcher.object_patches.items() if isinstance(m, QuantLinear)}
 
 
+@dataclass
+class PageCounter:
+    """What the pager did since `reset`: calls, calls that copied weight and bias in, the bytes copied."""
+    calls: int = 0
+    copied_calls: int = 0
+    copied_bytes: int = 0
+
+    def reset(self) -> None:
+        self.calls = self.copied_calls = self.copied_bytes = 0
+
+
+PAGED = PageCounter()
+
+
+@contextmanager
+def page_weights(layer: QuantLinear, device: torch.device):
+    """A QuantLinear's weight and bias on `device` for one call through the host's cast path, in their stored
+    dtypes; None (the layer's own tensors) where the host gave the layer no page or holds it on `device`."""
+    if not hasattr(layer, "_v") or device.type == "cpu" or layer.weight.device == device:
+        yield None
+        return
+    prefetch = getattr(layer, "_prefetch", None)  # the host's block prefetch faulted it in already
+    signature = getattr(layer, "_v_signature", None)
+    patches = layer.weight_function, layer.bias_function
+    layer.weight_function, layer.bias_function = [], []  # the pack applies them, on the dequantized weight
+    try:
+        weight, bias, offload = comfy.ops.cast_bias_weight(
+            layer, None, dtype=layer.weight.dtype, device=device,
+            bias_dtype=None if layer.bias is None else layer.bias.dtype, offloadable=True)
+    finally:
+        layer.weight_function, layer.bias_function = patches
+    # a page that was resident keeps its signature; a copy sets a new one (None: copied into a cast buffer)
+    after = getattr(layer, "_v_signature", None)
+    copied = not prefetch["resident"] if prefetch is not None else (after is None or after is not signature)
+    PAGED.calls += 1
+    if copied:
+        PAGED.copied_calls += 1
+        PAGED.copied_bytes += sum(t.nbytes for t in (weight, bias) if t is not None)
+    try:
+        yield {"weight": weight, "bias": bias}
+    finally:
+        comfy.ops.uncast_bias_weight(layer, weight, bias, offload)
+
+
 def on_load(patcher, device_to=None, *_) -> None:
-    """Write weight patches into the QuantLinear layers of the live tree; record object-patched layers' backups."""
-    for key, _, _ in weight_patched_quant_tensors(patcher):
-        patcher.patch_weight_to_device(key, device_to=device_to)
+    """Move the LoRA the host attached for its cast path into the layers' per-call patches; record
+    object-patched layers' backups."""
+    for module in patcher.model.modules():
+        if isinstance(module, QuantLinear):
+            for tensor_name in ("weight", "bias"):
+                patch = getattr(module, f"{tensor_name}_lowvram_function", None)
+                if patch is not None:
+                    setattr(module, f"{tensor_name}_lowvram_function", None)
+                    setattr(module, f"{tensor_name}_function", [patch, *getattr(module, f"{tensor_name}_function")])
+                    module.__dict__.setdefault(_MOVED, []).append((tensor_name, patch))
     layers = _object_patched(patcher)
     backups: dict[str, dict] = {}
     for key, saved in patcher.backup.items():
@@ -65,7 +128,12 @@ def _restore(layer: QuantLinear, originals: dict) -> None:
 
 
 def on_detach(patcher, unpatch_all: bool = True) -> None:
-    """Put object-patched layers' tensors back where they belong (see the module's docstring)."""
+    """Take out the LoRA patches on_load moved; put object-patched layers' tensors back where they belong (see
+    the module's docstring)."""
+    for layer in {*patcher.model.modules(), *_object_patched(patcher).values()}:
+        for tensor_name, patch in layer.__dict__.pop(_MOVED, []):
+            setattr(layer, f"{tensor_name}_function",
+                    [f for f in getattr(layer, f"{tensor_name}_function") if f is not patch])
     for path, layer in _object_patched(patcher).items():
         record = layer.__dict__.pop(_RECORD, None)
         if record is None:
@@ -80,11 +148,11 @@ def on_detach(patcher, unpatch_all: bool = True) -> None:
 
 
 def prepare_dynamic_vram(patcher) -> None:
-    """On a dynamic-VRAM patcher, have ComfyUI load the pack's quantized layers whole (see the module's docstring)."""
+    """On a dynamic-VRAM patcher, have ComfyUI page the pack's quantized layers (see the module's docstring)."""
     if not getattr(patcher, "is_dynamic", lambda: False)():
         return
     for layer in quantized_layers(patcher).values():
-        layer.__dict__.pop("comfy_cast_weights", None)
+        layer.weight_pager = page_weights
     callbacks = comfy.patcher_extension.CallbacksMP
     for kind, function in ((callbacks.ON_LOAD, on_load), (callbacks.ON_DETACH, on_detach)):
         patcher.remove_callbacks_with_key(kind, KEY)

@@ -14,13 +14,15 @@ import comfy.patcher_extension
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
-from ..loaders.offload.budget import Budget, ModelView, OffloadReport, brief_line, check_fits, describe
+from ..loaders.offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe,
+                                      paged_run_line)
 from ..loaders.offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
 from ..loaders.offload.session import StreamSession
 from ..loaders.offload.streaming import normalize_device
 from ..loaders.options import OFFLOAD_MODES
 from . import categories
 from .comfy_compat import module_view, quantized_layers
+from .dynamic_vram import PAGED
 from .node_report import node_output, show_on_node
 
 log = pack_logger(__name__)
@@ -61,6 +63,7 @@ class _Offload:
         self.mode, self.budget = mode, budget
         self.on_run = on_run or (lambda line: None)  # one line per sampling: the plan, and what streamed
         self.session: StreamSession | None = None
+        self.model_calls = 0
 
     def plan(self, patcher, latent_shapes=None) -> MemoryPlan:
         device = normalize_device(patcher.load_device)
@@ -77,11 +80,16 @@ class _Offload:
         log.debug("offload plan:\n%s", plan.render())
         check_fits(self.mode, plan, plan.render())
         if dynamic:
+            PAGED.reset()
+            self.model_calls = 0
+            if normalize_device(patcher.load_device).type == "cuda" and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats(patcher.load_device)  # the run's own allocator peak
             try:
                 return executor(noise, *args, **kwargs)
             finally:
-                self.on_run(f"ComfyUI's dynamic VRAM placed the weights; the pack's plan, not applied: "
-                            f"{plan.summary_line()}")
+                line = self.paged_line(patcher, plan)
+                log.info("last run: %s", line)
+                self.on_run(line)
         session = self.session = StreamSession(plan, normalize_device(patcher.load_device),
                                                streams=self.mode != "none", **host_pin_functions())
         extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))
@@ -92,7 +100,15 @@ class _Offload:
             self.session = None
             self.on_run(f"{plan.summary_line()}; {session.close()}")
 
+    def paged_line(self, patcher, plan: MemoryPlan) -> str:
+        device = normalize_device(patcher.load_device)
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        return paged_run_line(plan, self.model_calls, PAGED.calls, PAGED.copied_calls, PAGED.copied_bytes,
+                              int(patcher.loaded_size()) if cuda else None,
+                              torch.cuda.max_memory_allocated(device) if cuda else None)
+
     def diffusion_model(self, executor, *args, **kwargs):
+        self.model_calls += 1
         if self.session is not None:
             self.session.start(executor.class_obj)
         return executor(*args, **kwargs)

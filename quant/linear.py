@@ -64,6 +64,11 @@ class QuantLinear(nn.Module):
         # ComfyUI's partial loading marks modules it leaves in RAM with
         # comfy_cast_weights; such a layer is then moved per call (see tensors_for).
         self.comfy_cast_weights = False
+        # Where the host pages weight and bias itself (upstream's dynamic VRAM, nodes/dynamic_vram.py):
+        # `weight_pager(layer, device)` is a context manager yielding {"weight", "bias"} on `device` for
+        # one call, or None where the host does not page this layer.
+        self.weight_pager: Callable | None = None
+        self._paged: dict[str, torch.Tensor | None] | None = None
         self.weight_function: list = []
         self.bias_function: list = []
         # Upstream's dynamic VRAM attaches a LoRA here instead of in weight_function
@@ -83,7 +88,10 @@ class QuantLinear(nn.Module):
         """
         device = self.weight.device if device is None else device
         out = {}
+        paged = self._paged if self._paged is not None and self._paged["weight"].device == device else {}
         for key, param in self._parameters.items():
+            if key in paged:
+                param = paged[key]
             if param is None:
                 continue
             # Only host-to-device copies may be asynchronous: a tensor copied to the CPU is read at once.
@@ -106,6 +114,16 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         count_run(self)
+        if self.weight_pager is None:
+            return self._forward(x, input_act)
+        with self.weight_pager(self, x.device) as paged:
+            self._paged = paged
+            try:
+                return self._forward(x, input_act)
+            finally:
+                self._paged = None
+
+    def _forward(self, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
         weight_patches, bias_patches = self._patches("weight"), self._patches("bias")
         if weight_patches or bias_patches:
             return self._forward_patched(x, input_act, weight_patches, bias_patches)
@@ -124,7 +142,8 @@ class QuantLinear(nn.Module):
         weight = self.method.dequantize(self, x.device).to(x.dtype)
         for patch in weight_patches:
             weight = patch(weight)
-        bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
+        bias = self._paged["bias"] if self._paged is not None else self.bias
+        bias = None if bias is None else bias.to(x.device, x.dtype)
         for patch in bias_patches:
             bias = patch(bias)
         return torch.nn.functional.linear(apply_input_act(x, input_act), weight, bias)

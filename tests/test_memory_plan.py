@@ -223,3 +223,17 @@ def test_run_shape_adds_the_streams_of_an_audio_video_latent():
     assert view.run_shape((2, *video[1:]), audio).batch == 2
     required = view.memory_required(0, parts=lambda shape: [video, audio])
     assert required((1, 1, 24 * 32 * 48 * 84 + 32 * 2 * 178)) == activation_bytes(view.run_shape(video, audio))
+
+
+def test_paged_run_line_reports_what_the_host_copied_per_model_call():
+    from bigdit.loaders.offload.budget import paged_run_line
+    plan = plan_placement([100] * 4, 10, 0, capacity_bytes=400, reserve_bytes=0, workspace_bytes=0)
+    # 6 model calls; 30 of 40 layer calls copied 3 GiB in all: 0.5 GiB per model call
+    line = paged_run_line(plan, model_calls=6, paged_calls=40, copied_calls=30, copied_bytes=3 * GIB,
+                          device_weight_bytes=12 * GIB, allocator_peak=5 * GIB)
+    assert line.startswith("ComfyUI's dynamic VRAM paged the weights (mechanism: the host's cast path")
+    assert "copied in: 0.50 GiB per model call (30 of 40 layer calls, 6 model calls)" in line, line
+    assert "weights on the device at the end 12.00 GiB; allocator peak 5.00 GiB" in line, line
+    assert line.endswith(f"the pack's plan, not applied: {plan.summary_line()}")
+    bare = paged_run_line(plan, 0, 0, 0, 0, None, None)  # no model call, no CUDA (a CPU run)
+    assert "0.00 MiB per model call" in bare and "allocator" not in bare and "at the end" not in bare

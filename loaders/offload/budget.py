@@ -102,6 +102,23 @@ class ModelView:
         return memory_required
 
 
+def paged_run_line(plan: MemoryPlan, model_calls: int, paged_calls: int, copied_calls: int, copied_bytes: int,
+                   device_weight_bytes: int | None, allocator_peak: int | None) -> str:
+    """A run under the host's dynamic VRAM, as it happened: the host paged the quantized layers through its cast
+    path (`paged_calls` layer calls, `copied_calls` of them copied `copied_bytes` in over `model_calls` model
+    calls); `device_weight_bytes`: the weights the host held on the device at the end; `allocator_peak`:
+    PyTorch's allocator peak (activations and layers loaded whole; the host's pages are outside it)."""
+    per_call = copied_bytes / model_calls if model_calls else 0.0
+    line = (f"ComfyUI's dynamic VRAM paged the weights (mechanism: the host's cast path for the quantized layers); "
+            f"quantized layers copied in: {size_text(per_call)} per model call ({copied_calls} of {paged_calls} "
+            f"layer calls, {model_calls} model calls)")
+    if device_weight_bytes is not None:
+        line += f"; weights on the device at the end {size_text(device_weight_bytes)}"
+    if allocator_peak is not None:
+        line += f"; allocator peak {size_text(allocator_peak)}"
+    return line + f"; the pack's plan, not applied: {plan.summary_line()}"
+
+
 def brief_line(mode: str, device, plan: MemoryPlan, dynamic: bool) -> str:
     return (f"offload: {mode} on {device}; {plan.summary_line()}"
             + ("; ComfyUI's dynamic VRAM places the weights" if dynamic else ""))
@@ -115,8 +132,8 @@ def describe(mode: str, device: torch.device, plan: MemoryPlan, view: ModelView,
     if dynamic:
         how = ("ComfyUI's dynamic VRAM places the weights"
                + (" with block prefetch" if block_prefetch else "") + "; the pack only plans")
-        if quantized:  # nodes/dynamic_vram.py: ComfyUI pages only its own cast layers
-            how += "; quantized layers are loaded and evicted whole"
+        if quantized:  # nodes/dynamic_vram.py
+            how += "; quantized layers are paged through its cast path, as its own"
     elif device.type == "cpu":
         how = "CPU device: streamed blocks are copied host-to-host, running the same hooks"
     else:

@@ -47,7 +47,8 @@ of their own stay out of these. lora_cost (issue 13) = pack_auto_lora's step /
 pack_auto's - 1: a random rank-32 LoRA on every block linear (e2e_models.make_lora,
 written beside the model), not in the default set (--configs ...,pack_auto,pack_auto_lora;
 pack_auto_12g and pack_auto_lora_12g on a 12 GiB card, where ComfyUI loads the model
-partially). "summary_detail" names the configurations behind each number.
+partially; issue 19: pack_auto_8g on an 8 GiB card, and comfy_fp8_marker_12g / comfy_fp8_marker_8g,
+ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurations behind each number.
 
 Models are random-weight, full size, generated on the GPU of the machine that
 runs this (tests/bench/e2e_models.py), one file at a time, deleted after their
@@ -182,6 +183,12 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # RAM, so ComfyUI loads it partially and the pack folds the LoRA into the offloaded layers
         Config("pack_auto_lora", "pack", True, _pack_loader("auto"), (_lora(),), lora=True),
         Config("pack_auto_12g", "pack", True, _pack_loader("auto"), cap_gib=12.0),
+        # issue 19: cards smaller than the quantized layers, against ComfyUI's own FP8 file on the same card
+        Config("pack_auto_8g", "pack", True, _pack_loader("auto"), cap_gib=8.0),
+        Config("comfy_fp8_marker_12g", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers",
+               cap_gib=12.0),
+        Config("comfy_fp8_marker_8g", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers",
+               cap_gib=8.0),
         Config("pack_auto_lora_12g", "pack", True, _pack_loader("auto"), (_lora(),), lora=True, cap_gib=12.0),
     ]
     return {c.name: c for c in configs}
