@@ -6,6 +6,7 @@ from comfy_api.latest import io
 from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.override import KEY as OVERRIDE_KEY, not_reached
+from ..attention.schedule import block_count, check_layers, parse_layers
 from ..attention.sol import sol_min_tokens
 from . import categories
 from .node_report import compiled_by_comfy, show_on_node
@@ -60,11 +61,37 @@ class SetAttentionBackend(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
+    # Naming sol_tau here replaces ComfyUI's min/max check of it, so the range is checked here too
+    # (NaN passes every comparison). A value linked from another node is None here, checked in execute.
+    TAU_RANGE = (0.0, 4.0)
+
+    @classmethod
+    def validate_inputs(cls, sol_tau=1.0, dense_layers=""):
+        problems = []
+        low, high = cls.TAU_RANGE
+        if sol_tau is not None and (not isinstance(sol_tau, (int, float)) or not low <= sol_tau <= high):
+            problems.append(f"sol_tau must be a number from {low:g} to {high:g}, got {sol_tau!r}")
+        if dense_layers is not None:
+            try:
+                parse_layers(dense_layers)
+            except ValueError as e:
+                problems.append(str(e))
+        return "; ".join(problems) or True
+
     @classmethod
     def execute(cls, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
         unique_id = cls.hidden.unique_id
+        problem = cls.validate_inputs(sol_tau, dense_layers)
+        if problem is not True:
+            raise ValueError(f"SetAttentionBackend: {problem}")
         router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers,
                         sol_min_tokens=sol_min_tokens())
+        blocks = block_count(model.get_model_object("diffusion_model"))
+        if blocks is not None:  # the model is only known here; a model without a block list is not checked
+            try:
+                check_layers(router.schedule.dense_layers, blocks)
+            except ValueError as e:
+                raise ValueError(f"SetAttentionBackend: {e}") from None
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})
         override, how = install(options, router)
