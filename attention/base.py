@@ -17,12 +17,19 @@ from typing import Callable
 import torch
 
 from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
+from ..pack_logging import pack_logger
+
+log = pack_logger(__name__)
 
 LAYOUTS = ("BHSD", "BSHD")
 
 
 class Unsupported(Exception):
     """A kernel or backend cannot take this call; the message says why."""
+
+
+class Unavailable(Unsupported):
+    """The kernel would take the call but cannot run here at all (package or compiled kernel missing)."""
 
 
 def dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -82,6 +89,7 @@ class Constraints:
     devices: frozenset | None = frozenset({"cuda"})  # None: any device
     min_capability: tuple[int, int] | None = None  # CUDA only
     max_capability: tuple[int, int] | None = None  # inclusive
+    capabilities: frozenset | None = None  # exact set, for a kernel built per architecture
     dtypes: frozenset | None = FLOAT_DTYPES  # None: any
     max_head_dim: int | None = None
     head_dims: frozenset | None = None  # exact set, when the kernel has one
@@ -93,8 +101,13 @@ class Constraints:
         dev = q.device
         if self.devices is not None and dev.type not in self.devices:
             raise Unsupported(f"needs {' or '.join(sorted(self.devices))}, got a {dev.type} tensor")
-        if dev.type == "cuda" and (self.min_capability or self.max_capability):
+        if self.min_capability or self.max_capability or self.capabilities:
             cap = capability(dev)
+            if cap is None:
+                raise Unsupported(f"needs a CUDA GPU, got a {dev.type} tensor")
+            if self.capabilities and cap not in self.capabilities:
+                raise Unsupported(f"built for compute capability {', '.join(map(_cc, sorted(self.capabilities)))}, "
+                                  f"GPU is {_cc(cap)}")
             if self.min_capability and cap < self.min_capability:
                 raise Unsupported(f"needs compute capability >= {_cc(self.min_capability)}, GPU is {_cc(cap)}")
             if self.max_capability and cap > self.max_capability:
@@ -134,6 +147,8 @@ class Impl:
 
     label = "?"
     constraints = Constraints()
+    # relative L2 error from exact attention the kernel is held to; None: exact up to rounding
+    max_error: float | None = None
 
     def unavailable(self) -> str | None:
         """Why the kernel cannot be used at all (missing package), or None."""
@@ -143,7 +158,7 @@ class Impl:
         self.constraints.check(q, k, v, layout, mask)
         why = self.unavailable()
         if why:
-            raise Unsupported(why)
+            raise Unavailable(why)
         return Plan(self.label, lambda: self._run(q, k, v, layout, mask, scale))
 
     def _run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
@@ -154,29 +169,48 @@ class Backend:
     """A named backend: the first of its kernels that accepts a call runs it.
 
     Calling it runs the attention or raises `Unsupported` with every kernel's
-    reason; `plan` is the same decision without running.
+    reason; `plan` is the same decision without running. With
+    `note_substitutes`, a kernel that would have taken the call but is not
+    installed or built here is said once, with the kernel that runs instead.
     """
 
-    def __init__(self, name: str, impls: list[Impl]):
+    def __init__(self, name: str, impls: list[Impl], *, note_substitutes: bool = False):
         self.name = name
         self._impls = impls
+        self._note_substitutes = note_substitutes
+        self._noted = set()
+
+    @property
+    def kernels(self) -> list[Impl]:
+        return list(self._impls)
 
     def impls_for(self, device: torch.device) -> list[Impl]:
         return self._impls
 
     def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> Plan:
         dims(q, layout)  # validates the layout
-        reasons = []
+        reasons, missing = [], []
         for impl in self.impls_for(q.device):
             try:
                 plan = impl.plan(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
             except Unsupported as e:
                 reasons.append((impl.label, str(e)))
+                if isinstance(e, Unavailable):
+                    missing.append((impl.label, str(e)))
                 continue
+            if missing and self._note_substitutes:
+                self._note(plan.label, tuple(missing))
             label = self.name if plan.label == self.name else f"{self.name}:{plan.label}"
             return Plan(label, plan.run)
         unique = list(dict.fromkeys(r for _, r in reasons))
         raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
+
+    @torch.compiler.disable  # once per reason; runs eagerly
+    def _note(self, ran: str, missing: tuple) -> None:
+        if (ran, missing) not in self._noted:
+            self._noted.add((ran, missing))
+            log.warning("attention: %s runs %s: %s. Said once.", self.name, ran,
+                        "; ".join(f"{label} is unavailable ({why})" for label, why in missing))
 
     def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> torch.Tensor:
         return self.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()

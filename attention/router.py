@@ -85,6 +85,15 @@ class Router:
             parts.append(f"dense blocks {self.schedule.dense_layers}")
         return ", ".join(parts)
 
+    def take_choices(self) -> list[str]:
+        """What `auto` (as the backend or the dense backend) chose for the calls since the last take, with
+        its timings: one line per shape."""
+        lines = []
+        for backend in (self.backend, self.dense):
+            take = getattr(backend, "take_choices", None)
+            lines += [f"auto {line}" for line in (take() if take else ()) if f"auto {line}" not in lines]
+        return lines
+
     def begin_forward(self) -> None:
         self.schedule.begin_forward()
 

@@ -27,9 +27,9 @@ class SetAttentionBackend(io.ComfyNode):
             description=(
                 "Runs the model's attention with the chosen kernel: sdpa (PyTorch), flash (the best installed "
                 "FlashAttention, else PyTorch's flash kernel), fa3_fp8 (FlashAttention 3 in FP8, Hopper), "
-                "sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
-                "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel "
-                "measured for this GPU). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
+                "sage (SageAttention 2's kernel for this GPU, or SageAttention 1), kitchen_int8 (comfy-kitchen INT8), "
+                "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel, "
+                "measured on this GPU for each shape at first use). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
                 "with one warning per reason. An attention override already on the model is kept and gets this "
                 "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
             ),
@@ -37,9 +37,12 @@ class SetAttentionBackend(io.ComfyNode):
                 io.Model.Input("model", tooltip="The diffusion model whose attention to replace."),
                 io.Combo.Input(
                     "backend", options=list(BACKENDS), default="auto",
-                    tooltip="Attention kernel. auto: fastest exact dense kernel measured for this GPU (SDPA on "
-                            "CPU and unmeasured GPUs). fa3_fp8: FP8 q/k/v, faster, about 3-5% error, "
-                            "chosen by name only. sol: sparse; pays off above about 12k tokens."),
+                    tooltip="Attention kernel. auto: times the installed kernels on this GPU at the first call of "
+                            "each shape and runs the fastest; an 8-bit one (sage, fa3_fp8, kitchen_int8) only "
+                            "where a probe of the call is within 5% (relative L2) of exact attention (SDPA on "
+                            "CPU). sage: SageAttention 2's kernel for this GPU (INT8 QK, FP8 or FP16 PV), else "
+                            "SageAttention 1. fa3_fp8: FP8 q/k/v, about 3-5% error. sol: sparse; pays off above "
+                            "about 12k tokens."),
                 io.Combo.Input(
                     "dense_backend", options=list(DENSE_BACKENDS), default="auto", optional=True,
                     tooltip="What runs wherever the backend does not: the dense steps and blocks below, and any "
@@ -112,9 +115,10 @@ class SetAttentionBackend(io.ComfyNode):
         def report(sampled):
             counts = router.stats.take_run()
             ran, forwards[0] = forwards[0], 0
+            choices = router.take_choices()
             if counts["calls"]:
                 log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
-                show_on_node(unique_id, f"{text}\nlast run: {summary(counts)}")
+                show_on_node(unique_id, "\n".join([text, f"last run: {summary(counts)}", *choices]))
             elif compiled_by_comfy(sampled):
                 show_on_node(unique_id, f"{text}\nlast run: attention calls not counted (torch.compile)")
             elif ran:  # the model ran, its attention went elsewhere (e.g. a later node's override)
