@@ -10,9 +10,10 @@ computed in fp32. Each decision is kept for the process per GPU and shape,
 shared by every `auto` (backend and dense backend alike), and reported with
 its timings (`take_choices`).
 
-Nothing is measured where there is one candidate (a CPU: SDPA), while
-torch.compile traces or a CUDA graph is captured: there the cached decision
-runs, else the first exact kernel that takes the call.
+Nothing is measured where there is one candidate (a CPU: SDPA) or while a
+CUDA graph is captured: there the cached decision runs, else the first exact
+kernel that takes the call. Under torch.compile the measurement runs eagerly
+(a graph break at the first call of a shape only).
 """
 from __future__ import annotations
 
@@ -179,15 +180,14 @@ class Auto(Backend):
             unique = list(dict.fromkeys(r for _, r in reasons))
             raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
         shape = shape_text(q, k, layout, mask)
-        exact = [label for label, (impl, _) in accepted.items() if impl.max_error is None]
-        if len(accepted) == 1 or torch.compiler.is_compiling() or (
-                q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            why = "one candidate" if len(accepted) == 1 else "compiling or capturing"
+        if len(accepted) == 1 or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            exact = [label for label, (impl, _) in accepted.items() if impl.max_error is None]
             label = exact[0] if exact else next(iter(accepted))
+            why = "one candidate" if len(accepted) == 1 else "a CUDA graph is being captured"
             return self._ran(key, Decision(label, shape, unmeasured=why), accepted[label][1])
-        decision = self._measure(accepted, shape, q, k, v, layout, mask, scale, options)
-        _DECISIONS[key] = decision
-        log.info("attention auto %s", decision.text())
+        # under torch.compile this runs eagerly on the real tensors (one graph break, the first call of a
+        # shape only: the traced lookup above finds the decision from then on)
+        decision = self._measure(key, accepted, shape, q, k, v, layout, mask, scale, options)
         return self._ran(key, decision, accepted[decision.label][1])
 
     def _ran(self, key, decision: Decision, plan: Plan) -> Plan:
@@ -196,7 +196,13 @@ class Auto(Backend):
         return Plan(f"auto:{plan.label}", plan.run)
 
     @torch.compiler.disable
-    def _measure(self, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
+    def _measure(self, key, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
+        decision = self._decide(accepted, shape, q, k, v, layout, mask, scale, options)
+        _DECISIONS[key] = decision
+        log.info("attention auto %s", decision.text())
+        return decision
+
+    def _decide(self, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
         rejected, errors = {}, {}
         for label, (impl, _) in accepted.items():
             if impl.max_error is None:

@@ -62,14 +62,24 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.type, index)
 
 
-@functools.lru_cache(maxsize=None)
+# (module, attr, package) -> what `load` returned. A plain dict, not lru_cache: torch.compile reads a
+# dict entry as a constant, where it would trace through lru_cache into importlib (a graph break).
+LOADED: dict[tuple, tuple] = {}
+
+
 def load(module: str, attr: str | None, package: str) -> tuple[Callable | None, str | None]:
     """Import `module.attr` (the module itself when attr is None) once:
-    (object, None) or (None, why it is missing).
+    (object, None) or (None, why it is missing)."""
+    key = (module, attr, package)
+    if key not in LOADED:
+        LOADED[key] = _import(module, attr, package)
+    return LOADED[key]
 
-    Optional kernels may fail in many ways on import (no module, no GPU
-    driver, a Triton or CUDA mismatch), so any exception counts as missing.
-    """
+
+@torch.compiler.disable  # importlib cannot be traced; runs once per name
+def _import(module: str, attr: str | None, package: str) -> tuple[Callable | None, str | None]:
+    # Optional kernels may fail in many ways on import (no module, no GPU
+    # driver, a Triton or CUDA mismatch), so any exception counts as missing.
     try:
         mod = importlib.import_module(module)
         return (mod if attr is None else getattr(mod, attr)), None
@@ -77,7 +87,7 @@ def load(module: str, attr: str | None, package: str) -> tuple[Callable | None, 
         if e.name and module.startswith(e.name):
             return None, f"{package} is not installed"
         return None, f"{package} failed to import ({type(e).__name__}: {e})"
-    except Exception as e:  # noqa: BLE001 - see docstring
+    except Exception as e:  # noqa: BLE001 - see above
         return None, f"{package} failed to import ({type(e).__name__}: {e})"
 
 

@@ -171,3 +171,21 @@ def test_router_reports_the_choice_of_its_dense_auto(kernels):
     assert snapshot(router.stats)["calls"] == {"auto:fast": 1}
     assert router.take_choices() == ["auto 1x2x128x64 float32: fast; fast 20.00 ms, sdpa 100.00 ms"]
     assert router.take_choices() == []  # taken
+
+
+def test_auto_measures_under_torch_compile_and_then_traces_without_breaks(kernels):
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+
+    def attention(q, k, v):
+        return backend(q, k, v) * 1
+
+    torch._dynamo.reset()
+    first = torch._dynamo.explain(attention)(q, k, v)
+    assert first.graph_break_count == 1  # the measurement, run eagerly
+    assert [d.label for d in auto._DECISIONS.values()] == ["fast"]
+    torch._dynamo.reset()
+    again = torch._dynamo.explain(attention)(q, k, v)
+    assert again.graph_break_count == 0, [b.reason for b in again.break_reasons]
+    out = torch.compile(attention, backend="eager", fullgraph=True)(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))

@@ -63,15 +63,14 @@ class FakeSage:
 @pytest.fixture
 def gpu(monkeypatch):
     """`gpu((9, 0))`: the kernels see a GPU of that compute capability (their tensors stay on the CPU)."""
-    base.load.cache_clear()
+    monkeypatch.setattr(base, "LOADED", {})  # the stand-in is imported afresh, and forgotten after
     for cls in sage.KERNELS:
         monkeypatch.setattr(cls, "constraints", dataclasses.replace(cls.constraints, devices=None))
 
     def set_capability(cap):
         monkeypatch.setattr(base, "capability", lambda device: cap)
         monkeypatch.setattr(sage, "capability", lambda device: cap)
-    yield set_capability
-    base.load.cache_clear()
+    return set_capability
 
 
 def qkv(b=1, h=2, s=96, d=64, dtype=torch.bfloat16, seed=0):
