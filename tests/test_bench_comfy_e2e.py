@@ -222,3 +222,25 @@ def test_options_put_the_reference_first(tmp_path):
     assert opts.models == ["wan14b"] and opts.lengths == ["long", "short"] and opts.steps == 3
     with pytest.raises(SystemExit):
         comfy_e2e.parse_args(["--comfyui", str(comfyui), "--configs", "nope"])
+
+
+def test_sage_configs_set_the_packs_sage_and_the_hosts_own_switches(tmp_path):
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    length = e2e_models.WAN14B.length("long")
+    pack = comfy_e2e.sampling_graph(configs["pack_auto_sage"], e2e_models.WAN14B, "m.safetensors", length, 3, 0, "p")
+    assert pack["m0"]["class_type"] == "SetAttentionBackend" and pack["m0"]["inputs"]["backend"] == "sage"
+    hybrid = comfy_e2e.sampling_graph(configs["pack_auto_sol_sage"], e2e_models.WAN14B, "m.safetensors", length,
+                                      3, 0, "p")["m0"]["inputs"]
+    assert (hybrid["backend"], hybrid["dense_backend"], hybrid["sol_tau"]) == ("sol", "sage", 1.0)
+    assert configs["pack_auto_sol_sage"].sol and not configs["pack_auto_sage"].sol
+    for name, flag in (("comfy_fp8_fast_sage", "--use-sage-attention"), ("comfy_fp8_fast_ck", "--use-ck-attention")):
+        config = configs[name]
+        assert config.family == "comfy" and config.comfy_args == (flag,) and config.chain == ()
+        assert config.loader == ("UNETLoader", {"weight_dtype": "fp8_e4m3fn_fast"})
+    # the host's own INT8 attention switch is read off its source
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "cli_args.py").write_text('attn_group.add_argument("--use-sage-attention")\n')
+    assert comfy_e2e.host_features(tmp_path)["ck_attention"] is False
+    (tmp_path / "comfy" / "cli_args.py").write_text('attn_group.add_argument("--use-ck-attention")\n')
+    assert comfy_e2e.host_features(tmp_path)["ck_attention"] is True
+    assert configs["comfy_fp8_fast_ck"].needs == "ck_attention"

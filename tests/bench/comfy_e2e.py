@@ -167,6 +167,14 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("comfy_resident_static", "comfy", False, _unet(), comfy_args=("--disable-dynamic-vram",),
                needs="dynamic_vram"),
         Config("pack_auto_attn_auto", "pack", True, _pack_loader("auto"), (_attention("auto"),)),
+        # SageAttention (issue 22): the pack's sage backend, and the host's own switches with the same package
+        # installed (SageAttention 2 where tests/bench/device/run_e2e.sh built it)
+        Config("pack_auto_sage", "pack", True, _pack_loader("auto"), (_attention("sage"),)),
+        Config("pack_auto_sol_sage", "pack", True, _pack_loader("auto"),
+               (("SetAttentionBackend", {**_attention("sol", 1.0)[1], "dense_backend": "sage"}),), sol=True),
+        Config("comfy_fp8_fast_sage", "comfy", True, _unet("fp8_e4m3fn_fast"), comfy_args=("--use-sage-attention",)),
+        Config("comfy_fp8_fast_ck", "comfy", True, _unet("fp8_e4m3fn_fast"), comfy_args=("--use-ck-attention",),
+               needs="ck_attention"),
         Config("pack_bf16_offload", "pack", True, _pack_loader("none")),
         # offload against dynamic VRAM on a model over the card: the pack's own streaming where ComfyUI's
         # dynamic VRAM is off; and the pack's quantized model with no cap, the reference of its capped runs
@@ -194,6 +202,7 @@ DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pa
 HOST_FEATURES = {
     "dynamic_vram": ("comfy/cli_args.py", "--disable-dynamic-vram"),  # comfy-aimdo, on by default on NVIDIA
     "kitchen_markers": ("comfy/quant_ops.py", '"int8_tensorwise"'),  # comfy_quant markers of comfy-kitchen formats
+    "ck_attention": ("comfy/cli_args.py", "--use-ck-attention"),  # comfy-kitchen INT8 attention as the host's own
 }
 
 

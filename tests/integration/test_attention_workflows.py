@@ -61,8 +61,8 @@ def test_object_info_lists_the_node(comfy):
     assert info["category"] == "model/patch" and info["output"] == ["MODEL"]
     assert info["description"]
     required, optional = info["input"]["required"], info["input"]["optional"]
-    assert combo_options(required["backend"]) == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol"]
-    assert combo_options(optional["dense_backend"]) == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8"]
+    assert combo_options(required["backend"]) == ["auto", "sdpa", "kitchen_int8", "flash", "sage", "fa3_fp8", "sol"]
+    assert combo_options(optional["dense_backend"]) == ["auto", "sdpa", "kitchen_int8", "flash", "sage", "fa3_fp8"]
     assert optional["sol_tau"][0] == "FLOAT" and optional["sol_tau"][1]["default"] == 1.0
     assert optional["dense_steps"][0] == "INT" and optional["dense_steps"][1]["default"] == 0
     assert optional["dense_layers"][0] == "STRING" and optional["dense_layers"][1]["default"] == ""
