@@ -18,6 +18,7 @@ import torch
 
 from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..pack_logging import pack_logger
+from . import compiled_ops
 
 log = pack_logger(__name__)
 
@@ -159,6 +160,8 @@ class Impl:
     constraints = Constraints()
     # relative L2 error from exact attention the kernel is held to; None: exact up to rounding
     max_error: float | None = None
+    # dynamo traces `_run` itself (torch ops only); else it runs as one opaque op under torch.compile
+    traceable = False
 
     def unavailable(self) -> str | None:
         """Why the kernel cannot be used at all (missing package), or None."""
@@ -169,7 +172,13 @@ class Impl:
         why = self.unavailable()
         if why:
             raise Unavailable(why)
-        return Plan(self.label, lambda: self._run(q, k, v, layout, mask, scale))
+        return Plan(self.label, lambda: self.run(q, k, v, layout, mask, scale))
+
+    def run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
+        """`_run`; while torch.compile traces, through one opaque op (compiled_ops.py) unless `traceable`."""
+        if self.traceable or not torch.compiler.is_compiling():
+            return self._run(q, k, v, layout, mask, scale)
+        return compiled_ops.attention(self.label, q, k, v, layout, mask, scale)
 
     def _run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
         raise NotImplementedError
@@ -187,6 +196,7 @@ class Backend:
     def __init__(self, name: str, impls: list[Impl], *, note_substitutes: bool = False):
         self.name = name
         self._impls = impls
+        compiled_ops.register(impls)
         self._note_substitutes = note_substitutes
         self._noted = set()
 
@@ -208,7 +218,7 @@ class Backend:
                 if isinstance(e, Unavailable):
                     missing.append((impl.label, str(e)))
                 continue
-            if missing and self._note_substitutes:
+            if missing and self._note_substitutes and (plan.label, tuple(missing)) not in self._noted:
                 self._note(plan.label, tuple(missing))
             label = self.name if plan.label == self.name else f"{self.name}:{plan.label}"
             return Plan(label, plan.run)

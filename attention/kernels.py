@@ -40,6 +40,7 @@ class Sdpa(Impl):
 
     label = "sdpa"
     constraints = Constraints(devices=None, dtypes=None, grouped_kv=True)
+    traceable = True
 
     def _run(self, q, k, v, layout, mask, scale):
         return _sdpa(q, k, v, layout, mask, scale)
