@@ -244,3 +244,33 @@ def test_sage_configs_set_the_packs_sage_and_the_hosts_own_switches(tmp_path):
     (tmp_path / "comfy" / "cli_args.py").write_text('attn_group.add_argument("--use-ck-attention")\n')
     assert comfy_e2e.host_features(tmp_path)["ck_attention"] is True
     assert configs["comfy_fp8_fast_ck"].needs == "ck_attention"
+
+
+def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
+    # the test node imports ComfyUI's modules, which its two functions here never touch
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+    comfy = types.ModuleType("comfy")
+    comfy.model_management, comfy.patcher_extension = (types.ModuleType(f"comfy.{n}")
+                                                       for n in ("model_management", "patcher_extension"))
+    for module in (comfy, comfy.model_management, comfy.patcher_extension):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    path = Path(__file__).parent / "fixtures" / "bigdit_testnodes" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bigdit_testnodes_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kernels = [("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", 4000.0),  # cuBLAS on Hopper
+               ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", 3000.0),
+               ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 2500.0),
+               ("qk_int8_sv_f8_accum_f32_attn_inst_buf<128, 64, ...>", 2000.0),  # SageAttention 2's sm90 kernel
+               ("cudnn_generated_fort_native_sdpa_sm90_knob_7", 1000.0),
+               ("Memcpy HtoD (Pinned -> Device)", 500.0),
+               ("triton_poi_fused_add_mul_0", 250.0), ("void at::native::vectorized_elementwise_kernel", 250.0),
+               ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", 1000.0)]
+    out = bench.breakdown(kernels)
+    assert (out["gemm_ms"], out["attention_ms"], out["copies_ms"], out["other_ms"]) == (8.0, 5.5, 0.5, 0.5)
+    assert out["total_ms"] == 14.5
+    assert out["top"][0] == {"kernel": "nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", "kind": "gemm", "ms": 5.0}
+    assert len(out["top"]) == 8

@@ -27,6 +27,8 @@ nodes in tests/fixtures/bigdit_testnodes/bench.py record inside the server):
   host_rss_anon_gib, host_rss_file_gib: after sampling, all, anonymous, mapped file pages;
 - rel_l2 and cosine of the saved latent against comfy_resident's at the same
   model and length, and vs_resident = its step_s / this step_s;
+- breakdown: the device time of one model call of the second step by kind (GEMM, attention, copies,
+  other) and its largest kernels, from torch.profiler (the test node says which call);
 - pack_reports: the text the pack's nodes returned (what they chose), and
   log_lines: ComfyUI's and the pack's loading, offload and attention lines.
 
@@ -347,6 +349,8 @@ def measurements(report: dict, entry: dict) -> dict:
         out["device_used_peak_sampling_gib"] = report["device_used_peak_sampling"] / GIB
     if report.get("device_used_error"):
         out["device_used_error"] = report["device_used_error"]
+    if report.get("breakdown"):  # one profiled model call of the second step, device ms by kind
+        out["breakdown"] = report["breakdown"]
     for key in ("gpu", "capability", "allocator", "mem_get_info", "device_total_memory", "torch", "device"):
         if key in report:
             out.setdefault("server", {})[key] = report[key]
