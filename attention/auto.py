@@ -1,60 +1,227 @@
-"""`auto`: the fastest exact dense kernel for the GPU, by a measured table.
+"""`auto`: the fastest dense kernel for this GPU and this shape, measured here.
 
-For each call, `auto` tries the kernels measured on this GPU's compute
-capability from fastest to slowest and runs the first one that can take the
-call (dtype, head dim, mask...), then plain SDPA. GPUs without an entry, and
-every CPU, get SDPA.
+The first call of a shape (device, dtype, layout, q/k/v shapes, mask) on a
+GPU times every dense kernel that takes it, on the call's own tensors, and
+runs the fastest from then on. A kernel that is not exact (it declares a
+`max_error`: Sage, comfy-kitchen INT8, FA3 FP8) competes only when a probe of
+that call, up to PROBE_HEADS heads and PROBE_QUERIES queries against all keys,
+is within its declared relative L2 error (and MAX_ERROR) of exact attention
+computed in fp32. Each decision is kept for the process per GPU and shape,
+shared by every `auto` (backend and dense backend alike), and reported with
+its timings (`take_choices`).
 
-Only exact kernels (attention up to rounding) are in the table. FA3's FP8
-kernel (`fa3_fp8`) is faster but not exact: in a real ComfyUI sampling run of
-a Wan 14B-shaped model it moved the latent to cosine 0.994 of the resident
-reference, against 0.9994 for FP8 linears alone (README, end-to-end table), so
-it is chosen by name only, as Sol is.
+Nothing is measured where there is one candidate (a CPU: SDPA) or while a
+CUDA graph is captured: there the cached decision runs, else the first exact
+kernel that takes the call. Under torch.compile the measurement runs eagerly
+(a graph break at the first call of a shape only).
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 
-from .base import Backend, capability
-from .kernels import FA2, FA4, FA3Fwd, FA3Interface, KitchenInt8, Sage, Sdpa, SdpaCudnn, SdpaFlash
+from ..pack_logging import pack_logger
+from . import registry
+from .base import Backend, Plan, Unsupported, dims
+from .kernels import Sdpa, SdpaCudnn, SdpaFlash, _sdpa
 from .registry import register_backend
 
-# Milliseconds for one attention of 56 heads x 32760 tokens x head dim 128,
-# bf16 (MiniMax-H3 at 1344x768x107), keyed by compute capability.
-# (9, 0): one H200, torch 2.11 cu130, sageattention 1.0.6, comfy-kitchen
-# 0.2.40, fa3-fwd 0.0.3; tests/bench/attention.py measures it again.
-MEASURED_MS = {
-    (9, 0): {"fa3": 43.0, "sdpa_cudnn": 52.8, "kitchen_int8": 66.2, "sage": 69.8},
-}
+log = pack_logger(__name__)
 
-# table name -> kernels, in preference order (both FA3 builds are "fa3")
-KERNELS = {
-    "fa3": (FA3Fwd, FA3Interface),
-    "fa2": (FA2,),
-    "fa4": (FA4,),
-    "sdpa_flash": (SdpaFlash,),
-    "sdpa_cudnn": (SdpaCudnn,),
-    "kitchen_int8": (KitchenInt8,),
-    "sage": (Sage,),
-    "sdpa": (Sdpa,),
-}
+MAX_ERROR = 0.05
+PROBE_HEADS = 4
+PROBE_QUERIES = 1024
+TARGET_MS = 60.0  # timed calls per kernel and round: about this long, between 1 and 10 calls
 
 
-def ranking(cap: tuple[int, int] | None) -> list[str]:
-    """Table names for a compute capability (None: not a CUDA GPU), fastest
-    first, always ending with plain SDPA."""
-    times = MEASURED_MS.get(cap, {})
-    return sorted(times, key=times.get) + ["sdpa"]
+@dataclass
+class Decision:
+    label: str
+    shape: str
+    timings: dict = field(default_factory=dict)   # label -> ms per call
+    errors: dict = field(default_factory=dict)    # label -> probe's relative L2 error (approximate kernels)
+    rejected: dict = field(default_factory=dict)  # label -> why it did not compete
+    unmeasured: str = ""                          # why nothing was measured
+
+    def text(self) -> str:
+        if self.unmeasured:
+            return f"{self.shape}: {self.label} (not measured: {self.unmeasured})"
+        ranked = sorted(self.timings, key=self.timings.get)
+        parts = [f"{name} {self.timings[name]:.2f} ms" + (f" (err {self.errors[name]:.3f})"
+                                                            if name in self.errors else "") for name in ranked]
+        text = f"{self.shape}: {self.label}; " + ", ".join(parts)
+        if self.rejected:
+            text += "; not used: " + ", ".join(f"{name} ({why})" for name, why in self.rejected.items())
+        return text
+
+
+# (device, shape key) -> Decision, for the process
+_DECISIONS: dict[tuple, Decision] = {}
+
+
+def shape_key(q, k, v, layout, mask) -> tuple:
+    mask_key = None if mask is None else (mask.dtype, tuple(mask.shape))
+    return (str(q.device), q.dtype, layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), mask_key)
+
+
+def shape_text(q, k, layout, mask) -> str:
+    b, h, s, d = dims(q, layout)
+    hk, sk = dims(k, layout)[1:3]
+    text = f"{b}x{h}x{s}x{d} {str(q.dtype).removeprefix('torch.')}"
+    if (hk, sk) != (h, s):
+        text += f", keys {hk}x{sk}"
+    return text + (", masked" if mask is not None else "")
+
+
+def time_ms(fn, device: torch.device, calls: int) -> float:
+    """Milliseconds per call of `calls` back-to-back calls (the CPU runs ahead, as in a model)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def measure_times(runs: dict, device: torch.device) -> tuple[dict, dict]:
+    """({label: ms}, {label: why it failed}): each run warmed up (Triton compiles, workspaces), then
+    two interleaved rounds, the best of each, so drift hits every kernel alike."""
+    times, failed = {}, {}
+    for label, run in runs.items():
+        try:
+            run()
+            times[label] = time_ms(run, device, 1)
+        except torch.cuda.OutOfMemoryError:
+            failed[label] = "out of memory"
+        except Exception as e:  # noqa: BLE001 - an optional kernel failing must not stop sampling
+            failed[label] = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    calls = {label: max(1, min(10, round(TARGET_MS / max(ms, 1e-3)))) for label, ms in times.items()}
+    for _ in range(2):
+        for label in times:
+            times[label] = min(times[label], time_ms(runs[label], device, calls[label]))
+    return times, failed
+
+
+def _probe_index(t: torch.Tensor, dim: int, keep: torch.Tensor) -> torch.Tensor:
+    return t if t.shape[dim] == 1 else t.index_select(dim, keep.to(t.device))
+
+
+def probe(q, k, v, layout, mask):
+    """A slice of the call: batch 0, up to PROBE_HEADS heads spread over all, the first PROBE_QUERIES
+    queries, every key (a query row's attention depends on all keys, and on no other row)."""
+    b, h, s, _ = dims(q, layout)
+    head_dim, seq_dim = (1, 2) if layout == "BHSD" else (2, 1)
+    heads = torch.linspace(0, h - 1, min(h, PROBE_HEADS)).round().long().unique()
+    first = torch.zeros(1, dtype=torch.long)
+    rows = torch.arange(min(s, PROBE_QUERIES))
+    pq = _probe_index(_probe_index(_probe_index(q, 0, first), head_dim, heads), seq_dim, rows).contiguous()
+    pk, pv = (_probe_index(_probe_index(t, 0, first), head_dim, heads).contiguous() for t in (k, v))
+    if mask is not None:  # SDPA-style (B|1, H|1, Sq|1, Sk)
+        mask = _probe_index(_probe_index(_probe_index(mask, 0, first), 1, heads), 2, rows)
+    return pq, pk, pv, mask
+
+
+def probe_error(impl, q, k, v, layout, mask, scale, options) -> float:
+    """Relative L2 error of `impl` on a probe of the call, against SDPA in fp32."""
+    pq, pk, pv, pmask = probe(q, k, v, layout, mask)
+    out = impl.plan(pq, pk, pv, layout=layout, mask=pmask, scale=scale, options=options).run().float()
+    fmask = pmask if pmask is None or pmask.dtype == torch.bool else pmask.float()
+    ref = _sdpa(pq.float(), pk.float(), pv.float(), layout, fmask, scale)
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @register_backend("auto", selector=True)
 class Auto(Backend):
     def __init__(self, **_):
-        super().__init__("auto", [])
-        self._by_cap = {}
+        kernels = {}
+        for impl in (*registry.dense_kernels(), SdpaCudnn(), SdpaFlash()):
+            kernels.setdefault(impl.label, impl)
+        exact = [i for i in kernels.values() if i.max_error is None and i.label != "sdpa"]
+        approximate = [i for i in kernels.values() if i.max_error is not None]
+        # the order an unmeasured call tries them: exact first, plain SDPA last of those
+        super().__init__("auto", [*exact, kernels.get("sdpa", Sdpa()), *approximate])
+        self._by_label = {impl.label: impl for impl in self.kernels}
+        self._used: dict[tuple, Decision] = {}
 
-    def impls_for(self, device: torch.device):
-        cap = capability(device)
-        if cap not in self._by_cap:
-            self._by_cap[cap] = [cls() for name in ranking(cap) for cls in KERNELS[name]]
-        return self._by_cap[cap]
+    def take_choices(self) -> list[str]:
+        """The decisions the calls since the last take ran by, one line each."""
+        lines = [d.text() for d in self._used.values()]
+        self._used.clear()
+        return lines
+
+    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> Plan:
+        dims(q, layout)
+        options = transformer_options or {}
+        key = shape_key(q, k, v, layout, mask)
+        decision = _DECISIONS.get(key)
+        if decision is not None:
+            try:
+                plan = self._by_label[decision.label].plan(q, k, v, layout=layout, mask=mask, scale=scale,
+                                                           options=options)
+                return self._ran(key, decision, plan)
+            except Unsupported:
+                pass
+        accepted, reasons = {}, []
+        for impl in self.kernels:
+            try:
+                accepted[impl.label] = (impl, impl.plan(q, k, v, layout=layout, mask=mask, scale=scale,
+                                                        options=options))
+            except Unsupported as e:
+                reasons.append((impl.label, str(e)))
+        if not accepted:
+            unique = list(dict.fromkeys(r for _, r in reasons))
+            raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
+        shape = shape_text(q, k, layout, mask)
+        if len(accepted) == 1 or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            exact = [label for label, (impl, _) in accepted.items() if impl.max_error is None]
+            label = exact[0] if exact else next(iter(accepted))
+            why = "one candidate" if len(accepted) == 1 else "a CUDA graph is being captured"
+            return self._ran(key, Decision(label, shape, unmeasured=why), accepted[label][1])
+        # under torch.compile this runs eagerly on the real tensors (one graph break, the first call of a
+        # shape only: the traced lookup above finds the decision from then on)
+        decision = self._measure(key, accepted, shape, q, k, v, layout, mask, scale, options)
+        return self._ran(key, decision, accepted[decision.label][1])
+
+    def _ran(self, key, decision: Decision, plan: Plan) -> Plan:
+        if not torch.compiler.is_compiling():
+            self._used[key] = decision
+        return Plan(f"auto:{plan.label}", plan.run)
+
+    @torch.compiler.disable
+    def _measure(self, key, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
+        decision = self._decide(accepted, shape, q, k, v, layout, mask, scale, options)
+        _DECISIONS[key] = decision
+        log.info("attention auto %s", decision.text())
+        return decision
+
+    def _decide(self, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
+        rejected, errors = {}, {}
+        for label, (impl, _) in accepted.items():
+            if impl.max_error is None:
+                continue
+            bound = min(impl.max_error, MAX_ERROR)
+            try:
+                errors[label] = probe_error(impl, q, k, v, layout, mask, scale, options)
+            except torch.cuda.OutOfMemoryError:
+                rejected[label] = "out of memory on the probe"
+                continue
+            except Exception as e:  # noqa: BLE001 - see measure_times
+                rejected[label] = f"failed on the probe: {type(e).__name__}"
+                continue
+            if not errors[label] <= bound:  # NaN fails too
+                rejected[label] = f"error {errors[label]:.3f} > {bound:g}"
+        runs = {label: plan.run for label, (_, plan) in accepted.items() if label not in rejected}
+        times, failed = measure_times(runs, q.device)
+        rejected.update(failed)
+        if not times:  # every kernel failed: plain SDPA, which takes any call
+            return Decision("sdpa", shape, errors=errors, rejected=rejected)
+        best = min(times, key=times.get)
+        return Decision(best, shape, timings=times, errors=errors, rejected=rejected)

@@ -17,12 +17,20 @@ from typing import Callable
 import torch
 
 from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
+from ..pack_logging import pack_logger
+from . import compiled_ops
+
+log = pack_logger(__name__)
 
 LAYOUTS = ("BHSD", "BSHD")
 
 
 class Unsupported(Exception):
     """A kernel or backend cannot take this call; the message says why."""
+
+
+class Unavailable(Unsupported):
+    """The kernel would take the call but cannot run here at all (package or compiled kernel missing)."""
 
 
 def dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -55,14 +63,24 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.type, index)
 
 
-@functools.lru_cache(maxsize=None)
+# (module, attr, package) -> what `load` returned. A plain dict, not lru_cache: torch.compile reads a
+# dict entry as a constant, where it would trace through lru_cache into importlib (a graph break).
+LOADED: dict[tuple, tuple] = {}
+
+
 def load(module: str, attr: str | None, package: str) -> tuple[Callable | None, str | None]:
     """Import `module.attr` (the module itself when attr is None) once:
-    (object, None) or (None, why it is missing).
+    (object, None) or (None, why it is missing)."""
+    key = (module, attr, package)
+    if key not in LOADED:
+        LOADED[key] = _import(module, attr, package)
+    return LOADED[key]
 
-    Optional kernels may fail in many ways on import (no module, no GPU
-    driver, a Triton or CUDA mismatch), so any exception counts as missing.
-    """
+
+@torch.compiler.disable  # importlib cannot be traced; runs once per name
+def _import(module: str, attr: str | None, package: str) -> tuple[Callable | None, str | None]:
+    # Optional kernels may fail in many ways on import (no module, no GPU
+    # driver, a Triton or CUDA mismatch), so any exception counts as missing.
     try:
         mod = importlib.import_module(module)
         return (mod if attr is None else getattr(mod, attr)), None
@@ -70,7 +88,7 @@ def load(module: str, attr: str | None, package: str) -> tuple[Callable | None, 
         if e.name and module.startswith(e.name):
             return None, f"{package} is not installed"
         return None, f"{package} failed to import ({type(e).__name__}: {e})"
-    except Exception as e:  # noqa: BLE001 - see docstring
+    except Exception as e:  # noqa: BLE001 - see above
         return None, f"{package} failed to import ({type(e).__name__}: {e})"
 
 
@@ -82,6 +100,7 @@ class Constraints:
     devices: frozenset | None = frozenset({"cuda"})  # None: any device
     min_capability: tuple[int, int] | None = None  # CUDA only
     max_capability: tuple[int, int] | None = None  # inclusive
+    capabilities: frozenset | None = None  # exact set, for a kernel built per architecture
     dtypes: frozenset | None = FLOAT_DTYPES  # None: any
     max_head_dim: int | None = None
     head_dims: frozenset | None = None  # exact set, when the kernel has one
@@ -93,8 +112,13 @@ class Constraints:
         dev = q.device
         if self.devices is not None and dev.type not in self.devices:
             raise Unsupported(f"needs {' or '.join(sorted(self.devices))}, got a {dev.type} tensor")
-        if dev.type == "cuda" and (self.min_capability or self.max_capability):
+        if self.min_capability or self.max_capability or self.capabilities:
             cap = capability(dev)
+            if cap is None:
+                raise Unsupported(f"needs a CUDA GPU, got a {dev.type} tensor")
+            if self.capabilities and cap not in self.capabilities:
+                raise Unsupported(f"built for compute capability {', '.join(map(_cc, sorted(self.capabilities)))}, "
+                                  f"GPU is {_cc(cap)}")
             if self.min_capability and cap < self.min_capability:
                 raise Unsupported(f"needs compute capability >= {_cc(self.min_capability)}, GPU is {_cc(cap)}")
             if self.max_capability and cap > self.max_capability:
@@ -134,6 +158,10 @@ class Impl:
 
     label = "?"
     constraints = Constraints()
+    # relative L2 error from exact attention the kernel is held to; None: exact up to rounding
+    max_error: float | None = None
+    # dynamo traces `_run` itself (torch ops only); else it runs as one opaque op under torch.compile
+    traceable = False
 
     def unavailable(self) -> str | None:
         """Why the kernel cannot be used at all (missing package), or None."""
@@ -143,8 +171,14 @@ class Impl:
         self.constraints.check(q, k, v, layout, mask)
         why = self.unavailable()
         if why:
-            raise Unsupported(why)
-        return Plan(self.label, lambda: self._run(q, k, v, layout, mask, scale))
+            raise Unavailable(why)
+        return Plan(self.label, lambda: self.run(q, k, v, layout, mask, scale))
+
+    def run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
+        """`_run`; while torch.compile traces, through one opaque op (compiled_ops.py) unless `traceable`."""
+        if self.traceable or not torch.compiler.is_compiling():
+            return self._run(q, k, v, layout, mask, scale)
+        return compiled_ops.attention(self.label, q, k, v, layout, mask, scale)
 
     def _run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
         raise NotImplementedError
@@ -154,29 +188,49 @@ class Backend:
     """A named backend: the first of its kernels that accepts a call runs it.
 
     Calling it runs the attention or raises `Unsupported` with every kernel's
-    reason; `plan` is the same decision without running.
+    reason; `plan` is the same decision without running. With
+    `note_substitutes`, a kernel that would have taken the call but is not
+    installed or built here is said once, with the kernel that runs instead.
     """
 
-    def __init__(self, name: str, impls: list[Impl]):
+    def __init__(self, name: str, impls: list[Impl], *, note_substitutes: bool = False):
         self.name = name
         self._impls = impls
+        compiled_ops.register(impls)
+        self._note_substitutes = note_substitutes
+        self._noted = set()
+
+    @property
+    def kernels(self) -> list[Impl]:
+        return list(self._impls)
 
     def impls_for(self, device: torch.device) -> list[Impl]:
         return self._impls
 
     def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> Plan:
         dims(q, layout)  # validates the layout
-        reasons = []
+        reasons, missing = [], []
         for impl in self.impls_for(q.device):
             try:
                 plan = impl.plan(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
             except Unsupported as e:
                 reasons.append((impl.label, str(e)))
+                if isinstance(e, Unavailable):
+                    missing.append((impl.label, str(e)))
                 continue
+            if missing and self._note_substitutes and (plan.label, tuple(missing)) not in self._noted:
+                self._note(plan.label, tuple(missing))
             label = self.name if plan.label == self.name else f"{self.name}:{plan.label}"
             return Plan(label, plan.run)
         unique = list(dict.fromkeys(r for _, r in reasons))
         raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
+
+    @torch.compiler.disable  # once per reason; runs eagerly
+    def _note(self, ran: str, missing: tuple) -> None:
+        if (ran, missing) not in self._noted:
+            self._noted.add((ran, missing))
+            log.warning("attention: %s runs %s: %s. Said once.", self.name, ran,
+                        "; ".join(f"{label} is unavailable ({why})" for label, why in missing))
 
     def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> torch.Tensor:
         return self.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()

@@ -13,10 +13,12 @@ Each backend lists its kernels in preference order:
   Statistics name the one that ran ("flash:fa3_fwd").
 - fa3_fp8: FA3's FP8 kernel on q, k, v quantized per (batch, head) by one
   fused Triton pass (fa3_fp8.py, fp8_qkv.py); Hopper with fa3-fwd.
-- sage: sageattention 1.0.6.
+- sage: SageAttention 2's kernel for the GPU's architecture, else its Triton
+  kernel, or sageattention 1.0.6 (sage.py).
 - kitchen_int8: comfy-kitchen's INT8 attention.
 - sol: comfy-kitchen's Sol sparse attention.
-- auto: the fastest exact dense kernel for the GPU by a measured table (auto.py).
+- auto: the fastest dense kernel for the GPU and shape, measured at first use
+  (approximate ones only within their declared error) (auto.py).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def register_backend(name: str, *, dense: bool = True, aliases: tuple[str, ...] 
 
 
 # Each module registers its backends as it is imported; this order is the nodes' option order.
-from . import auto, kernels, fa3_fp8, sol  # noqa: E402,F401
+from . import auto, kernels, sage, fa3_fp8, sol  # noqa: E402,F401
 
 BACKENDS = (*_SELECTORS, *_BACKENDS)
 DENSE_BACKENDS = (*_SELECTORS, *(name for name, (_, dense) in _BACKENDS.items() if dense))
@@ -64,6 +66,16 @@ def parse(name: str, *, dense: bool = False) -> str:
         kind = "dense attention backend" if dense else "attention backend"
         raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(valid)} (aliases: {aliases})")
     return canonical
+
+
+def dense_kernels() -> list:
+    """Every kernel of every dense backend, once each (by label), in the order of the backends."""
+    kernels = {}
+    for name in DENSE_BACKENDS:
+        if name in _BACKENDS:
+            for impl in _BACKENDS[name][0]().kernels:
+                kernels.setdefault(impl.label, impl)
+    return list(kernels.values())
 
 
 def create(name: str, *, sol_tau: float = 1.0, sol_min_tokens: int = sol.MIN_TOKENS) -> Backend:

@@ -2,6 +2,7 @@
 else SDPA; plus the dense schedule and per-model statistics."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -63,6 +64,8 @@ class Router:
 
     def __init__(self, backend: str = "auto", dense_backend: str = "auto", *, sol_tau: float = 1.0,
                  dense_steps: int = 0, dense_layers: str = "", sol_min_tokens: int = MIN_TOKENS):
+        if not isinstance(sol_tau, (int, float)) or not math.isfinite(sol_tau):
+            raise ValueError(f"sol_tau must be a finite number, got {sol_tau!r}")  # NaN passes every comparison
         self.backend = registry.create(backend, sol_tau=sol_tau, sol_min_tokens=sol_min_tokens)
         self.dense = registry.create(registry.parse(dense_backend, dense=True))
         self.reference = registry.create("sdpa")
@@ -81,6 +84,15 @@ class Router:
         if self.schedule.dense_layers:
             parts.append(f"dense blocks {self.schedule.dense_layers}")
         return ", ".join(parts)
+
+    def take_choices(self) -> list[str]:
+        """What `auto` (as the backend or the dense backend) chose for the calls since the last take, with
+        its timings: one line per shape."""
+        lines = []
+        for backend in (self.backend, self.dense):
+            take = getattr(backend, "take_choices", None)
+            lines += [f"auto {line}" for line in (take() if take else ()) if f"auto {line}" not in lines]
+        return lines
 
     def begin_forward(self) -> None:
         self.schedule.begin_forward()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import bisect
 import re
 
+from torch import nn
+
 from ..pack_logging import pack_logger
 
 log = pack_logger(__name__)
@@ -52,6 +54,28 @@ class BlockRanges:
 
     def __str__(self) -> str:
         return "[" + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges) + "]"
+
+    def beyond(self, count: int) -> "BlockRanges":
+        """The listed blocks at or past `count` (a model's number of blocks)."""
+        return BlockRanges((max(a, count), b) for a, b in self.ranges if b >= count)
+
+
+def block_count(model) -> int | None:
+    """How many transformer blocks `model` has, as the schedule numbers them: the longest of its
+    top-level ModuleLists named "...blocks" (Wan's and H3's `blocks`; Flux numbers its double and
+    single blocks each from 0). None for a model without one."""
+    lengths = [len(child) for name, child in model.named_children()
+               if name.endswith("blocks") and isinstance(child, nn.ModuleList)]
+    return max(lengths, default=None)
+
+
+def check_layers(layers: BlockRanges, block_count: int) -> None:
+    """ValueError naming dense_layers when it lists a block the model does not have."""
+    extra = layers.beyond(block_count)
+    if extra:
+        have = f"blocks 0-{block_count - 1}" if block_count > 1 else ("block 0" if block_count else "no blocks")
+        raise ValueError(f"dense_layers: {str(extra)[1:-1]} out of range; this model has {block_count} "
+                         f"transformer blocks ({have})")
 
 
 def parse_layers(text: str) -> BlockRanges:

@@ -6,6 +6,7 @@ from comfy_api.latest import io
 from ..pack_logging import pack_logger
 from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
 from ..attention.override import KEY as OVERRIDE_KEY, not_reached
+from ..attention.schedule import block_count, check_layers, parse_layers
 from ..attention.sol import sol_min_tokens
 from . import categories
 from .node_report import compiled_by_comfy, show_on_node
@@ -26,9 +27,9 @@ class SetAttentionBackend(io.ComfyNode):
             description=(
                 "Runs the model's attention with the chosen kernel: sdpa (PyTorch), flash (the best installed "
                 "FlashAttention, else PyTorch's flash kernel), fa3_fp8 (FlashAttention 3 in FP8, Hopper), "
-                "sage (sageattention), kitchen_int8 (comfy-kitchen INT8), "
-                "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel "
-                "measured for this GPU). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
+                "sage (SageAttention 2's kernel for this GPU, or SageAttention 1), kitchen_int8 (comfy-kitchen INT8), "
+                "sol (comfy-kitchen's Sol sparse attention, with a dense stage) or auto (the fastest dense kernel, "
+                "measured on this GPU for each shape at first use). A call the kernel cannot take runs the dense backend, then PyTorch SDPA, "
                 "with one warning per reason. An attention override already on the model is kept and gets this "
                 "backend as the attention it falls back to; an earlier Set Attention Backend is replaced."
             ),
@@ -36,9 +37,12 @@ class SetAttentionBackend(io.ComfyNode):
                 io.Model.Input("model", tooltip="The diffusion model whose attention to replace."),
                 io.Combo.Input(
                     "backend", options=list(BACKENDS), default="auto",
-                    tooltip="Attention kernel. auto: fastest exact dense kernel measured for this GPU (SDPA on "
-                            "CPU and unmeasured GPUs). fa3_fp8: FP8 q/k/v, faster, about 3-5% error, "
-                            "chosen by name only. sol: sparse; pays off above about 12k tokens."),
+                    tooltip="Attention kernel. auto: times the installed kernels on this GPU at the first call of "
+                            "each shape and runs the fastest; an 8-bit one (sage, fa3_fp8, kitchen_int8) only "
+                            "where a probe of the call is within 5% (relative L2) of exact attention (SDPA on "
+                            "CPU). sage: SageAttention 2's kernel for this GPU (INT8 QK, FP8 or FP16 PV), else "
+                            "SageAttention 1. fa3_fp8: FP8 q/k/v, about 3-5% error. sol: sparse; pays off above "
+                            "about 12k tokens."),
                 io.Combo.Input(
                     "dense_backend", options=list(DENSE_BACKENDS), default="auto", optional=True,
                     tooltip="What runs wherever the backend does not: the dense steps and blocks below, and any "
@@ -60,11 +64,37 @@ class SetAttentionBackend(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
+    # Naming sol_tau here replaces ComfyUI's min/max check of it, so the range is checked here too
+    # (NaN passes every comparison). A value linked from another node is None here, checked in execute.
+    TAU_RANGE = (0.0, 4.0)
+
+    @classmethod
+    def validate_inputs(cls, sol_tau=1.0, dense_layers=""):
+        problems = []
+        low, high = cls.TAU_RANGE
+        if sol_tau is not None and (not isinstance(sol_tau, (int, float)) or not low <= sol_tau <= high):
+            problems.append(f"sol_tau must be a number from {low:g} to {high:g}, got {sol_tau!r}")
+        if dense_layers is not None:
+            try:
+                parse_layers(dense_layers)
+            except ValueError as e:
+                problems.append(str(e))
+        return "; ".join(problems) or True
+
     @classmethod
     def execute(cls, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
         unique_id = cls.hidden.unique_id
+        problem = cls.validate_inputs(sol_tau, dense_layers)
+        if problem is not True:
+            raise ValueError(f"SetAttentionBackend: {problem}")
         router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers,
                         sol_min_tokens=sol_min_tokens())
+        blocks = block_count(model.get_model_object("diffusion_model"))
+        if blocks is not None:  # the model is only known here; a model without a block list is not checked
+            try:
+                check_layers(router.schedule.dense_layers, blocks)
+            except ValueError as e:
+                raise ValueError(f"SetAttentionBackend: {e}") from None
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})
         override, how = install(options, router)
@@ -85,9 +115,10 @@ class SetAttentionBackend(io.ComfyNode):
         def report(sampled):
             counts = router.stats.take_run()
             ran, forwards[0] = forwards[0], 0
+            choices = router.take_choices()
             if counts["calls"]:
                 log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
-                show_on_node(unique_id, f"{text}\nlast run: {summary(counts)}")
+                show_on_node(unique_id, "\n".join([text, f"last run: {summary(counts)}", *choices]))
             elif compiled_by_comfy(sampled):
                 show_on_node(unique_id, f"{text}\nlast run: attention calls not counted (torch.compile)")
             elif ran:  # the model ran, its attention went elsewhere (e.g. a later node's override)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from bigdit.attention import Router
-from bigdit.attention.schedule import DenseSchedule, parse_layers
+from bigdit.attention.schedule import DenseSchedule, block_count, check_layers, parse_layers
 from probes import snapshot
 
 SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
@@ -140,3 +140,38 @@ def test_dense_steps_read_as_counted(dense_steps, text):
     assert described == f"backend sol, tau 1, dense sdpa, {text}"
     # other backends name their dense steps only when there are some
     assert (text in Router("sage", "sdpa", dense_steps=dense_steps).describe()) == (dense_steps > 0)
+
+
+@pytest.mark.parametrize("text, count, message", [
+    ("999", 2, "dense_layers: 999 out of range; this model has 2 transformer blocks (blocks 0-1)"),
+    ("0, 1-1000000000000", 2, "dense_layers: 2-1000000000000 out of range; this model has 2 transformer blocks"),
+    ("0", 0, "dense_layers: 0 out of range; this model has 0 transformer blocks (no blocks)"),
+])
+def test_check_layers_refuses_blocks_the_model_lacks(text, count, message):
+    with pytest.raises(ValueError) as info:
+        check_layers(parse_layers(text), count)
+    assert str(info.value).startswith(message)
+
+
+def test_check_layers_accepts_blocks_the_model_has():
+    for text in ("", "0", "0-1", "1, 0"):
+        check_layers(parse_layers(text), 2)
+
+
+def test_block_count_reads_the_top_level_block_lists():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.double_blocks = torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(3))
+            self.single_blocks = torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(5))
+            self.refiner = torch.nn.Module()
+            self.refiner.blocks = torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(9))  # not top level
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(7))  # not named blocks
+    assert block_count(Model()) == 5
+    assert block_count(torch.nn.Linear(1, 1)) is None
+
+
+@pytest.mark.parametrize("tau", [float("nan"), float("inf"), "1"])
+def test_router_refuses_a_tau_that_is_no_finite_number(tau):
+    with pytest.raises(ValueError, match="sol_tau must be a finite number"):
+        Router("sol", sol_tau=tau)

@@ -222,3 +222,55 @@ def test_options_put_the_reference_first(tmp_path):
     assert opts.models == ["wan14b"] and opts.lengths == ["long", "short"] and opts.steps == 3
     with pytest.raises(SystemExit):
         comfy_e2e.parse_args(["--comfyui", str(comfyui), "--configs", "nope"])
+
+
+def test_sage_configs_set_the_packs_sage_and_the_hosts_own_switches(tmp_path):
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    length = e2e_models.WAN14B.length("long")
+    pack = comfy_e2e.sampling_graph(configs["pack_auto_sage"], e2e_models.WAN14B, "m.safetensors", length, 3, 0, "p")
+    assert pack["m0"]["class_type"] == "SetAttentionBackend" and pack["m0"]["inputs"]["backend"] == "sage"
+    hybrid = comfy_e2e.sampling_graph(configs["pack_auto_sol_sage"], e2e_models.WAN14B, "m.safetensors", length,
+                                      3, 0, "p")["m0"]["inputs"]
+    assert (hybrid["backend"], hybrid["dense_backend"], hybrid["sol_tau"]) == ("sol", "sage", 1.0)
+    assert configs["pack_auto_sol_sage"].sol and not configs["pack_auto_sage"].sol
+    for name, flag in (("comfy_fp8_fast_sage", "--use-sage-attention"), ("comfy_fp8_fast_ck", "--use-ck-attention")):
+        config = configs[name]
+        assert config.family == "comfy" and config.comfy_args == (flag,) and config.chain == ()
+        assert config.loader == ("UNETLoader", {"weight_dtype": "fp8_e4m3fn_fast"})
+    # the host's own INT8 attention switch is read off its source
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "cli_args.py").write_text('attn_group.add_argument("--use-sage-attention")\n')
+    assert comfy_e2e.host_features(tmp_path)["ck_attention"] is False
+    (tmp_path / "comfy" / "cli_args.py").write_text('attn_group.add_argument("--use-ck-attention")\n')
+    assert comfy_e2e.host_features(tmp_path)["ck_attention"] is True
+    assert configs["comfy_fp8_fast_ck"].needs == "ck_attention"
+
+
+def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
+    # the test node imports ComfyUI's modules, which its two functions here never touch
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+    comfy = types.ModuleType("comfy")
+    comfy.model_management, comfy.patcher_extension = (types.ModuleType(f"comfy.{n}")
+                                                       for n in ("model_management", "patcher_extension"))
+    for module in (comfy, comfy.model_management, comfy.patcher_extension):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    path = Path(__file__).parent / "fixtures" / "bigdit_testnodes" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bigdit_testnodes_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kernels = [("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", 4000.0),  # cuBLAS on Hopper
+               ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", 3000.0),
+               ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 2500.0),
+               ("qk_int8_sv_f8_accum_f32_attn_inst_buf<128, 64, ...>", 2000.0),  # SageAttention 2's sm90 kernel
+               ("cudnn_generated_fort_native_sdpa_sm90_knob_7", 1000.0),
+               ("Memcpy HtoD (Pinned -> Device)", 500.0),
+               ("triton_poi_fused_add_mul_0", 250.0), ("void at::native::vectorized_elementwise_kernel", 250.0),
+               ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", 1000.0)]
+    out = bench.breakdown(kernels)
+    assert (out["gemm_ms"], out["attention_ms"], out["copies_ms"], out["other_ms"]) == (8.0, 5.5, 0.5, 0.5)
+    assert out["total_ms"] == 14.5
+    assert out["top"][0] == {"kernel": "nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", "kind": "gemm", "ms": 5.0}
+    assert len(out["top"]) == 8

@@ -5,11 +5,16 @@ CPU tests run comfy-kitchen's eager backend. `aot_eager` runs the traced graph t
 generating code, so the compiled result must equal eager bit for bit. GPU tests compile with inductor and
 fullgraph=True (any break fails them) against eager within a stated tolerance.
 """
+import importlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from bigdit.attention import Router, install
+from bigdit.attention import Constraints, Router, auto as attention_auto, install, registry
+from bigdit.attention.base import Backend, Impl
+from bigdit.attention.kernels import Sdpa
 from bigdit.loaders.offload.streaming import LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant import compiled_ops
@@ -110,6 +115,49 @@ def test_router_sdpa_compiles_without_breaks_or_recompiles():
     assert router.stats.take_run()["calls"] == {"sdpa": 1}
 
 
+class ExtensionKernel(Impl):
+    """Stands in for an optional GPU kernel on CPU: exact attention behind Python that dynamo cannot trace
+    (an import, as the real kernels' lazy imports and pybind calls are)."""
+
+    label = "extension_kernel"
+    constraints = Constraints(devices=None)
+
+    def _run(self, q, k, v, layout, mask, scale):
+        importlib.import_module("math")
+        qh, kh, vh = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        return out if layout == "BHSD" else out.transpose(1, 2)  # a strided view, as FA and Sage return
+
+
+@pytest.mark.parametrize("chosen", ["backend", "auto"])
+def test_router_runs_an_untraceable_kernel_as_one_opaque_op(chosen, monkeypatch):
+    options = {}
+    if chosen == "backend":
+        router = Router("flash", dense_backend="sdpa")
+        router.backend = Backend("flash", [ExtensionKernel()])
+    else:  # auto's decision between it and SDPA, measured eagerly first
+        monkeypatch.setattr(attention_auto, "_DECISIONS", {})
+        monkeypatch.setattr(registry, "dense_kernels", lambda: [Sdpa(), ExtensionKernel()])
+        router = Router("auto")
+    install(options, router)
+    q, k, v = (torch.randn(1, 16, 2 * 64) for _ in range(3))
+    eager = comfy_attention(options, q, k, v, 2)
+    assert set(router.stats.take_run()["calls"]) <= {"flash:extension_kernel", "auto:extension_kernel", "auto:sdpa"}
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(comfy_attention)(options, q, k, v, 2)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    counters = compile_counters()
+    compiled = torch.compile(comfy_attention, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        out = compiled(options, q, k, v, 2)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-6)
+    ops = [str(node.target) for g in explained.graphs for node in g.graph.nodes if node.op == "call_function"]
+    opaque = chosen == "backend" or [d.label for d in attention_auto._DECISIONS.values()] == ["extension_kernel"]
+    assert any("bigdit.attention" in op for op in ops) == opaque, ops  # the kernel is one node of the graph
+
+
 class Blocks(nn.Module):
     def __init__(self, n=4, dim=64):
         super().__init__()
@@ -183,6 +231,24 @@ def test_fullgraph_router_sdpa_on_cuda():
     compile_counters()
     out = torch.compile(comfy_attention, backend="inductor", fullgraph=True)(options, q, k, v, 8)
     assert rel(out, eager) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash", "sage", "kitchen_int8", "fa3_fp8", "auto"])
+def test_fullgraph_router_optional_kernels_on_cuda(backend):
+    """The optional kernels run as one opaque op: fullgraph=True compiles (any break fails it)."""
+    options = {}
+    router = Router(backend, dense_backend="sdpa")
+    install(options, router)
+    q, k, v = (torch.randn(1, 2048, 8 * 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    eager = comfy_attention(options, q, k, v, 8)
+    calls = router.stats.take_run()["calls"]
+    if list(calls) == ["sdpa"]:
+        pytest.skip(f"{backend} does not run here (ran {calls})")
+    compile_counters()
+    out = torch.compile(comfy_attention, backend="inductor", fullgraph=True)(options, q, k, v, 8)
+    assert rel(out, eager) < 1e-2  # the same kernel, compiled around
 
 
 def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():

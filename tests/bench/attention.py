@@ -5,8 +5,10 @@
 locality-structured ones (tests/bench/attention_inputs.py says how they are
 built; Sol's accuracy depends on such structure). Each backend runs the way
 the node runs it (same kernels, same layout handling): SDPA (torch's choice),
-SDPA with cuDNN first, flash (whichever FlashAttention resolves), sage,
-kitchen_int8, auto, and Sol at tau 0.5/1/2. Per row: median time by CUDA
+SDPA with cuDNN first, flash (whichever FlashAttention resolves), sage
+(SageAttention 2's kernel for the GPU where 2.x is installed), kitchen_int8,
+fa3_fp8, auto (with its own timings and probe errors in `auto_choice`), and
+Sol at tau 0.5/1/2. Per row: median time by CUDA
 events after warm-up, speed-up over cuDNN SDPA, and PSNR and cosine of the
 output against cuDNN SDPA's. Writes JSON and prints a table.
 
@@ -34,7 +36,7 @@ REFERENCE = "sdpa_cudnn"
 def backends():
     """(row name, backend) in table order; the reference first."""
     rows = [(REFERENCE, Backend(REFERENCE, [kernels.SdpaCudnn()]))]
-    rows += [(name, registry.create(name)) for name in ("sdpa", "flash", "sage", "kitchen_int8", "auto")]
+    rows += [(name, registry.create(name)) for name in ("sdpa", "flash", "sage", "kitchen_int8", "fa3_fp8", "auto")]
     # the bench measures Sol at every length; the node keeps it dense below 12288 tokens
     rows += [(f"sol tau={tau:g}", registry.create("sol", sol_tau=tau, sol_min_tokens=0)) for tau in (0.5, 1.0, 2.0)]
     return rows
@@ -83,6 +85,8 @@ def main():
                     row["skipped"] = str(e)
                     continue
                 row["kernel"] = plan.label
+                if name == "auto":  # its measurement of this shape: every kernel's time, approximate ones' error
+                    row["auto_choice"] = backend.take_choices()
                 try:
                     row["ms"] = cuda_time_ms(plan.run, warmup=1, iters=iters)
                     out = plan.run()

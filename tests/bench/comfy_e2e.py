@@ -27,6 +27,8 @@ nodes in tests/fixtures/bigdit_testnodes/bench.py record inside the server):
   host_rss_anon_gib, host_rss_file_gib: after sampling, all, anonymous, mapped file pages;
 - rel_l2 and cosine of the saved latent against comfy_resident's at the same
   model and length, and vs_resident = its step_s / this step_s;
+- breakdown: the device time of one model call of the second step by kind (GEMM, attention, copies,
+  other) and its largest kernels, from torch.profiler (the test node says which call);
 - pack_reports: the text the pack's nodes returned (what they chose), and
   log_lines: ComfyUI's and the pack's loading, offload and attention lines.
 
@@ -168,6 +170,14 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("comfy_resident_static", "comfy", False, _unet(), comfy_args=("--disable-dynamic-vram",),
                needs="dynamic_vram"),
         Config("pack_auto_attn_auto", "pack", True, _pack_loader("auto"), (_attention("auto"),)),
+        # SageAttention (issue 22): the pack's sage backend, and the host's own switches with the same package
+        # installed (SageAttention 2 where tests/bench/device/run_e2e.sh built it)
+        Config("pack_auto_sage", "pack", True, _pack_loader("auto"), (_attention("sage"),)),
+        Config("pack_auto_sol_sage", "pack", True, _pack_loader("auto"),
+               (("SetAttentionBackend", {**_attention("sol", 1.0)[1], "dense_backend": "sage"}),), sol=True),
+        Config("comfy_fp8_fast_sage", "comfy", True, _unet("fp8_e4m3fn_fast"), comfy_args=("--use-sage-attention",)),
+        Config("comfy_fp8_fast_ck", "comfy", True, _unet("fp8_e4m3fn_fast"), comfy_args=("--use-ck-attention",),
+               needs="ck_attention"),
         Config("pack_bf16_offload", "pack", True, _pack_loader("none")),
         # offload against dynamic VRAM on a model over the card: the pack's own streaming where ComfyUI's
         # dynamic VRAM is off; and the pack's quantized model with no cap, the reference of its capped runs
@@ -201,6 +211,7 @@ DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pa
 HOST_FEATURES = {
     "dynamic_vram": ("comfy/cli_args.py", "--disable-dynamic-vram"),  # comfy-aimdo, on by default on NVIDIA
     "kitchen_markers": ("comfy/quant_ops.py", '"int8_tensorwise"'),  # comfy_quant markers of comfy-kitchen formats
+    "ck_attention": ("comfy/cli_args.py", "--use-ck-attention"),  # comfy-kitchen INT8 attention as the host's own
 }
 
 
@@ -345,6 +356,8 @@ def measurements(report: dict, entry: dict) -> dict:
         out["device_used_peak_sampling_gib"] = report["device_used_peak_sampling"] / GIB
     if report.get("device_used_error"):
         out["device_used_error"] = report["device_used_error"]
+    if report.get("breakdown"):  # one profiled model call of the second step, device ms by kind
+        out["breakdown"] = report["breakdown"]
     for key in ("gpu", "capability", "allocator", "mem_get_info", "device_total_memory", "torch", "device"):
         if key in report:
             out.setdefault("server", {})[key] = report[key]

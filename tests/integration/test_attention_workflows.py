@@ -61,8 +61,8 @@ def test_object_info_lists_the_node(comfy):
     assert info["category"] == "model/patch" and info["output"] == ["MODEL"]
     assert info["description"]
     required, optional = info["input"]["required"], info["input"]["optional"]
-    assert combo_options(required["backend"]) == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8", "sol"]
-    assert combo_options(optional["dense_backend"]) == ["auto", "sdpa", "sage", "kitchen_int8", "flash", "fa3_fp8"]
+    assert combo_options(required["backend"]) == ["auto", "sdpa", "kitchen_int8", "flash", "sage", "fa3_fp8", "sol"]
+    assert combo_options(optional["dense_backend"]) == ["auto", "sdpa", "kitchen_int8", "flash", "sage", "fa3_fp8"]
     assert optional["sol_tau"][0] == "FLOAT" and optional["sol_tau"][1]["default"] == 1.0
     assert optional["dense_steps"][0] == "INT" and optional["dense_steps"][1]["default"] == 0
     assert optional["dense_layers"][0] == "STRING" and optional["dense_layers"][1]["default"] == ""
@@ -139,13 +139,27 @@ def test_bad_dense_layers_is_a_node_error(comfy_sdpa, tiny_wan):
         run(comfy_sdpa, tiny_wan, [node("sol", dense_layers="first")])
 
 
-def test_huge_dense_layers_range_is_kept_as_a_range(comfy_sdpa, tiny_wan, baseline):
-    """'0-1000000000000' costs two numbers, not 10^12 indices; every block of the model is dense."""
-    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], seed=5,
-                          model_chain=[node("sage", dense_backend="sdpa", dense_layers="0-1000000000000")])
-    history = comfy_sdpa.run(graph, timeout=60)
-    assert history["outputs"]["m0"]["text"][0].endswith("dense blocks [0-1000000000000]")
-    assert torch.equal(comfy_sdpa.latent(history, "save_latent"), baseline)
+@pytest.mark.parametrize("layers, beyond", [("999", "999"), ("0-1000000000000", "2-1000000000000")])
+def test_dense_layers_beyond_the_model_is_refused(comfy_sdpa, tiny_wan2, layers, beyond):
+    """The block count is known once the node has the model: the node's run fails naming the input.
+    '0-1000000000000' costs two numbers, not 10^12 indices."""
+    graph = wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], seed=5,
+                          model_chain=[node("sage", dense_backend="sdpa", dense_layers=layers)])
+    with pytest.raises(PromptError) as info:
+        comfy_sdpa.run(graph, timeout=60)
+    assert info.value.node_type == NODE
+    assert (f"dense_layers: {beyond} out of range; this model has 2 transformer blocks (blocks 0-1)"
+            in info.value.message), info.value.message
+
+
+@pytest.mark.parametrize("tau", [float("nan"), 4.5])
+def test_bad_sol_tau_is_a_validation_error(comfy_sdpa, tiny_wan, tau):
+    """NaN passes ComfyUI's min/max check; the node's own validation names it before anything runs."""
+    graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[node("sol", sol_tau=tau)])
+    with pytest.raises(PromptError) as info:
+        comfy_sdpa.run(graph)
+    assert "sol_tau must be a number from 0 to 4" in info.value.message, info.value.message
+    assert info.value.node_errors and not info.value.node_type  # refused at validation, not while running
 
 
 def test_choice_is_shown_on_the_node(comfy_sdpa, tiny_wan):

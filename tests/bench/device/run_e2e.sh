@@ -4,7 +4,7 @@
 # --host picks the ComfyUI: 0.3.75 (the default) from .e2e/, upstream 0.33.0 from .e2e-033/. Unpacks every carried
 # .e2e*/bundle.tar.xz into $E2E_ROOT/e2e* (/tmp by default; skipped when the same bundle is already there, as on
 # a machine still warm from the last call), puts the host's site/, fa3-fwd's (/tmp/e2e-fa3, if unpacked) and the
-# PyAV stub on PYTHONPATH, and runs tests/bench/comfy_e2e.py with that host's ComfyUI, writing the results JSON, its
+# PyAV stub on PYTHONPATH (and SageAttention 2, built from a carried .sage2/), and runs tests/bench/comfy_e2e.py with that host's ComfyUI, writing the results JSON, its
 # .log and this run's output into $OUT. Without the host's bundle (a first call that carries only .e2e-fa3/) it
 # unpacks and stops. The model file and the servers' folders go to $E2E_WORK, by default on the disk filesystem
 # (not tmpfs) with the most room among /tmp and the repository's parent folder.
@@ -30,10 +30,26 @@ for bundle in .e2e*/bundle.tar.xz; do
   fi
   echo "$bundle ready in $dest after $(( $(date +%s) - t0 )) s"
 done
+# SageAttention 2 (issue 22): built once per machine from a carried .sage2/ (its source tarball and build-sage2.sh,
+# README section 4), about two minutes for SAGE_ARCHS=9.0; skipped when the same source is already built there
+if [ -e .sage2/build-sage2.sh ]; then
+  src=$(ls .sage2/SageAttention-*.tar.gz | head -1)
+  dest=$root/e2e-sage2
+  if ! { [ -d "$dest/site/sageattention" ] && sha256sum < "$src" | cmp -s - "$dest/source.sha256"; }; then
+    rm -rf "$dest" && mkdir -p "$dest"
+    if ! bash .sage2/build-sage2.sh "$src" "$dest/wheel" > "$dest/build.log" 2>&1; then
+      tail -40 "$dest/build.log"; cp "$dest/build.log" "$OUT/sage2-build.log"; exit 1
+    fi
+    "$PY" -m pip install --no-deps --no-index --target "$dest/site" "$dest"/wheel/sageattention-*.whl > /dev/null
+    sha256sum < "$src" > "$dest/source.sha256"
+  fi
+  echo "SageAttention 2 ($(ls "$dest"/wheel)) ready in $dest/site after $(( $(date +%s) - t0 )) s"
+fi
 if [ ! -e "$own/bundle.tar.xz" ]; then
   echo "no $own/ carried (ComfyUI $host): unpacked only"; exit 0
 fi
 site=$PWD/tests/bench/device/stubs:$root/${own#.}/site
+[ -d "$root/e2e-sage2/site" ] && site=$root/e2e-sage2/site:$site  # first: it shadows any sageattention 1.x
 [ -d "$root/e2e-fa3/site" ] && site=$site:$root/e2e-fa3/site
 if [ -z "${E2E_WORK:-}" ]; then
   best=/tmp; room=-1

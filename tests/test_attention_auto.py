@@ -1,0 +1,191 @@
+"""`auto` on CPU: the measurement's decision, the accuracy gate, the cache, the probe and the report.
+
+On a CPU only SDPA takes a call, so these tests give auto stand-in kernels that run on the CPU
+(exact attention, or exact attention plus an error of a set relative size, standing in for an
+8-bit GPU kernel), and a clock that reads each kernel's set time (a CPU cannot time a GPU
+kernel). The decision, the probe, the error check against fp32 SDPA, the cache and the report
+are auto's own code.
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigdit.attention import Constraints, Router, auto, registry
+from bigdit.attention.base import Impl
+from bigdit.attention.kernels import Sdpa, _sdpa
+from probes import snapshot
+
+RAN = []  # labels of the stand-in kernels, in the order they ran
+
+
+class Kernel(Impl):
+    """Exact attention (error 0) or attention off by `error` relative L2; `ms` per call on the clock."""
+
+    def __init__(self, label, ms, error=None, fails=False):
+        self.label, self.ms, self.max_error, self.fails, self.error = label, ms, (
+            None if error is None else 0.05), fails, error or 0.0
+        self.constraints = Constraints(devices=None)
+
+    def _run(self, q, k, v, layout, mask, scale):
+        RAN.append(self.label)
+        if self.fails:
+            raise RuntimeError("illegal memory access\nmore")
+        out = _sdpa(q, k, v, layout, mask, scale)
+        if not self.error:
+            return out
+        g = torch.Generator().manual_seed(0)
+        noise = torch.randn(out.shape, generator=g)
+        return out + noise * (self.error * out.float().norm() / noise.norm())
+
+
+def clock(fn, device, calls):
+    """The set time of the kernel `fn` runs."""
+    before = len(RAN)
+    for _ in range(calls):
+        fn()
+    kernel = RAN[before] if len(RAN) > before else "sdpa"  # plain SDPA records nothing
+    return {k.label: k.ms for k in KERNELS}.get(kernel, 100.0)
+
+
+KERNELS = []
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """`kernels(*stand_ins)`: auto's candidates are SDPA (100 ms on the clock) and these."""
+    monkeypatch.setattr(auto, "_DECISIONS", {})
+    monkeypatch.setattr(auto, "time_ms", clock)
+    RAN.clear()
+
+    def use(*stand_ins):
+        KERNELS[:] = stand_ins
+        monkeypatch.setattr(registry, "dense_kernels", lambda: [Sdpa(), *stand_ins])
+        return registry.create("auto")
+    yield use
+    KERNELS.clear()
+
+
+def qkv(b=1, h=2, s=128, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, s, d, generator=g) for _ in range(3))
+
+
+def test_the_fastest_exact_kernel_wins_and_the_report_gives_the_timings(kernels, caplog):
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+    with caplog.at_level(logging.INFO, logger="bigdit.attention.auto"):
+        plan = backend.plan(q, k, v)
+    assert plan.label == "auto:fast"
+    assert torch.equal(plan.run(), F.scaled_dot_product_attention(q, k, v))
+    line = "1x2x128x64 float32: fast; fast 20.00 ms, slow 40.00 ms, sdpa 100.00 ms"
+    assert backend.take_choices() == [line]
+    assert [r.getMessage() for r in caplog.records] == [f"[BigDiT] attention auto {line}"]
+
+
+def test_an_approximate_kernel_within_its_bound_wins_when_fastest(kernels):
+    backend = kernels(Kernel("exact", 30.0), Kernel("int8", 20.0, error=0.03))
+    plan = backend.plan(*qkv())
+    assert plan.label == "auto:int8"
+    (line,) = backend.take_choices()
+    assert line.startswith("1x2x128x64 float32: int8; int8 20.00 ms (err 0.030), exact 30.00 ms"), line
+
+
+def test_an_approximate_kernel_past_its_bound_never_runs(kernels):
+    backend = kernels(Kernel("exact", 30.0), Kernel("fp8", 10.0, error=0.08))
+    q, k, v = qkv()
+    RAN.clear()
+    plan = backend.plan(q, k, v)
+    assert plan.label == "auto:exact"
+    assert RAN.count("fp8") == 1  # once, on the probe; never timed
+    (line,) = backend.take_choices()
+    assert line.endswith("; not used: fp8 (error 0.080 > 0.05)"), line
+    assert "fp8 10.00" not in line
+
+
+def test_the_decision_is_kept_per_shape_and_shared(kernels):
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+    backend.plan(q, k, v)
+    RAN.clear()
+    for _ in range(3):
+        assert backend.plan(q, k, v).label == "auto:fast"
+    assert registry.create("auto").plan(q, k, v).label == "auto:fast"  # another auto: the same decision
+    assert RAN == []  # nothing measured again
+    backend.plan(*qkv(s=256))  # another shape is measured once
+    assert sorted(set(RAN)) == ["fast", "slow"]
+    assert len(auto._DECISIONS) == 2
+
+
+def test_a_kernel_failing_while_measured_is_left_out(kernels):
+    backend = kernels(Kernel("broken", 5.0, fails=True), Kernel("ok", 30.0))
+    plan = backend.plan(*qkv())
+    assert plan.label == "auto:ok"
+    (line,) = backend.take_choices()
+    assert "not used: broken (failed: RuntimeError: illegal memory access)" in line and "more" not in line
+
+
+def test_a_kernel_that_declines_the_call_is_not_measured(kernels):
+    masked_only = Kernel("nomask", 1.0)
+    masked_only.constraints = Constraints(devices=None, masks=False)
+    backend = kernels(masked_only, Kernel("ok", 30.0))
+    q, k, v = qkv()
+    mask = torch.ones(1, 1, 1, 128, dtype=torch.bool)
+    assert backend.plan(q, k, v, mask=mask).label == "auto:ok"
+    assert backend.plan(q, k, v).label == "auto:nomask"  # unmasked: another shape key, measured apart
+
+
+@pytest.mark.parametrize("shape, mask_shape, probe_shape, probe_mask", [
+    ((2, 8, 3000, 64), (2, 1, 3000, 3000), (1, 4, 1024, 64), (1, 1, 1024, 3000)),
+    ((1, 3, 100, 64), (1, 1, 1, 100), (1, 3, 100, 64), (1, 1, 1, 100)),
+])
+def test_the_probe_is_a_slice_of_the_call(shape, mask_shape, probe_shape, probe_mask):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+    mask = torch.rand(mask_shape, generator=g) > 0.1
+    pq, pk, pv, pm = auto.probe(q, k, v, "BHSD", mask)
+    assert pq.shape == probe_shape and pm.shape == probe_mask
+    assert pk.shape == (1, probe_shape[1], shape[2], 64)  # every key
+    heads = torch.linspace(0, shape[1] - 1, probe_shape[1]).round().long()
+    assert torch.equal(pq, q[:1, heads, :probe_shape[2]]) and torch.equal(pk, k[:1, heads])
+    # each query row's attention is the call's own
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:1, heads, :probe_shape[2]]
+    torch.testing.assert_close(F.scaled_dot_product_attention(pq, pk, pv, attn_mask=pm), full)
+    # the same slice in (B, S, H, D)
+    bshd = auto.probe(*(t.transpose(1, 2) for t in (q, k, v)), "BSHD", mask)
+    assert torch.equal(bshd[0].transpose(1, 2), pq) and torch.equal(bshd[3], pm)
+
+
+def test_probe_error_is_the_kernels_error_on_the_probe():
+    q, k, v = qkv(h=8, s=1500)
+    assert auto.probe_error(Kernel("int8", 1.0, error=0.04), q, k, v, "BHSD", None, None, {}) == \
+        pytest.approx(0.04, rel=1e-3)
+    assert auto.probe_error(Sdpa(), q, k, v, "BHSD", None, None, {}) < 1e-6
+
+
+def test_router_reports_the_choice_of_its_dense_auto(kernels):
+    kernels(Kernel("fast", 20.0))
+    router = Router("sage", dense_backend="auto")  # sage declines on CPU: the dense auto decides
+    router(*qkv())
+    assert snapshot(router.stats)["calls"] == {"auto:fast": 1}
+    assert router.take_choices() == ["auto 1x2x128x64 float32: fast; fast 20.00 ms, sdpa 100.00 ms"]
+    assert router.take_choices() == []  # taken
+
+
+def test_auto_measures_under_torch_compile_and_then_traces_without_breaks(kernels):
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+
+    def attention(q, k, v):
+        return backend(q, k, v) * 1
+
+    torch._dynamo.reset()
+    first = torch._dynamo.explain(attention)(q, k, v)
+    assert first.graph_break_count == 1  # the measurement, run eagerly
+    assert [d.label for d in auto._DECISIONS.values()] == ["fast"]
+    torch._dynamo.reset()
+    again = torch._dynamo.explain(attention)(q, k, v)
+    assert again.graph_break_count == 0, [b.reason for b in again.break_reasons]
+    out = torch.compile(attention, backend="eager", fullgraph=True)(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
