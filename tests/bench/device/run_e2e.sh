@@ -32,14 +32,18 @@ for bundle in .e2e*/bundle.tar.xz; do
 done
 # SageAttention 2 (issue 22): built once per machine from a carried .sage2/ (its source tarball and build-sage2.sh,
 # README section 4), about two minutes for SAGE_ARCHS=9.0; skipped when the same source is already built there
-if [ -e .sage2/build-sage2.sh ]; then
-  src=$(ls .sage2/SageAttention-*.tar.gz | head -1)
+# A wheel built by an earlier call (it came back in $OUT) and carried in .sage2/ is installed instead of building.
+if [ -e .sage2/build-sage2.sh ] || ls .sage2/sageattention-*.whl > /dev/null 2>&1; then
+  src=$(ls .sage2/sageattention-*.whl .sage2/SageAttention-*.tar.gz 2>/dev/null | head -1)
   dest=$root/e2e-sage2
   if ! { [ -d "$dest/site/sageattention" ] && sha256sum < "$src" | cmp -s - "$dest/source.sha256"; }; then
-    rm -rf "$dest" && mkdir -p "$dest"
-    if ! bash .sage2/build-sage2.sh "$src" "$dest/wheel" > "$dest/build.log" 2>&1; then
+    rm -rf "$dest" && mkdir -p "$dest/wheel"
+    if [ "${src%.whl}" != "$src" ]; then
+      cp "$src" "$dest/wheel/"
+    elif ! bash .sage2/build-sage2.sh "$src" "$dest/wheel" > "$dest/build.log" 2>&1; then
       tail -40 "$dest/build.log"; cp "$dest/build.log" "$OUT/sage2-build.log"; exit 1
     fi
+    cp "$dest"/wheel/sageattention-*.whl "$OUT/" 2>/dev/null || true
     "$PY" -m pip install --no-deps --no-index --target "$dest/site" "$dest"/wheel/sageattention-*.whl > /dev/null
     sha256sum < "$src" > "$dest/source.sha256"
   fi
