@@ -176,6 +176,7 @@ def promote(workflow, graph, node, name, label, value):
     instance["inputs"].append({"label": label, "name": name, "type": node["inputs"][slot]["type"],
                                "widget": {"name": name}, "link": None})
     instance["widgets_values"].append(value)
+    instance["widgets_values_named"][name] = value
 
 
 def rename_promoted(workflow, graph, old, new, value):
@@ -188,7 +189,8 @@ def rename_promoted(workflow, graph, old, new, value):
         if item["name"] == old:
             item.update(name=new, widget={"name": new})
     instance["widgets_values"][index] = value
-    instance.pop("widgets_values_named", None)
+    instance["widgets_values_named"] = {(new if key == old else key): (value if key == old else v)
+                                        for key, v in instance["widgets_values_named"].items()}
 
 
 def model_switch(graph) -> dict:
