@@ -59,7 +59,7 @@ FEATURES = [
     ("Keep patterns on the host's own module names", ["test_keep_decisions::"]),
     ("Example workflows run on tiny models",
      ["test_examples_and_ui::test_wan_example_runs_on_the_tiny_model",
-      "test_examples_and_ui::test_h3_example_runs_on_the_tiny_h3"]),
+      "test_examples_and_ui::test_h3_template_example_runs_with_the_turbo_lora"]),
     ("Examples load in the host's own frontend", ["test_examples_and_ui::test_ui_workflow_loads_to_the_api_workflow"]),
     ("Starts without comfy-kitchen, clear message", ["test_without_kitchen::"]),
     ("V3 nodes serve the V1 nodes' inputs and outputs (/object_info)",

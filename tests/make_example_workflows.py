@@ -2,13 +2,15 @@
 template browser lists and what drag-and-drop loads), <name>.jpg (its preview) and
 example_workflows/api/<name>.json (API format, for POST /prompt).
 
-    python tests/make_example_workflows.py
+    python tests/make_example_workflows.py [NAME ...]   (default: every example)
 
-Each graph below is written once, in API terms with readable node keys. A headless ComfyUI
+The Wan graphs below are written once, in API terms with readable node keys. A headless ComfyUI
 (tests/comfy_harness.py) with this pack and its own front end in Chromium (tests/workflow_ui.py)
-builds the UI workflow from it, and graphToPrompt gives the API file, so both files are what the
-front end itself saves and queues. Each example is built on the first host that has every
-feature it needs (ComfyUI 0.3.75 for the Wan ones, upstream 0.33.0 for MiniMax-H3's native nodes).
+builds the UI workflow from each, and graphToPrompt gives the API file, so both files are what the
+front end itself saves and queues. The MiniMax-H3 examples are Comfy-Org's official templates with
+the pack's nodes (tests/template_workflows.py writes the UI workflow); the front end loads each and
+gives its API file. Each example is built on the first host that has every feature it needs
+(ComfyUI 0.3.75 for the Wan ones, upstream 0.33.0 for MiniMax-H3's native nodes).
 Needs /usr/bin/chromium (Debian package 'chromium') and the hosts of .ci/setup_env.sh.
 """
 import json
@@ -20,9 +22,10 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
+import template_workflows  # noqa: E402
 from browser import Browser  # noqa: E402
 from comfy_harness import HOSTS, ComfyServer  # noqa: E402
-from workflow_ui import build_ui_workflow, open_comfy, screenshot_graph  # noqa: E402
+from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, screenshot_graph  # noqa: E402
 
 OUT = TESTS.parent / "example_workflows"
 PREVIEW_MAX_BYTES = 200_000
@@ -100,47 +103,8 @@ def attention_ab():
     return graph
 
 
-def minimax_h3_24gb():
-    """MiniMax-H3 text-to-video+audio on a 24 GB GPU (upstream ComfyUI with native H3)."""
-    return {
-        "loader": {"class_type": "LoadH3Quantized", "inputs": {
-            "unet_name": "minimax_h3_t2va_pruned_bf16.safetensors", "quantization": "int8_convrot",
-            "offload": "auto", "group_size": "256", "ignored_layers": ""}},
-        "shift": {"class_type": "MiniMaxH3SigmaShift", "inputs": {
-            "model": ["loader", 0], "shift_video": 12.0, "shift_audio": 3.0}},
-        "attention": {"class_type": "SetAttentionBackend", "title": "Set Attention Backend (Sage -> Sol)", "inputs": {
-            "model": ["shift", 0], "backend": "sol", "dense_backend": "sage", "sol_tau": 1.0, "dense_steps": 3,
-            "dense_layers": ""}},
-        "clip": {"class_type": "QuantizedCLIPLoader", "inputs": {
-            "clip_name": "qwen3vl_32b_minimax_h3_quanto_qint8.safetensors", "type": "minimax",
-            "rename_prefixes": "", "nvfp4": "auto"}},
-        # H3's own text-to-video+audio conditioning: the prompt (picture and sound) and the AV latent
-        "conditioning": {"class_type": "MiniMaxH3ImageToVideo", "title": "MiniMax H3 (prompt, size, length)",
-                         "inputs": {"clip": ["clip", 0], "vae": ["video_vae", 0],
-                                    "prompt": PROMPT + " Snow crunches under its paws; wind in the pines.",
-                                    "width": 1344, "height": 768, "length": 124}},
-        "negative": {"class_type": "ConditioningZeroOut", "title": "No negative prompt (H3 has none)",
-                     "inputs": {"conditioning": ["conditioning", 0]}},
-        "sampler": {"class_type": "KSampler", "inputs": {
-            "model": ["attention", 0], "seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler",
-            "scheduler": "simple", "denoise": 1.0, "positive": ["conditioning", 0], "negative": ["negative", 0],
-            "latent_image": ["conditioning", 1]}},
-        "video_vae": {"class_type": "VAELoader", "title": "Load VAE (video)",
-                      "inputs": {"vae_name": "minimax_h3_video_vae_fp16.safetensors"}},
-        "audio_vae": {"class_type": "VAELoader", "title": "Load VAE (audio)",
-                      "inputs": {"vae_name": "minimax_h3_audio_vae_fp32.safetensors"}},
-        "decode": {"class_type": "VAEDecode", "inputs": {"samples": ["sampler", 0], "vae": ["video_vae", 0]}},
-        "decode_audio": {"class_type": "VAEDecodeAudio",
-                         "inputs": {"samples": ["sampler", 0], "vae": ["audio_vae", 0]}},
-        "video": {"class_type": "CreateVideo", "inputs": {
-            "images": ["decode", 0], "fps": 24.0, "audio": ["decode_audio", 0]}},
-        "save": {"class_type": "SaveVideo", "inputs": {
-            "video": ["video", 0], "filename_prefix": "bigdit/minimax_h3", "format": "auto", "codec": "auto"}},
-    }
-
-
 # Examples that need host features (comfy_harness.FEATURES) beyond the pack's.
-NEEDS = {"bigdit-3-minimax-h3-24gb": ("minimax_h3", "torchaudio")}
+NEEDS = {name: ("minimax_h3", "torchaudio") for name in template_workflows.EXAMPLES}
 
 EXAMPLES = {
     "bigdit-1-quantize-wan-int8-online": (quantize_online, """\
@@ -174,26 +138,6 @@ block formats run on this GPU (native or dequantized).
 
 nvfp4 = requantize: on GPUs without an NVFP4 GEMM (before sm100), re-quantize
 NVFP4 layers to this GPU's fastest native format at load."""),
-    "bigdit-3-minimax-h3-24gb": (minimax_h3_24gb, """\
-MiniMax-H3 (33B video + audio) on one 24 GB GPU (BigDiT). Needs a ComfyUI with
-native MiniMax-H3 (its MiniMax H3 Image to Video and ModelSamplingMiniMaxH3 nodes).
-
-- Load Diffusion Model (quantize while loading): reads the bf16 file layer by layer and
-  quantizes each layer to INT8 ConvRot on the GPU (the pruned DiT: 40 GB in
-  bf16, about 21 GB in INT8), so the bf16 model is never resident twice;
-  offload "auto" streams the transformer blocks that do not fit in VRAM from
-  RAM, one block ahead of the compute. Its report shows the memory plan.
-- Load Quantized Text Encoder: the Quanto qint8 Qwen3-VL-32B encoder, type
-  "minimax". It runs once per prompt; ComfyUI unloads it before sampling.
-- Set Attention Backend: SageAttention for the first 3 steps, Sol sparse
-  attention after them (Sol measured 2.7x faster than cuDNN attention at
-  H3's 32k tokens on an H200).
-- MiniMax H3 Image to Video: the prompt (picture and sound), size and length
-  give the conditioning and the video+audio latent; connect first_frame /
-  last_frame images for keyframes.
-- H3 has no negative prompt: cfg 1 with a zeroed negative.
-
-Pick your files in the loaders (names here are placeholders)."""),
     "bigdit-4-attention-a-b-sdpa-vs-sol": (attention_ab, """\
 Attention A/B: the same model, seed and prompt through two attention backends (BigDiT).
 
@@ -231,6 +175,23 @@ def placeholder_models(base: Path, graphs) -> None:
                     path.touch()
 
 
+def placeholder_template_files(base: Path, workflows) -> None:
+    """Empty files named as the templates' download hints (properties.models), in their folders, and grey
+    pictures named as their input images, so that the previews show no missing file."""
+    from PIL import Image
+    for workflow in workflows:
+        nodes = workflow["nodes"] + [n for s in workflow.get("definitions", {}).get("subgraphs", []) for n in s["nodes"]]
+        for node in nodes:
+            for model in node.get("properties", {}).get("models", []):
+                path = base / "models" / model["directory"] / model["name"]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+            if node["type"] == "LoadImage":
+                path = base / "input" / node["widgets_values"][0]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.new("RGB", (512, 512), (96, 96, 96)).save(path)
+
+
 def host_for(name):
     """The first host with every feature the example needs."""
     for host in HOSTS:
@@ -239,19 +200,36 @@ def host_for(name):
     raise RuntimeError(f"no host has what {name} needs: {NEEDS[name]}")
 
 
-def main():
+def main(chosen):
+    everything = [*EXAMPLES, *template_workflows.EXAMPLES]
+    unknown = set(chosen) - set(everything)
+    if unknown:
+        raise SystemExit(f"no examples {sorted(unknown)}; known: {everything}")
     (OUT / "api").mkdir(parents=True, exist_ok=True)
     for host in HOSTS:
-        names = [name for name in EXAMPLES if host_for(name) is host]
+        names = [name for name in chosen or everything if host_for(name) is host]
         if not names:
             continue
-        graphs = {name: EXAMPLES[name][0]() for name in names}
+        graphs = {name: EXAMPLES[name][0]() for name in names if name in EXAMPLES}
+        workflows = {name: template_workflows.build(name) for name in names if name in template_workflows.EXAMPLES}
         with tempfile.TemporaryDirectory(prefix="bigdit-examples-") as base:
             placeholder_models(Path(base), graphs.values())
+            placeholder_template_files(Path(base), workflows.values())
             with ComfyServer(base, host) as server, Browser(width=1600, height=1000, timeout=60) as browser:
                 open_comfy(browser, server.url)
                 for name in names:
-                    build(browser, name, graphs[name], host)
+                    if name in graphs:
+                        build(browser, name, graphs[name], host)
+                    else:
+                        build_from_template(browser, name, workflows[name], host)
+
+
+def build_from_template(browser, name, workflow, host):
+    prompt = load_ui_workflow(browser, workflow)
+    (OUT / f"{name}.json").write_text(json.dumps(workflow, indent=1) + "\n")
+    (OUT / "api" / f"{name}.json").write_text(json.dumps(prompt, indent=1) + "\n")
+    preview_jpeg(browser, OUT / f"{name}.jpg")
+    print(f"wrote {name} on ComfyUI {host.version}: {len(prompt)} nodes")
 
 
 def build(browser, name, graph, host):
@@ -264,4 +242,4 @@ def build(browser, name, graph, host):
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -26,6 +26,9 @@ async ({graph, note}) => {
   await app.loadGraphData({last_node_id: 0, last_link_id: 0, nodes: [], links: [], groups: [],
                            config: {}, extra: {}, version: 0.4}, true, false, null,
                           {showMissingNodesDialog: false, showMissingModelsDialog: false});
+  // the view at 100 % and the origin, where the nodes go: a workflow loaded before may have left it far away
+  app.canvas.ds.scale = 1;
+  app.canvas.ds.offset[0] = app.canvas.ds.offset[1] = 0;
   const graphRef = app.graph;
   const nodes = {};
   const add = (type) => {
