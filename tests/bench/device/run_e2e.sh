@@ -34,7 +34,7 @@ done
 # README section 4), about two minutes for SAGE_ARCHS=9.0; skipped when the same source is already built there
 # A wheel built by an earlier call (it came back in $OUT) and carried in .sage2/ is installed instead of building.
 if [ -e .sage2/build-sage2.sh ] || ls .sage2/sageattention-*.whl > /dev/null 2>&1; then
-  src=$(ls .sage2/sageattention-*.whl .sage2/SageAttention-*.tar.gz 2>/dev/null | head -1)
+  src=$(ls .sage2/sageattention-*.whl .sage2/SageAttention-*.tar.gz 2>/dev/null | head -1 || true)
   dest=$root/e2e-sage2
   if ! { [ -d "$dest/site/sageattention" ] && sha256sum < "$src" | cmp -s - "$dest/source.sha256"; }; then
     rm -rf "$dest" && mkdir -p "$dest/wheel"
