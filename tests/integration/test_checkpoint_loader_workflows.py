@@ -15,7 +15,7 @@ import torch
 
 from bad_checkpoints import BAD_FILES, many_markers_file
 from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, write_converted, write_dequantized,
-                              write_markers, write_quanto, write_quanto_reference)
+                              write_kitchen, write_markers, write_nvfp4_awq, write_quanto, write_quanto_reference)
 from comfy_harness import ComfyServer, PromptError
 from graphs import rel_l2, run_loader, wan_t2v_graph
 
@@ -152,6 +152,37 @@ def test_old_option_values_of_saved_workflows_still_load(comfy, tiny_wan2):
         inputs = {"unet_name": tiny_wan2["unet_name"], "quantization": "auto", "offload": "auto", name: value}
         with pytest.raises(PromptError, match=f"{name}.* must be one of .*got '{value}'"):
             run_loader(comfy, tiny_wan2["vae_name"], "LoadH3Quantized", inputs)
+
+
+# ---- 4-bit files written by comfy-kitchen: on a host that loads them, against its own UNETLoader --------
+
+FOUR_BIT = {"convrot_w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 256},
+            "asym_w4a8_int8": {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256}}
+# Relative L2 latent difference from the bf16 baseline (measured on CPU: W4A4 {w4a4b}, W4A8 {w4a8b}), and
+# from upstream's UNETLoader on the same file, where the host has the formats (measured: {w4a4u}, {w4a8u}).
+FOUR_BIT_TOLERANCE = {"convrot_w4a4": 0.2, "asym_w4a8_int8": 0.05}
+FOUR_BIT_UPSTREAM = 1e-3
+
+
+@pytest.fixture(scope="module")
+def four_bit_files(comfy, tiny_wan2):
+    folder = comfy.models_dir / "diffusion_models"
+    return {fmt: write_kitchen(tiny_wan2["path"], folder / f"wan2_{fmt}.safetensors",
+                               dict.fromkeys(BLOCK_LINEARS, marker))[0].name for fmt, marker in FOUR_BIT.items()}
+
+
+@pytest.mark.parametrize("fmt", list(FOUR_BIT))
+def test_kitchen_4bit_file(comfy, tiny_wan2, four_bit_files, baseline, fmt):
+    """Every block Linear in the format, as comfy-kitchen writes it: the pack's layers run kitchen's linear
+    (activations quantized too) on both hosts; where upstream reads the format, its UNETLoader agrees."""
+    name = four_bit_files[fmt]
+    latent, report = run_loader(comfy, tiny_wan2["vae_name"], "MixedCheckpointLoader", {"unet_name": name})
+    assert report.splitlines()[0] == "quantized 20/26 linear layers", report
+    assert f"formats: {fmt} x20" in report.splitlines(), report
+    assert 1e-4 < rel_l2(latent, baseline) < FOUR_BIT_TOLERANCE[fmt], rel_l2(latent, baseline)
+    if comfy.host.lacks("four_bit_markers") is None:
+        upstream = comfy.latent(comfy.run(wan_t2v_graph(name, tiny_wan2["vae_name"])), "save_latent")
+        assert rel_l2(latent, upstream) < FOUR_BIT_UPSTREAM, rel_l2(latent, upstream)
 
 
 # ---- files written by convert_to_quant 1.3.4 -----------------------------------
@@ -412,3 +443,20 @@ def test_quantized_clip_loader_fp8_qk_int8_v_under_sdpa(comfy_sdpa, clip_l):
     assert f"formats: float8_e4m3fn x{len(markers) - 24}, int8_convrot x24" in report.splitlines(), report
     # as the alternating marker file above (measured 7e-4)
     assert 0 < difference < 4e-3
+
+
+def test_quantized_clip_loader_nvfp4_awq_clip_l(comfy, clip_l):
+    """Every Linear of the CLIP-L in NVFP4 with AWQ's pre_quant_scale, laid out as ModelOpt exports Comfy-Org's
+    `*_nvfp4_awq` text encoders. Where upstream reads the scale, its CLIPLoader on the same file prints the
+    same conditioning; everywhere, the values stay near the bf16 encoder's."""
+    plain, linears = clip_l
+    awq = plain.parent / "clip_l_nvfp4_awq.safetensors"
+    write_nvfp4_awq(plain, awq, linears)
+    if comfy.host.lacks("nvfp4_pre_quant_scale") is None:
+        upstream, ours = encode(comfy, "CLIPLoader", awq.name), encode(comfy, "QuantizedCLIPLoader", awq.name)
+        assert ours["cond"]["text"][0] == upstream["cond"]["text"][0]
+    report, difference = encoded_difference(comfy, clip_l, awq.name)
+    assert report.splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers", report
+    assert f"formats: nvfp4 x{len(linears)}" in report.splitlines(), report
+    # weight-only E2M1 on every layer (measured {awq})
+    assert 0 < difference < 2e-2
