@@ -22,6 +22,7 @@ from ..dtypes import FLOAT_DTYPES
 from ..quant.auto import fastest_native_methods
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
 from ..quant.linear import QuantLinear, quantized_layer
+from ..quant.descriptor import PRE_QUANT_SCALE
 from ..quant.linear_method import LinearMethod
 from ..quant.nvfp4 import NAME as NVFP4
 from ..quant.registry import available_methods, get_method
@@ -98,8 +99,13 @@ class LayerBuilder:
         if missing:
             formats = sorted({self.plan.layers[n].format for n in missing})
             raise CheckpointError(self.plan.path, f"format(s) {', '.join(formats)} not available in this build", missing)
-        for layer in self.plan.layers.values():
-            self._method(layer.format, layer.options)
+        lacking: dict[str, list[str]] = {}
+        for name, layer in self.plan.layers.items():
+            reason = self._method(layer.format, layer.options).missing()
+            if reason is not None:
+                lacking.setdefault(f"{layer.format} layers need {reason}", []).append(name)
+        for problem, layers in lacking.items():
+            raise CheckpointError(self.plan.path, problem, layers)
 
     def _method(self, fmt: str, options: dict) -> LinearMethod:
         key = (fmt, tuple(sorted(options.items())))
@@ -146,6 +152,9 @@ class LayerBuilder:
             stand_in = QuantLinear(method, in_features, out_features, on_device, None, compute_dtype)
             with torch.no_grad():
                 weight = method.dequantize(stand_in)
+                pre_scale = on_device.get(PRE_QUANT_SCALE)
+                if pre_scale is not None:   # folded into the weight: the new layer has no input scale
+                    weight = weight * pre_scale.to(weight.dtype)
             built = quantized_layer(target, weight, in_features, out_features, bias, compute_dtype, self.device, home)
         self.consumed.add(name)
         self.report.records.append(LayerRecord(name, built.method.name, reason, plain_bytes,

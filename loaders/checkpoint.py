@@ -19,7 +19,8 @@ from .markers import MARKER_SUFFIX, has_markers, inspect_markers
 from .quanto import FORMAT_KEY, inspect_quanto, is_quanto
 from .scaled_fp8 import inspect_scaled_fp8, unmarked_fp8_scales
 from .scaled_fp8 import marker_keys as scaled_fp8_keys
-from .safetensors_header import HeaderReader, SafetensorsHeader, read_header
+from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, SafetensorsHeader, read_header
+from ..quant.registry import formats
 
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -157,6 +158,27 @@ def _rename(name: str, rules: list[tuple[str, str]], only_matching: bool) -> str
     return None if only_matching else name
 
 
+def scale_only_dtypes() -> frozenset[str]:
+    """Safetensors dtypes only a quantized layer's block scales have (E8M0): no weight or plain tensor is one."""
+    contracts = [spec.contract for spec in formats().values() if spec.contract is not None]
+    weights = {dtype for c in contracts for dtype in c.weight_dtypes}
+    scales = {dtype for c in contracts for dtype in (*c.block_scale_dtypes, *c.encodings.values())}
+    return frozenset(scales - weights - set(FLOAT_HEADER_DTYPES) - {"U8", "float"})
+
+
+def _refuse_stray_scales(header: SafetensorsHeader, plain: dict[str, str]) -> None:
+    """A plain tensor in a scale-only dtype would reach the model as a weight (torch's bare size mismatch)."""
+    only_scales = scale_only_dtypes()
+    stray = [key for key in plain if header.tensors[key].dtype in only_scales]
+    if stray:
+        dtypes = sorted({header.tensors[key].dtype for key in stray})
+        owners = sorted(spec.name for spec in formats().values()
+                        if spec.contract is not None and set(dtypes) & set(spec.contract.block_scale_dtypes))
+        raise CheckpointError(header.path, f"{'/'.join(dtypes)} tensor(s) where plain tensors belong: that dtype "
+                                           f"holds only block scales ({', '.join(owners)} weight_scale), so a "
+                                           "quantized layer's marker or weight is missing", stray)
+
+
 def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
     """Read and validate `path`; raises CheckpointError naming the file and layers.
 
@@ -176,8 +198,8 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
             notes = ["Quanto qint8 is a resident-memory format, not a speed format: each layer's weight is "
                      "dequantized just before its matmul"]
         elif marked:
-            kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source, check)
             notes = []
+            kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source, check, notes)
         elif scaled:
             kind = "ComfyUI scaled_fp8"
             layers, extra_claimed, notes = inspect_scaled_fp8(header, source, check)
@@ -193,6 +215,7 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
     claimed |= {f"{name}{MARKER_SUFFIX}" for name in layers}
     claimed |= {f"{name}.{aux}" for name, layer in layers.items() for aux in layer.contract.ignored}
     plain = {key: key for key in header.tensors if key not in claimed}
+    _refuse_stray_scales(header, plain)
     sources = Counter(layer.source for layer in layers.values())
     if marked:
         notes.append("markers read from " + ", ".join(f"{src} x{n}" for src, n in sorted(sources.items())))

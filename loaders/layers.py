@@ -137,6 +137,8 @@ def check_scales(layer: LayerFormat, read: HeaderReader, problems: Problems,
         if key is None or read.header.tensors[key].nbytes == 0:
             continue
         tensor = read(key)
+        if tensor.element_size() > 1:
+            encoding = "float"    # a role stored as fp8 bytes or as floats (e.g. W4A8's group scales)
         if non_finite(tensor, encoding):
             problems.add(f"non-finite (NaN/Inf) values in {named(role)}", layer.name)
             return
@@ -147,17 +149,48 @@ def check_scales(layer: LayerFormat, read: HeaderReader, problems: Problems,
                          f"(min {smallest:g}): no quantizer writes them", layer.name)
             return
         scales[role] = float(values.max())
-    if "weight_scale" not in scales:
+    if contract.scale_role not in scales:
         return
-    largest = scales["weight_scale"] * scales.get("weight_scale_2", 1.0)
+    largest = 1.0
+    for role in contract.magnitude:
+        largest *= scales.get(role, 1.0)
     bound = contract.stored_max * largest
-    if bound > WEIGHT_LIMIT and contract.block is None:
+    if bound > WEIGHT_LIMIT and contract.block is None and contract.scale_role == "weight_scale":
         weight = read(layer.tensors["weight"])
         stored = weight.to(torch.int16) if weight.dtype == torch.int8 else weight.float()
         bound = float(stored.abs().max()) * largest if weight.numel() else 0.0
     if bound > WEIGHT_LIMIT:
-        problems.add(f"{named('weight_scale')} too large (max {largest:.3g}): the dequantized weight reaches "
+        problems.add(f"{named(contract.scale_role)} too large (max {largest:.3g}): the dequantized weight reaches "
                      f"{bound:.3g}, beyond float16's range ({WEIGHT_LIMIT:g})", layer.name)
+
+
+def _dimension(term: str, sizes: dict) -> int | None:
+    """One term of a declared shape: a name or number, or one divided by another (None where it does not divide)."""
+    numerator, _, denominator = term.partition("/")
+
+    def value(name):
+        return int(name) if name.isdigit() else sizes[name]
+    top, bottom = value(numerator.strip()), value(denominator.strip()) if denominator else 1
+    return top // bottom if bottom > 0 and top % bottom == 0 else None
+
+
+def check_role_shapes(layer: str, fmt: str, contract: Contract, info: dict[str, TensorInfo], rows: int,
+                      columns: int, options: dict, problems: Problems) -> bool:
+    """The roles the contract gives a shape (in N = stored rows, K = unpacked stored columns and the marker's
+    options): each tensor present has that shape and one of its dtypes (float ones by default)."""
+    sizes = {**{k: v for k, v in options.items() if isinstance(v, int)}, "N": rows, "K": columns}
+    for role, spec in contract.shapes.items():
+        if role not in info:
+            continue
+        if not expect_dtype(info[role], contract.dtypes.get(role, FLOAT_HEADER_DTYPES), f"{fmt} {role}", layer,
+                            problems):
+            return False
+        expected = tuple(_dimension(term, sizes) for term in spec.split(",") if term.strip())
+        if None in expected or tuple(info[role].shape) != expected:
+            problems.add(f"shape mismatch: {fmt} {role} must be [{spec}] = {list(expected)} for a weight of "
+                         f"{rows} rows and {columns} columns, found {list(info[role].shape)}", layer)
+            return False
+    return True
 
 
 def expect_dtype(info: TensorInfo, allowed: tuple[str, ...], what: str, layer: str, problems: Problems) -> bool:
@@ -177,16 +210,17 @@ def method_tensors(layer: LayerFormat, raw: dict[str, torch.Tensor]) -> dict[str
     """The file's tensors for `layer` in the dtypes and shapes its LinearMethod stores.
 
     Per-tensor scales become fp32 scalars, per-channel ones fp32 [N, 1] (unless the
-    contract keeps them as stored); the contract's views apply (block scales stored
-    as uint8 are viewed as their fp8 type), and its dropped roles are left out.
+    contract keeps them as stored, as it keeps the roles it declares shapes of); the
+    contract's views apply to one-byte storage (block scales stored as uint8 are viewed
+    as their fp8 type), and its dropped roles are left out.
     """
     contract = layer.contract
     out = {}
     for role, tensor in raw.items():
         view = contract.views.get(role)
-        if view is not None:
+        if view is not None and tensor.element_size() == 1:
             out[role] = tensor.view(view)
-        elif role == "weight" or contract.scales_as_stored:
+        elif role == "weight" or contract.scales_as_stored or role in contract.shapes:
             out[role] = tensor
         elif role in contract.dropped:
             continue

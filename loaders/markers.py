@@ -18,12 +18,17 @@ else is a conflict naming both.
 """
 from __future__ import annotations
 
-from ..quant.descriptor import Contract, QuantFormat
+import os
+
+from ..pack_logging import pack_logger
+from ..quant.descriptor import Contract, QuantFormat, read_marker
 from ..quant.registry import marker_formats
-from .errors import CheckpointError
-from .layers import (Check, LayerFormat, Problems, check_scales, checked, expect_dtype,
+from .errors import CheckpointError, name_list
+from .layers import (Check, LayerFormat, Problems, check_role_shapes, check_scales, checked, expect_dtype,
                      float_scale, is_scalar, per_tensor_or_channel, roundup)
 from .safetensors_header import MAX_METADATA_BYTES, HeaderReader, SafetensorsHeader, parse_json, short_repr
+
+log = pack_logger(__name__)
 
 MARKER_SUFFIX = ".comfy_quant"
 METADATA_KEY = "_quantization_metadata"
@@ -120,10 +125,13 @@ def _merged(path: str, layer: str, tensor_form: dict, header_form: dict) -> dict
     return {**header_form, **tensor_form}
 
 
-def inspect_markers(header: SafetensorsHeader, read: HeaderReader, check: Check = None) -> dict[str, LayerFormat]:
-    """Every marked layer, validated: format supported, companions present with the right
-    dtypes and shapes, no unknown companions, scales a quantizer could have written (see
-    check_scales). Raises CheckpointError. `check` is called now and then (e.g. to stop on an interrupt)."""
+def inspect_markers(header: SafetensorsHeader, read: HeaderReader, check: Check = None,
+                    notes: list[str] | None = None) -> dict[str, LayerFormat]:
+    """Every marked layer, validated: format supported, marker values a writer can mean, companions
+    present with the right dtypes and shapes, no unknown companions, scales a quantizer could have
+    written (see check_scales). Raises CheckpointError. Marker keys no format reads are named in one
+    warning per file (logged, and appended to `notes`). `check` is called now and then (e.g. to stop
+    on an interrupt)."""
     markers = read_markers(header, read, check)
     supported = marker_formats()
     unknown: dict[str, list[str]] = {}
@@ -137,20 +145,41 @@ def inspect_markers(header: SafetensorsHeader, read: HeaderReader, check: Check 
                               [layer for layers in unknown.values() for layer in layers])
     problems = Problems(header.path)
     layers = {}
+    unread: dict[str, list[str]] = {}
     for name, (marker, source) in checked(markers.items(), check):
-        layer = _check_layer(header, name, marker, supported[marker["format"]], source, problems)
+        layer = _check_layer(header, name, marker, supported[marker["format"]], source, problems, unread)
         if layer is not None:
             layers[name] = layer
     problems.raise_if_any()
+    if unread:
+        note = unread_keys_note(header.path, unread)
+        log.warning(note)
+        if notes is not None:
+            notes.append(note)
     for layer in checked(layers.values(), check):
         check_scales(layer, read, problems)
     problems.raise_if_any()
     return layers
 
 
+def unread_keys_note(path: str, unread: dict[str, list[str]]) -> str:
+    """One line for a file's marker keys no format reads: {key: layers}."""
+    keys = "; ".join(f"{key!r} (layer{'s' if len(layers) > 1 else ''}: {name_list(layers)})"
+                     for key, layers in unread.items())
+    return (f"{os.path.basename(path)}: marker key(s) the loader does not read, so they change nothing: {keys}; "
+            "if the file's writer meant something by them, the layers may load otherwise than it meant")
+
+
 def _check_layer(header: SafetensorsHeader, name: str, marker: dict, spec: QuantFormat, source: str,
-                 problems: Problems) -> LayerFormat | None:
+                 problems: Problems, unread: dict[str, list[str]]) -> LayerFormat | None:
     fmt, contract = spec.name, spec.contract
+    try:
+        values, unknown = read_marker(spec.marker_params, marker)
+    except ValueError as exc:
+        problems.add(str(exc), name)
+        return None
+    for key in unknown:
+        unread.setdefault(key, []).append(name)
     required, optional = contract.required, contract.optional
     present = header.companions(name)
     missing = sorted(required - set(present))
@@ -169,9 +198,10 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, spec: Quant
         problems.add(f"shape mismatch: {fmt} weight must be 2-D, found {list(weight.shape)}", name)
         return None
     rows, cols = weight.shape
-    ok = _weight_and_scale(name, fmt, contract, info, rows, cols, problems)
-    if ok and "per_row" in marker and contract.block is None:
-        ok = _per_row_agrees(name, marker["per_row"], info["weight_scale"], rows, fmt, problems)
+    ok = (_weight_and_scale(name, fmt, contract, info, rows, cols, problems)
+          and check_role_shapes(name, fmt, contract, info, rows, cols * contract.pack, values, problems))
+    if ok and values.get("per_row") is not None:
+        ok = _per_row_agrees(name, values["per_row"], info[contract.scale_role], rows, fmt, problems)
     for role in ("input_scale", "weight_scale_2"):
         if role in info and ok:
             ok = float_scale(info[role], role, name, problems)
@@ -181,7 +211,7 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, spec: Quant
     if not ok:
         return None
     try:
-        options = spec.marker_options(marker, cols * contract.pack)
+        options = spec.marker_options(values, cols * contract.pack)
     except ValueError as exc:
         problems.add(str(exc), name)
         return None
@@ -197,11 +227,13 @@ def _weight_and_scale(name, fmt: str, contract: Contract, info, rows, cols, prob
         columns = f" (rows, and columns x{contract.pack})" if contract.pack > 1 else ""
         problems.add(f"shape mismatch: {fmt} weight {[rows, cols]} is not padded to {contract.pad}{columns}", name)
         return False
+    scale = info.get(contract.scale_role)
+    if contract.scale_role in contract.shapes:
+        return True     # checked with the other roles of declared shapes
     if contract.block is None:
-        return _channel_scale(name, info["weight_scale"], rows, fmt, problems)
-    return (expect_dtype(info["weight_scale"], contract.block_scale_dtypes, f"{fmt} weight_scale", name, problems)
-            and _block_scale(name, info["weight_scale"], rows, cols * contract.pack // contract.block, fmt,
-                             problems))
+        return _channel_scale(name, scale, rows, fmt, problems)
+    return (expect_dtype(scale, contract.block_scale_dtypes, f"{fmt} weight_scale", name, problems)
+            and _block_scale(name, scale, rows, cols * contract.pack // contract.block, fmt, problems))
 
 
 def _channel_scale(name, info, rows, fmt, problems) -> bool:
@@ -216,9 +248,6 @@ def _channel_scale(name, info, rows, fmt, problems) -> bool:
 
 def _per_row_agrees(name, per_row, scale, rows, fmt, problems) -> bool:
     """A marker's "per_row" must describe the stored weight_scale (per output row, or one per tensor)."""
-    if not isinstance(per_row, bool):
-        problems.add(f'bad marker: "per_row" must be true/false, found {short_repr(per_row)}', name)
-        return False
     if rows > 1 and per_row != (scale.numel == rows):
         problems.add(f'shape mismatch: the marker says "per_row": {str(per_row).lower()} but {fmt} weight_scale '
                      f"is {list(scale.shape)} for {rows} rows", name)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..pack_logging import pack_logger
 from ..quant import QuantConfig, available_methods, get_method
 from ..quant.keep import keep_patterns
+from ..quant.linear_method import LinearMethod
 from ..quant.registry import format_aliases, online_formats
 from .checkpoint import CheckpointPlan
 
@@ -57,12 +58,17 @@ OFFLOAD_MODES = Choices("offload mode", ("auto", "none"), {"layerwise": "auto"},
 QUANTIZATIONS = Choices("quantization", ("auto", *online_formats(), "none"), format_aliases())
 
 
-def online_method(name: str, group_size: int, device):
-    """The registered method for a LoadH3Quantized choice, or a clear error if this build lacks it."""
+def online_method(name: str, group_size: int, device, **options):
+    """The registered method for a quantizing node's choice, or a clear error if this build or its
+    comfy-kitchen lacks it."""
     if name not in available_methods():
         raise ValueError(f"quantization {name!r} is not available in this build yet "
                          f"(available: {', '.join(available_methods())})")
-    return get_method(name, group_size=group_size, device=device)
+    method = get_method(name, group_size=group_size, device=device, **options)
+    lacking = method.missing() if isinstance(method, LinearMethod) else None
+    if lacking is not None:
+        raise ValueError(f"quantization {name!r} needs {lacking}")
+    return method
 
 
 def module_names(plan: CheckpointPlan) -> set[str]:

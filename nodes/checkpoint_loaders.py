@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from ..loaders.options import OFFLOAD_MODES, QUANTIZATIONS
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import describe_keep
+from ..quant.registry import online_summaries, rotation_formats
 from . import categories, checkpoint_compat as compat
 from .checkpoint_load import load_checkpoint
 
@@ -81,9 +82,7 @@ class LoadH3Quantized(io.ComfyNode):
                     "quantization", options=list(QUANTIZATIONS.values), default="auto",
                     tooltip="auto: the fastest native format of this GPU, measured per layer shape in the dtype "
                             "ComfyUI computes in (a layer no format speeds up stays as it is). "
-                            "int8_convrot: INT8 with ConvRot rotation. "
-                            "float8_e4m3fn: FP8 per-channel weights, per-token activations (sm89+ native). "
-                            "mxfp4: MXFP4 (native on MI350+/sm100+, emulated elsewhere). none: load as stored. "
+                            f"{online_summaries()} none: load as stored. "
                             "With a quantization chosen, NVFP4 layers of the file are re-quantized to this "
                             "GPU's fastest native format where it has no NVFP4 GEMM."),
                 io.Combo.Input(
@@ -92,8 +91,8 @@ class LoadH3Quantized(io.ComfyNode):
                             "fit. none: everything resident (fails if it cannot fit)."),
                 io.Combo.Input(
                     "group_size", options=[str(g) for g in reversed(GROUP_SIZES)], default="256", optional=True,
-                    tooltip="INT8 ConvRot group size (int8_convrot and auto). 256 is fastest; 64 or 16 also "
-                            "quantize layers whose input width is not a multiple of 256."),
+                    tooltip=f"ConvRot group size ({', '.join(rotation_formats())} and auto). 256 is fastest; 64 "
+                            "or 16 also quantize layers whose input width is not a multiple of 256."),
                 io.String.Input(
                     "ignored_layers", default="", multiline=True, optional=True,
                     tooltip="More layers to keep in full precision: fnmatch patterns on module names, comma "

@@ -1,11 +1,13 @@
-"""QuantizeModelINT8: online INT8 ConvRot on a clone of a MODEL."""
+"""QuantizeModelINT8: online INT8 ConvRot (or a 4-bit ConvRot format) on a clone of a MODEL."""
 from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..loaders.options import online_method
 from ..quant import QuantConfig
-from ..quant.int8_convrot import GROUP_SIZES, Int8ConvRotMethod
+from ..quant.int8_convrot import CONVROT, GROUP_SIZES
 from ..quant.keep import describe_keep, keep_patterns
+from ..quant.registry import online_summaries, rotation_formats
 from . import categories, comfy_compat
 from .kitchen import require_kitchen
 from .dynamic_vram import prepare_dynamic_vram
@@ -44,8 +46,11 @@ class QuantizeModelINT8(io.ComfyNode):
                 io.Boolean.Input(
                     "requantize_fp8", default=False, optional=True,
                     tooltip="Layers that come in FP8 (an fp8 weight_dtype, a scaled_fp8 or FP8-marker file): "
-                            "off keeps them as they are; on dequantizes each and quantizes it to INT8 ConvRot "
-                            "(from the FP8 values, not the original weights). The report says which it did."),
+                            "off keeps them as they are; on dequantizes each and quantizes it to the chosen "
+                            "format (from the FP8 values, not the original weights). The report says which it did."),
+                io.Combo.Input(
+                    "quantization", options=list(rotation_formats()), default=CONVROT, optional=True,
+                    tooltip=online_summaries(rotation_formats())),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The quantized model (a clone)."),
@@ -56,15 +61,17 @@ class QuantizeModelINT8(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False):
+    def execute(cls, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False,
+                quantization=CONVROT):
         unique_id = cls.hidden.unique_id
         require_kitchen("QuantizeModelINT8")
         names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
+        device = comfy_compat.compute_device()
         config = QuantConfig(
-            method=Int8ConvRotMethod(int(group_size), row_split),
+            method=online_method(quantization, int(group_size), device, row_split=row_split),
             # the layers LoadH3Quantized keeps for this architecture, then the user's
             ignored=keep_patterns(names, ignored_layers),
-            compute_device=comfy_compat.compute_device(),
+            compute_device=device,
             requantize_fp8=bool(requantize_fp8),
         )
         patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")

@@ -10,12 +10,17 @@ loaders/layers.py), so adding a format touches no loader.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 if TYPE_CHECKING:
     from .linear_method import LinearMethod
+
+
+#: The role of an optional per-input-channel scale [K] that multiplies the layer's input before anything else
+#: (AWQ smoothing, ModelOpt's `pre_quant_scale`); QuantLinear applies it, as upstream ComfyUI's Linear does.
+PRE_QUANT_SCALE = "pre_quant_scale"
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,6 +44,14 @@ class Contract:
     scales_as_stored: bool = False           # scales keep the file's dtype and shape (else fp32, [] or [N, 1])
     stored_max: float = 0.0                  # largest magnitude a stored weight value can have
     ignored: tuple[str, ...] = ()            # `<layer>.<name>` tensors the file may add, which the layer ignores
+    # the weight scale's role (its per-tensor/channel or block checks), and the roles whose largest values
+    # multiply with stored_max to bound the dequantized weight
+    scale_role: str = "weight_scale"
+    magnitude: tuple[str, ...] = ("weight_scale", "weight_scale_2")
+    # other roles by their shape, in terms of N (stored rows), K (unpacked stored columns) and the marker's
+    # numeric options (e.g. "N,K/group_size"), and their safetensors dtypes (float ones if not given)
+    shapes: dict[str, str] = field(default_factory=dict)
+    dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def roles(self) -> frozenset[str]:
@@ -47,6 +60,49 @@ class Contract:
     def storage_shape(self, in_features: int, out_features: int) -> tuple[int, int]:
         """The stored weight's shape for a Linear of in -> out."""
         return (-(-out_features // self.pad) * self.pad, -(-in_features // self.pad) * self.pad // self.pack)
+
+
+@dataclass(frozen=True)
+class MarkerParam:
+    """A key a format's markers may carry (at the top level or under "params"), and what a writer can mean by it."""
+    types: tuple[type, ...]
+    default: object
+    valid: Callable[[object], bool] = lambda value: True
+    means: str = ""                          # the values a writer can mean, for messages
+
+
+def power_of_4(value) -> bool:
+    """A Hadamard group size comfy-kitchen builds (4, 16, 64, ...)."""
+    return value >= 4 and value & (value - 1) == 0 and (value.bit_length() - 1) % 2 == 0
+
+
+#: convert_to_quant's key of per-tensor/channel formats: whether weight_scale holds one value per row.
+PER_ROW = MarkerParam((bool, type(None)), None, means="true or false")
+
+#: Keys every marker may carry: the format, and the object upstream ComfyUI also reads options from.
+MARKER_KEYS = ("format", "params")
+
+
+def read_marker(params: dict[str, MarkerParam], marker: dict) -> tuple[dict, list[str]]:
+    """(the options `params` declares, defaults filled in; the marker's keys no format reads).
+
+    A key at the top level wins over the same key under "params", as in upstream ComfyUI's loader. A declared
+    key whose value no writer could mean (a group size of 0) is a ValueError, used or not."""
+    nested = marker.get("params")
+    unknown = [] if isinstance(nested, dict) or "params" not in marker else ["params"]
+    nested = nested if isinstance(nested, dict) else {}
+    unknown += [f"params.{key}" for key in nested if key not in params]
+    unknown += [key for key in marker if key not in params and key not in MARKER_KEYS]
+    values = {}
+    for key, param in params.items():
+        value = marker.get(key, nested.get(key, param.default))
+        # JSON has no int/bool distinction that Python keeps: True is an int there, 1 is no bool
+        if (not isinstance(value, param.types) or (isinstance(value, bool) and bool not in param.types)
+                or not param.valid(value)):
+            raise ValueError(f"bad marker: {key} {value!r} is a value no writer means"
+                             + (f" (expected {param.means})" if param.means else ""))
+        values[key] = value
+    return values, unknown
 
 
 class QuantFormat:
@@ -60,12 +116,18 @@ class QuantFormat:
     kitchen_layouts: tuple[str, ...] = ()
     #: Offered for quantizing while loading (LoadH3Quantized's `quantization`).
     online: bool = False
+    #: What an online format is, for the nodes' tooltips: "name: summary."
+    summary: str = ""
+    #: Its method takes the nodes' group_size as its ConvRot rotation group (QuantizeModelINT8 offers it).
+    rotation_group: bool = False
     #: Option spellings of earlier versions, read as this name.
     aliases: tuple[str, ...] = ()
     #: Why its layers cannot be saved as a marker checkpoint, where they cannot.
     unsaveable: str | None = None
     #: Off its native devices the weight is dequantized before each matmul (loaders report the path).
     dequantized_elsewhere: bool = False
+    #: The keys its markers may carry beside "format" (read_marker checks their values).
+    marker_params: dict[str, MarkerParam] = {}
 
     def method(self, **options) -> "LinearMethod":
         """The LinearMethod; options it does not take are ignored (callers pass one set to every format)."""
@@ -81,11 +143,16 @@ class QuantFormat:
 
     def marker_meaning(self, marker: dict) -> dict:
         """What a marker makes the loader do (its defaults filled in): two forms of one layer must agree on it."""
-        return {"format": marker["format"]}
+        try:
+            values, _ = read_marker(self.marker_params, marker)
+        except ValueError:
+            values = {key: marker.get(key) for key in self.marker_params}
+        return {"format": marker["format"], **values}
 
-    def marker_options(self, marker: dict, in_features: int) -> dict:
-        """The method options a valid marker gives; ValueError with the problem for an invalid one."""
-        return {}
+    def marker_options(self, values: dict, in_features: int) -> dict:
+        """The method options of a marker's values (read_marker's), for a layer of `in_features`; ValueError
+        with the problem where they cannot be this layer's."""
+        return dict(values)
 
     def saved_marker(self, method: "LinearMethod") -> dict | None:
         """The marker a layer of `method` is saved with (None: no marker format stores it)."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..dtypes import HALF_DTYPES
 from ..pack_logging import pack_logger
 from . import compiled_ops
-from .descriptor import Contract, QuantFormat
+from .descriptor import PER_ROW, Contract, QuantFormat
 from .linear_method import LinearMethod, output_dtype
 from .registry import register_format
 
@@ -192,11 +192,13 @@ class Fp8Format(QuantFormat):
     name = NAME
     marker = True
     online = True
+    summary = "FP8 per-channel weights, per-token activations (sm89+ native)"
     aliases = ("fp8_e4m3fn",)   # LoadH3Quantized's option before it took the markers' spelling
     kitchen_layouts = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout")   # ComfyUI registers both names
     contract = Contract(required=frozenset({"weight", "weight_scale"}), optional=frozenset({"input_scale"}),
                         weight_dtypes=("F8_E4M3",), encodings={"weight_scale": "float", "input_scale": "float"},
                         stored_max=FP8_MAX)
+    marker_params = {"per_row": PER_ROW}
 
     def method(self, **_) -> LinearMethod:
         return Fp8Method()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import compiled_ops
-from .descriptor import Contract, QuantFormat
+from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
 from .kernel_select import KernelChooser, rows_bucket
 from .linear_method import LinearMethod, output_dtype
 from .registry import register_format
@@ -154,6 +154,8 @@ class Int8ConvRotFormat(QuantFormat):
     """Online INT8 ConvRot; saved as int8_tensorwise markers with the rotation's flags."""
     name = CONVROT
     online = True
+    rotation_group = True
+    summary = "INT8 weights and per-token activations with ConvRot rotation (native from sm75)"
 
     def method(self, group_size: int = 256, row_split: str = "auto", **_) -> LinearMethod:
         return Int8ConvRotMethod(group_size=group_size, row_split=row_split)
@@ -168,22 +170,21 @@ class Int8ConvRotFormat(QuantFormat):
         return _int8_marker(method.convrot, method.group_size)
 
 
-def _marker_flags(marker: dict) -> tuple[object, object]:
-    """(convrot, convrot_groupsize) at the marker's top level or under "params", defaults filled in."""
-    params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
-    return (marker.get("convrot", params.get("convrot", False)),
-            marker.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
-
-
 @register_format
 class Int8TensorwiseFormat(QuantFormat):
     """ComfyUI's int8_tensorwise markers: weight I8 [N, K]; weight_scale float, per tensor or [N, 1];
-    convrot / convrot_groupsize at the marker's top level or under "params"."""
+    convrot / convrot_groupsize at the marker's top level or under "params"; convert_to_quant adds
+    "per_row" (checked against the stored scale)."""
     name = TENSORWISE
     marker = True
     kitchen_layouts = (LAYOUT,)
     contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
                         encodings={"weight_scale": "float"}, stored_max=128.0)   # int8's -128
+    marker_params = {
+        "convrot": MarkerParam((bool,), False, means="true or false"),
+        "convrot_groupsize": MarkerParam((int,), 256, power_of_4, "a power of 4 from 4 up"),
+        "per_row": PER_ROW,
+    }
 
     def method(self, convrot: bool = False, convrot_groupsize: int = 256, **_) -> LinearMethod:
         return Int8ConvRotMethod(group_size=convrot_groupsize, convrot=convrot)
@@ -192,17 +193,14 @@ class Int8TensorwiseFormat(QuantFormat):
         return _cuda_at_least(device, (7, 5))
 
     def marker_meaning(self, marker: dict) -> dict:
-        convrot, group_size = _marker_flags(marker)
-        meaning = {"format": marker["format"], "convrot": convrot}
-        if convrot:
-            meaning["convrot_groupsize"] = group_size
+        meaning = super().marker_meaning(marker)
+        meaning.pop("per_row")  # it describes the stored scale, which both forms share
+        if meaning["convrot"] is not True:
+            meaning.pop("convrot_groupsize")
         return meaning
 
-    def marker_options(self, marker: dict, in_features: int) -> dict:
-        convrot, group_size = _marker_flags(marker)
-        if not isinstance(convrot, bool) or not isinstance(group_size, int):
-            raise ValueError(f"bad marker: convrot must be true/false and convrot_groupsize an integer, "
-                             f"found {convrot!r} / {group_size!r}")
+    def marker_options(self, values: dict, in_features: int) -> dict:
+        convrot, group_size = values["convrot"], values["convrot_groupsize"]
         if convrot and (group_size not in GROUP_SIZES or in_features % group_size):
             raise ValueError(f"bad marker: convrot_groupsize {group_size} must be one of {list(GROUP_SIZES)} "
                              f"and divide in_features {in_features}")

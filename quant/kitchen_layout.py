@@ -1,9 +1,11 @@
-"""Base for formats that comfy-kitchen holds as a QuantizedTensor layout (NVFP4, MXFP8).
+"""Base for formats that comfy-kitchen holds as a QuantizedTensor layout (NVFP4, MXFP8, W4A4, W4A8).
 
-Where the GPU has the layout's native GEMM (its MIN_SM_VERSION), activations are
-quantized to the same layout and F.linear dispatches to kitchen's kernel;
-elsewhere, CPU included, kitchen dequantizes the weight and a plain matmul runs
-in the activations' dtype: correct, but it only saves memory.
+A layout whose linear quantizes the activations itself (QUANTIZES_INPUT False: ConvRot W4A4, W4A8)
+runs F.linear on the float input on every device, as upstream ComfyUI runs it: kitchen picks its
+kernel, or its eager reference on CPU, and the numbers are the host's. For the others, where the GPU
+has the layout's native GEMM (its MIN_SM_VERSION), activations are quantized to the same layout and
+F.linear dispatches to kitchen's kernel; elsewhere, CPU included, kitchen dequantizes the weight and
+a plain matmul runs in the activations' dtype: correct, but it only saves memory.
 """
 from __future__ import annotations
 
@@ -25,13 +27,28 @@ class KitchenLayoutMethod(LinearMethod):
         return (device.type == "cuda"
                 and torch.cuda.get_device_capability(device) >= self.layout_class().MIN_SM_VERSION)
 
-    def layout_params(self, tensors: dict[str, torch.Tensor], layer):
-        """The layout's Params for this layer's stored tensors."""
+    def missing(self) -> str | None:
+        from importlib.metadata import version
+
+        from comfy_kitchen.tensor import get_layout_class
+        try:
+            get_layout_class(self.layout)
+        except KeyError:
+            return f"comfy-kitchen's {self.layout}, which comfy-kitchen {version('comfy-kitchen')} lacks"
+        return None
+
+    def quantizes_input(self) -> bool:
+        """Whether F.linear needs the input quantized first (else kitchen's linear quantizes it)."""
+        return getattr(self.layout_class(), "QUANTIZES_INPUT", True)
+
+    def layout_params(self, tensors: dict[str, torch.Tensor], layer, dtype: torch.dtype):
+        """The layout's Params for this layer's stored tensors, dequantizing to `dtype`."""
         raise NotImplementedError
 
-    def kitchen_tensor(self, tensors: dict[str, torch.Tensor], layer):
+    def kitchen_tensor(self, tensors: dict[str, torch.Tensor], layer, dtype: torch.dtype | None = None):
         from comfy_kitchen.tensor import QuantizedTensor
-        return QuantizedTensor(tensors["weight"], self.layout, self.layout_params(tensors, layer))
+        dtype = layer.compute_dtype if dtype is None else dtype
+        return QuantizedTensor(tensors["weight"], self.layout, self.layout_params(tensors, layer, dtype))
 
     def quantize_input(self, x2d: torch.Tensor, tensors: dict[str, torch.Tensor]):
         from comfy_kitchen.tensor import QuantizedTensor
@@ -47,8 +64,10 @@ class KitchenLayoutMethod(LinearMethod):
         x2d = apply_input_act(x.reshape(-1, x.shape[-1]), input_act).to(out_dtype)
         bias = t.get("bias")
         bias = None if bias is None else bias.to(out_dtype)
-        weight = self.kitchen_tensor(t, layer)
-        if self.native_supported(x.device):
+        weight = self.kitchen_tensor(t, layer, out_dtype)
+        if not self.quantizes_input():
+            out = F.linear(x2d, weight, bias)
+        elif self.native_supported(x.device):
             out = F.linear(self.quantize_input(x2d, t), weight, bias)
         else:
             out = F.linear(x2d, weight.dequantize().to(out_dtype), bias)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
+from .descriptor import PRE_QUANT_SCALE
 from .witness import count_run
 
 
@@ -124,6 +125,13 @@ class QuantLinear(nn.Module):
                 self._paged = None
 
     def _forward(self, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
+        pre_scale = self._parameters.get(PRE_QUANT_SCALE)
+        if pre_scale is not None:
+            # a smoothing scale (AWQ) multiplies the input before all else, as in upstream ComfyUI's Linear:
+            # under a LoRA too, which patches the stored weight
+            from .kitchen_api import apply_input_act
+            x = apply_input_act(x, input_act) * pre_scale.to(x.device, x.dtype)
+            input_act = None
         weight_patches, bias_patches = self._patches("weight"), self._patches("bias")
         if weight_patches or bias_patches:
             return self._forward_patched(x, input_act, weight_patches, bias_patches)

@@ -58,3 +58,7 @@ class LinearMethod(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    def missing(self) -> str | None:
+        """What this environment lacks to run the method (an older comfy-kitchen's layouts), or None."""
+        return None

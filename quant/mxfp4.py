@@ -389,6 +389,7 @@ class Mxfp4Format(QuantFormat):
     """Online only: no checkpoint format the loaders read stores it."""
     name = NAME
     online = True
+    summary = "MXFP4 (native on MI350+/sm100+, emulated elsewhere)"
     unsaveable = "MXFP4 is this pack's online format; no ComfyUI marker format stores it"
 
     def method(self, min_output_dim: int | None = None, path: str = "auto", device=None, **_) -> LinearMethod:

@@ -33,9 +33,9 @@ class Mxfp8Method(KitchenLayoutMethod):
         qdata, params = self.layout_class().quantize(weight)
         return {"weight": qdata, "weight_scale": params.scale}
 
-    def layout_params(self, tensors, layer):
+    def layout_params(self, tensors, layer, dtype):
         return self.layout_class().Params(
-            scale=tensors["weight_scale"].view(torch.float8_e8m0fnu), orig_dtype=layer.compute_dtype,
+            scale=tensors["weight_scale"].view(torch.float8_e8m0fnu), orig_dtype=dtype,
             orig_shape=(layer.out_features, layer.in_features))
 
 

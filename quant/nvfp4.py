@@ -7,6 +7,8 @@ Stored tensors, exactly as the kitchen layout serializes them:
                                       layout, [roundup(N16, 128), roundup(K16/16, 4)]
   weight_scale_2  fp32 scalar         per-tensor scale
   input_scale     fp32 scalar         optional static activation scale (native GEMM only)
+  pre_quant_scale float [K]           optional AWQ smoothing of the input (ModelOpt's nvfp4_awq
+                                      exports, e.g. Comfy-Org's text encoders); QuantLinear applies it
 
 On sm100+ (the layout's MIN_SM_VERSION) activations are quantized to NVFP4 and
 kitchen's `scaled_mm_nvfp4` runs. Elsewhere, CPU included, kitchen dequantizes
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .descriptor import Contract, QuantFormat
+from .descriptor import PRE_QUANT_SCALE, Contract, QuantFormat
 from .kitchen_layout import KitchenLayoutMethod
 from .registry import register_format
 
@@ -36,9 +38,9 @@ class Nvfp4Method(KitchenLayoutMethod):
         qdata, params = self.layout_class().quantize(weight)
         return {"weight": qdata, "weight_scale": params.block_scale, "weight_scale_2": params.scale}
 
-    def layout_params(self, tensors, layer):
+    def layout_params(self, tensors, layer, dtype):
         return self.layout_class().Params(
-            scale=tensors["weight_scale_2"], orig_dtype=layer.compute_dtype,
+            scale=tensors["weight_scale_2"], orig_dtype=dtype,
             orig_shape=(layer.out_features, layer.in_features),
             block_scale=tensors["weight_scale"].view(torch.float8_e4m3fn))
 
@@ -54,10 +56,12 @@ class Nvfp4Format(QuantFormat):
     kitchen_layouts = (LAYOUT,)
     dequantized_elsewhere = True
     contract = Contract(
-        required=frozenset({"weight", "weight_scale", "weight_scale_2"}), optional=frozenset({"input_scale"}),
+        required=frozenset({"weight", "weight_scale", "weight_scale_2"}),
+        optional=frozenset({"input_scale", PRE_QUANT_SCALE}), shapes={PRE_QUANT_SCALE: "K"},
         weight_dtypes=("U8",), weight_note="packed E2M1 pairs", pack=2, pad=16,
         block=16, block_scale_dtypes=("F8_E4M3", "U8"),
-        encodings={"weight_scale": "F8_E4M3", "weight_scale_2": "float", "input_scale": "float"},
+        encodings={"weight_scale": "F8_E4M3", "weight_scale_2": "float", "input_scale": "float",
+                   PRE_QUANT_SCALE: "float"},
         views={"weight_scale": torch.float8_e4m3fn}, stored_max=6.0)   # E2M1's largest value
 
     def method(self, **_) -> Nvfp4Method:

@@ -55,6 +55,16 @@ def online_formats() -> tuple[str, ...]:
     return tuple(name for name, spec in _FORMATS.items() if spec.online)
 
 
+def rotation_formats() -> tuple[str, ...]:
+    """The online formats whose group_size is a ConvRot rotation group (QuantizeModelINT8's choices)."""
+    return tuple(name for name, spec in _FORMATS.items() if spec.online and spec.rotation_group)
+
+
+def online_summaries(names=None) -> str:
+    """"name: summary." for each online format (or each of `names`), for the nodes' tooltips."""
+    return " ".join(f"{name}: {_FORMATS[name].summary}." for name in (names or online_formats()))
+
+
 def format_aliases() -> dict[str, str]:
     """Option spellings of earlier versions -> today's name."""
     return {alias: name for name, spec in _FORMATS.items() for alias in spec.aliases}
@@ -88,4 +98,4 @@ def kitchen_missing() -> str | None:
 
 
 # The format modules register themselves on import; this order is the order formats are listed in.
-from . import int8_convrot, fp8, nvfp4, mxfp8, mxfp4, quanto_int8, auto  # noqa: E402,F401
+from . import int8_convrot, fp8, nvfp4, mxfp8, mxfp4, convrot_w4a4, w4a8_int8, quanto_int8, auto  # noqa: E402,F401

@@ -11,8 +11,8 @@ import struct
 
 import torch
 
-from checkpoint_files import (edit_checkpoint, load, marker_tensor, quanto_map, truncate, write_markers, write_quanto,
-                              write_scaled_fp8)
+from checkpoint_files import (edit_checkpoint, load, marker_tensor, quanto_map, truncate, write_kitchen, write_markers,
+                              write_nvfp4_awq, write_quanto, write_scaled_fp8)
 
 from bigdit.loaders.markers import MAX_MARKER_DEPTH
 from bigdit.loaders.safetensors_header import MAX_METADATA_BYTES
@@ -139,9 +139,39 @@ def bad_missing_companion(src, workdir, dst):
 
 
 def bad_unknown_companion(src, workdir, dst):
+    """A companion no format stores (pre_quant_scale was one until NVFP4 took AWQ's: now it loads)."""
     path = _nvfp4_file(src, workdir)
     width = _tensor(src, f"{LAYER}.weight").shape[1]
-    return edit_checkpoint(path, dst, {f"{LAYER}.pre_quant_scale": torch.ones(width)})
+    return edit_checkpoint(path, dst, {f"{LAYER}.weight_zero_point": torch.zeros(width)})
+
+
+def _awq_file(src, workdir):
+    path = workdir / "awq.safetensors"
+    write_nvfp4_awq(src, path, [LAYER])
+    return path
+
+
+def _kitchen_file(fmt, **options):
+    def write(src, workdir):
+        return write_kitchen(src, workdir / f"{fmt}.safetensors", {LAYER: {"format": fmt, **options}})[0]
+    return write
+
+
+_w4a4_file = _kitchen_file("convrot_w4a4", convrot_groupsize=64)
+_w4a8_file = _kitchen_file("asym_w4a8_int8", group_size=16, convrot_groupsize=64)
+
+
+def _with_marker(writer, marker):
+    """A bad-file writer: the file of `writer` with LAYER's marker replaced."""
+    def write(src, workdir, dst):
+        return edit_checkpoint(writer(src, workdir), dst, {f"{LAYER}.comfy_quant": marker_tensor(marker)})
+    return write
+
+
+def bad_e8m0_weight(src, workdir, dst):
+    """An MXFP8 block scale (E8M0) stored where the plain file has a layer's weight."""
+    path = write_markers(src, workdir / "mxfp8.safetensors", {LAYER: {"format": "mxfp8"}})
+    return edit_checkpoint(src, dst, {f"{LAYER}.weight": _tensor(path, f"{LAYER}.weight_scale")})
 
 
 def bad_conflicting_markers(src, workdir, dst):
@@ -236,7 +266,7 @@ BAD_FILES = {
     "NaN scale": (bad_nan_scale, "non-finite (NaN/Inf) values in int8_tensorwise weight_scale", LAYER),
     "NaN block scale": (bad_nan_block_scale, "non-finite (NaN/Inf) values in nvfp4 weight_scale", LAYER),
     "missing companion": (bad_missing_companion, "missing tensor(s) weight_scale_2", LAYER),
-    "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: pre_quant_scale", LAYER),
+    "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: weight_zero_point", LAYER),
     "conflicting markers": (bad_conflicting_markers, "conflicting markers", LAYER),
     "conflicting ConvRot": (bad_conflicting_convrot, "they differ in convrot", LAYER),
     "conflicting group size": (bad_conflicting_group_size, "they differ in convrot_groupsize", LAYER),
@@ -282,6 +312,59 @@ BAD_FILES = {
                                       "FP8 weights with scale_weight but no scaled_fp8 marker", LAYER),
     "scaled_fp8 and markers": (bad_scaled({f"{LAYER}.comfy_quant": marker_tensor({"format": "float8_e4m3fn"})}),
                                "both ComfyUI markers and a scaled_fp8 marker", "scaled_fp8"),
+    # marker values no writer means, used by the format or not (an unknown key is only warned about)
+    "int8 group size 0": (_with_marker(_int8_file, {"format": "int8_tensorwise", "convrot_groupsize": 0}),
+                          "bad marker: convrot_groupsize 0 is a value no writer means", LAYER),
+    "int8 convrot as text": (_with_marker(_int8_file, {"format": "int8_tensorwise", "convrot": "yes"}),
+                             "bad marker: convrot 'yes' is a value no writer means (expected true or false)", LAYER),
+    "per_row as text": (_with_marker(_int8_file, {"format": "int8_tensorwise", "convrot": True,
+                                                  "convrot_groupsize": 64, "per_row": "yes"}),
+                        "bad marker: per_row 'yes' is a value no writer means", LAYER),
+    "W4A4 group size 0": (_with_marker(_w4a4_file, {"format": "convrot_w4a4", "convrot_groupsize": 0}),
+                          "bad marker: convrot_groupsize 0 is a value no writer means", LAYER),
+    "W4A4 group not dividing": (_with_marker(_w4a4_file, {"format": "convrot_w4a4", "convrot_groupsize": 1024}),
+                                "bad marker: convrot_groupsize 1024 and kitchen's int4 group 64 must divide", LAYER),
+    "W4A4 linear dtype": (_with_marker(_w4a4_file, {"format": "convrot_w4a4", "linear_dtype": "fp4"}),
+                          "bad marker: linear_dtype 'fp4' is a value no writer means (expected int4 or int8)", LAYER),
+    "W4A8 group size 0": (_with_marker(_w4a8_file, {"format": "asym_w4a8_int8", "group_size": 0}),
+                          "bad marker: group_size 0 is a value no writer means", LAYER),
+    "W4A8 group size 12": (_with_marker(_w4a8_file, {"format": "asym_w4a8_int8", "group_size": 12}),
+                           "bad marker: group_size 12 is a value no writer means (expected at least 4, dividing 16",
+                           LAYER),
+    "W4A8 group size 32 on g16 scales": (
+        _with_marker(_w4a8_file, {"format": "asym_w4a8_int8", "group_size": 32, "convrot_groupsize": 64}),
+        "shape mismatch: asym_w4a8_int8 weight_s_rel must be [N,K/group_size] = ", LAYER),
+    # 4-bit layers' companions (comfy-kitchen's own files, edited)
+    "W4A4 per-tensor layout scale": (_with_scale(_w4a4_file, "weight_scale", lambda s: s.reshape(-1, 1)),
+                                     "shape mismatch: convrot_w4a4 weight_scale must be [N] = [256]", LAYER),
+    "W4A4 bf16 weight": (_with_scale(_w4a4_file, "weight", lambda w: w.to(torch.bfloat16)),
+                         "dtype mismatch: convrot_w4a4 weight (packed signed int4 pairs) must be I8", LAYER),
+    "W4A4 zero scale": (_with_scale(_w4a4_file, "weight_scale", _set_row(0.0)),
+                        "zero values in convrot_w4a4 weight_scale", LAYER),
+    "W4A8 missing s_channel": (lambda src, workdir, dst: edit_checkpoint(
+        _w4a8_file(src, workdir), dst, drop=[f"{LAYER}.weight_s_channel"]),
+        "asym_w4a8_int8 layer is missing tensor(s) weight_s_channel", LAYER),
+    "W4A8 bf16 s_channel": (_with_scale(_w4a8_file, "weight_s_channel", lambda s: s.to(torch.bfloat16)),
+                            "dtype mismatch: asym_w4a8_int8 weight_s_channel must be F32, found BF16", LAYER),
+    "W4A8 NaN group scale": (_with_scale(_w4a8_file, "weight_s_rel", lambda s: s.view(torch.uint8).fill_(0x7F)),
+                             "non-finite (NaN/Inf) values in asym_w4a8_int8 weight_s_rel", LAYER),
+    "W4A8 huge s_channel": (_with_scale(_w4a8_file, "weight_s_channel", lambda s: torch.full_like(s, 1e6)),
+                            "asym_w4a8_int8 weight_s_channel too large (max 1e+06)", LAYER),
+    "W4A8 codebook shape": (lambda src, workdir, dst: edit_checkpoint(
+        _w4a8_file(src, workdir), dst, {f"{LAYER}.weight_codebook": torch.zeros(8)}),
+        "shape mismatch: asym_w4a8_int8 weight_codebook must be [16] = [16]", LAYER),
+    "W4A8 correction layout": (lambda src, workdir, dst: edit_checkpoint(
+        _w4a8_file(src, workdir), dst, {f"{LAYER}.weight_correction": torch.zeros(256, 8)}),
+        "shape mismatch: asym_w4a8_int8 weight_correction must be [K/group_size,N] = [8, 256]", LAYER),
+    # NVFP4 with AWQ's pre_quant_scale
+    "AWQ scale shape": (_with_scale(_awq_file, "pre_quant_scale", lambda s: s[:-16]),
+                        "shape mismatch: nvfp4 pre_quant_scale must be [K] = ", LAYER),
+    "AWQ zero scale": (_with_scale(_awq_file, "pre_quant_scale", _set_row(0.0)),
+                       "zero values in nvfp4 pre_quant_scale", LAYER),
+    "AWQ integer scale": (_with_scale(_awq_file, "pre_quant_scale", lambda s: s.to(torch.int32)),
+                          "dtype mismatch: nvfp4 pre_quant_scale must be F16 or BF16 or F32 or F64, found I32", LAYER),
+    # a block scale's dtype where a plain weight belongs: refused before torch's bare "size mismatch"
+    "E8M0 plain weight": (bad_e8m0_weight, "F8_E8M0 tensor(s) where plain tensors belong", f"{LAYER}.weight"),
     # JSON that is too deep or too big
     "nested header JSON": (bad_nested_header, "the safetensors header is not valid JSON", "nested too deeply"),
     "nested marker JSON": (bad_nested_marker, "bad marker JSON in", f"{LAYER}.comfy_quant (nested too deeply)"),
@@ -289,3 +372,11 @@ BAD_FILES = {
     "nested Quanto map": (bad_nested_quanto_map, "quantization_map_base64", "nested too deeply"),
     "oversized marker": (bad_oversized_marker, "oversized marker", LAYER),
 }
+
+# Cases the unit tests cover alone: the integration tests load one of each kind through a real server (its
+# error reaches the UI, the server keeps serving), not every message of the same contract check.
+UNIT_ONLY = ("int8 convrot as text", "per_row as text", "W4A4 group size 0", "W4A4 group not dividing",
+             "W4A4 linear dtype", "W4A8 group size 0", "W4A8 group size 12", "W4A4 per-tensor layout scale",
+             "W4A4 bf16 weight", "W4A4 zero scale", "W4A8 missing s_channel", "W4A8 bf16 s_channel",
+             "W4A8 NaN group scale", "W4A8 huge s_channel", "W4A8 codebook shape", "W4A8 correction layout",
+             "AWQ zero scale", "AWQ integer scale")

@@ -9,7 +9,11 @@ From a plain state dict they write:
   one (`write_quanto_reference`: optimum-quanto quantizes, mmgp writes the
   self-describing metadata) run in a subprocess, as those packages patch torch;
 - marker files written by a real converter, convert_to_quant 1.3.4's command
-  line (`write_converted`, also in a subprocess, on CPU).
+  line (`write_converted`, also in a subprocess, on CPU);
+- marker files written by comfy-kitchen itself (`write_kitchen`: its layouts'
+  own quantize and QuantizedTensor serialization, markers as upstream ComfyUI
+  writes them), and ModelOpt's NVFP4 AWQ layout (`write_nvfp4_awq`: a
+  `pre_quant_scale` per input channel, the weight quantized divided by it).
 
 Bad files are made from good ones by `edit_checkpoint` (rewrite tensors or
 metadata) and `truncate`.
@@ -64,7 +68,8 @@ def write_markers(src, dst, layers: dict, form="tensor", per_tensor_fp8=False):
     sd, metadata = load(src)
     for name, marker in layers.items():
         weight = sd.pop(f"{name}.weight").float()
-        flags = {**marker.get("params", {}), **marker}
+        params = marker.get("params")
+        flags = {**(params if isinstance(params, dict) else {}), **marker}
         options = {k: v for k, v in flags.items() if k in ("convrot", "convrot_groupsize")}
         if marker["format"] == "float8_e4m3fn" and per_tensor_fp8:
             scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
@@ -79,6 +84,61 @@ def write_markers(src, dst, layers: dict, form="tensor", per_tensor_fp8=False):
         metadata = {**metadata, "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
     save(sd, dst, metadata)
     return Path(dst)
+
+
+# Marker format -> comfy-kitchen layout (upstream ComfyUI's QUANT_ALGOS) and the keys upstream's state_dict adds.
+KITCHEN_LAYOUTS = {"convrot_w4a4": ("TensorCoreConvRotW4A4Layout", ("convrot_groupsize",)),
+                   "asym_w4a8_int8": ("AsymW4A8Int8Layout", ("group_size", "convrot_groupsize")),
+                   "nvfp4": ("TensorCoreNVFP4Layout", ())}
+
+
+def write_kitchen(src, dst, layers: dict, form="tensor"):
+    """Quantize `layers` {name: marker dict} of `src` with comfy-kitchen's own layouts (not the pack's methods):
+    the layout's `quantize` with the marker's options, its QuantizedTensor's `state_dict` for the tensors, the
+    marker as upstream ComfyUI's `_quantized_weight_state_dict` writes it. Returns (the file, {layer: the
+    kitchen QuantizedTensor written})."""
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+    sd, metadata = load(src)
+    weights = {}
+    for name, marker in layers.items():
+        layout, keys = KITCHEN_LAYOUTS[marker["format"]]
+        weight = sd.pop(f"{name}.weight")
+        qdata, params = get_layout_class(layout).quantize(weight, **{k: marker[k] for k in keys if k in marker})
+        weights[name] = QuantizedTensor(qdata, layout, params)
+        sd.update({k: v.contiguous() for k, v in weights[name].state_dict(f"{name}.weight").items()})
+        if form in ("tensor", "both"):
+            sd[f"{name}.comfy_quant"] = marker_tensor(marker)
+    if form in ("header", "both"):
+        metadata = {**metadata, "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    save(sd, dst, metadata)
+    return Path(dst), weights
+
+
+def awq_scale(width: int, seed: int) -> torch.Tensor:
+    """A per-input-channel smoothing scale as AWQ finds them: positive, a few channels far from 1."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.exp(torch.randn(width, generator=gen) * 0.3)
+
+
+def write_nvfp4_awq(src, dst, layers, seed=0, dtype=torch.bfloat16):
+    """ModelOpt's NVFP4 AWQ export, as upstream ComfyUI and comfy-kitchen read Comfy-Org's `*_nvfp4_awq` text
+    encoders: per layer `weight` / `weight_scale` / `weight_scale_2` of kitchen's NVFP4 layout for the weight
+    divided by `pre_quant_scale` [in_features] (bf16), which the layer multiplies its input by, and the marker
+    {"format": "nvfp4"} as a comfy_quant tensor. Returns {layer: pre_quant_scale}."""
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+    sd, metadata = load(src)
+    scales = {}
+    for i, name in enumerate(layers):
+        weight = sd.pop(f"{name}.weight").float()
+        scale = awq_scale(weight.shape[1], seed + i).to(dtype)
+        qdata, params = get_layout_class("TensorCoreNVFP4Layout").quantize(weight / scale.float())
+        sd.update({k: v.contiguous() for k, v in QuantizedTensor(qdata, "TensorCoreNVFP4Layout", params)
+                   .state_dict(f"{name}.weight").items()})
+        sd[f"{name}.pre_quant_scale"] = scale
+        sd[f"{name}.comfy_quant"] = marker_tensor({"format": "nvfp4"})
+        scales[name] = scale
+    save(sd, dst, metadata)
+    return scales
 
 
 def fp8_linear_names(sd) -> list[str]:

@@ -68,6 +68,12 @@ FEATURES = {
                         "getattr(module('comfy.quant_ops'), 'QuantizedTensor', None) is "
                         "getattr(module('comfy_kitchen.tensor'), 'QuantizedTensor', 0)"),
     "linear_input_act": ("comfy.ops.linear_input_act", "hasattr(module('comfy.ops'), 'linear_input_act')"),
+    "four_bit_markers": ("the convrot_w4a4 and asym_w4a8_int8 quantization formats (comfy.quant_ops.QUANT_ALGOS)",
+                         "{'convrot_w4a4', 'asym_w4a8_int8'} <= set(getattr(module('comfy.quant_ops'), "
+                         "'QUANT_ALGOS', {}))"),
+    "nvfp4_pre_quant_scale": ("NVFP4 layers with AWQ's pre_quant_scale (comfy.quant_ops.QUANT_ALGOS)",
+                              "'pre_quant_scale' in getattr(module('comfy.quant_ops'), 'QUANT_ALGOS', {})"
+                              ".get('nvfp4', {}).get('parameters', ())"),
     "kitchen_sol": ("comfy-kitchen's sol_attn (Sol sparse attention) in its environment",
                     "hasattr(module('comfy_kitchen'), 'sol_attn')"),
     "dynamic_vram": ("dynamic VRAM (comfy.model_patcher.ModelPatcherDynamic, comfy-aimdo)",

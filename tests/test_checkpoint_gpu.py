@@ -3,9 +3,9 @@ and NVFP4's execution path for this GPU (native on sm100+, else re-quantized or 
 import pytest
 import torch
 
-from test_checkpoint_loaders import (EXPECTED_METHOD, LINEARS, MIXED, TOLERANCE, build, layer_input,
-                                     plain_state_dict, reference_output, rel_err)
-from checkpoint_files import save, write_markers, write_quanto
+from test_checkpoint_loaders import (EXPECTED_METHOD, FOUR_BIT_LAYERS, KITCHEN_4BIT, LINEARS, MIXED, TOLERANCE,
+                                     TOLERANCE_4BIT, build, layer_input, plain_state_dict, reference_output, rel_err)
+from checkpoint_files import save, write_kitchen, write_markers, write_nvfp4_awq, write_quanto
 from bigdit.loaders import LayerBuilder, inspect_checkpoint
 
 pytestmark = [
@@ -43,6 +43,35 @@ def test_mixed_markers_on_cuda(plain_file, tmp_path, compute_dtype):
         assert rel_err(out, reference_output(name, x.float().cpu()).cuda()) < tolerance, name
     path_word = "native comfy-kitchen GEMM" if native else "dequantized before each matmul"
     assert f"nvfp4 layers on cuda sm{''.join(map(str, capability()))}: {path_word} x1" in report.render()
+
+
+@pytest.mark.parametrize("fmt", list(KITCHEN_4BIT))
+def test_kitchen_4bit_files_on_cuda(plain_file, tmp_path, fmt):
+    """kitchen's CUDA kernels (int4 tensor cores on sm75-sm89, INT8 GEMMs elsewhere) run the layer as F.linear on
+    kitchen's own QuantizedTensor does: bit for bit, and near the bf16 layer."""
+    path, written = write_kitchen(plain_file, tmp_path / f"{fmt}.safetensors",
+                                  dict.fromkeys(FOUR_BIT_LAYERS, KITCHEN_4BIT[fmt]))
+    model, _, _ = build(path, compute_dtype=torch.bfloat16, device="cuda")
+    bias = plain_state_dict()
+    for name in FOUR_BIT_LAYERS:
+        layer = model.get_submodule(name)
+        assert layer.method.name == fmt and layer.weight.is_cuda, name
+        x = layer_input(name).to("cuda", torch.bfloat16)
+        out = layer(x)
+        host = torch.nn.functional.linear(x, written[name].to("cuda"), bias[f"{name}.bias"].cuda())
+        assert torch.equal(out, host), (name, rel_err(out, host))
+        assert rel_err(out, reference_output(name, x.cpu()).cuda()) < TOLERANCE_4BIT[fmt] + 0.02, name
+
+
+def test_nvfp4_awq_on_cuda(plain_file, tmp_path):
+    names = ["blocks.0.ffn.0", "blocks.0.ffn.2"]
+    write_nvfp4_awq(plain_file, tmp_path / "awq.safetensors", names)
+    model, _, _ = build(tmp_path / "awq.safetensors", compute_dtype=torch.bfloat16, device="cuda")
+    for name in names:
+        x = layer_input(name).to("cuda", torch.bfloat16)
+        # NVFP4 (native activations on sm100+ add E2M1 rounding of the smoothed input) plus bf16
+        tolerance = TOLERANCE["nvfp4"] + (0.1 if capability() >= (10, 0) else 0.01)
+        assert rel_err(model.get_submodule(name)(x), reference_output(name, x.cpu()).cuda()) < tolerance, name
 
 
 def test_quanto_on_cuda(plain_file, tmp_path):

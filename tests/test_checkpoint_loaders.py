@@ -18,7 +18,8 @@ from torch import nn
 
 from bad_checkpoints import BAD_FILES, many_markers_file
 from checkpoint_files import (CONVERTER_MODES, converter_dequantized, edit_checkpoint, load, marker_tensor, save,
-                              write_converted, write_markers, write_quanto, write_quanto_reference, write_scaled_fp8)
+                              write_converted, write_kitchen, write_markers, write_nvfp4_awq, write_quanto,
+                              write_quanto_reference, write_scaled_fp8)
 
 from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
@@ -483,6 +484,124 @@ def test_quanto_map_must_be_base64_json(plain_file, tmp_path):
                            metadata={"quantization_map_base64": base64.b64encode(b"not json").decode()})
     with pytest.raises(CheckpointError, match="bad.safetensors: quantization_map_base64 is not base64-encoded JSON"):
         inspect_checkpoint(path)
+
+
+# ---- 4-bit formats and NVFP4 with AWQ scales, written by comfy-kitchen itself -------------
+
+KITCHEN_4BIT = {"convrot_w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 64},
+                "asym_w4a8_int8": {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 64}}
+# Layer output error against the fp32 product of the bf16 weights (relative L2), kitchen's activation
+# quantization included (measured on CPU: W4A4 0.167-0.176, int4 activations; W4A8 0.072-0.074).
+TOLERANCE_4BIT = {"convrot_w4a4": 0.25, "asym_w4a8_int8": 0.1}
+FOUR_BIT_LAYERS = ("blocks.0.self_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2")
+
+
+@pytest.mark.parametrize("fmt", list(KITCHEN_4BIT))
+@pytest.mark.parametrize("form", ["tensor", "header"])
+def test_kitchen_4bit_files_compute_as_upstream_runs_them(plain_file, tmp_path, fmt, form):
+    """Bit-identical to F.linear on the QuantizedTensor kitchen wrote (what upstream ComfyUI's Linear runs:
+    kitchen's linear quantizes the activations too), and near the bf16 layer."""
+    layers = dict.fromkeys(FOUR_BIT_LAYERS, KITCHEN_4BIT[fmt])
+    path, written = write_kitchen(plain_file, tmp_path / f"{fmt}.safetensors", layers, form=form)
+    model, report, plan = build(path, compute_dtype=torch.bfloat16)
+    assert report.summary_line() == f"quantized 3/{len(LINEARS)} linear layers"
+    sd = plain_state_dict()
+    for name in FOUR_BIT_LAYERS:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, QuantLinear) and layer.method.name == fmt, name
+        x = layer_input(name).to(torch.bfloat16)
+        out = layer(x)
+        host = nn.functional.linear(x, written[name], sd[f"{name}.bias"])
+        assert out.dtype == torch.bfloat16 and torch.equal(out, host), name
+        assert rel_err(out, reference_output(name, x)) < TOLERANCE_4BIT[fmt], name
+        # its weight alone: the layer dequantizes as kitchen does (LoRA and re-quantizing start from it)
+        assert torch.equal(layer.method.dequantize(layer), written[name].dequantize()), name
+
+
+def test_w4a8_asymmetric_file_applies_its_zero_points(plain_file, tmp_path):
+    """kitchen's asymmetric W4A8 adds weight_correction [K/G, N]: passed to kitchen, which applies it."""
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+    name = "blocks.0.ffn.2"
+    sd, _ = load(plain_file)
+    weight = sd.pop(f"{name}.weight")
+    qdata, params = get_layout_class("AsymW4A8Int8Layout").quantize(weight, symmetric=False, codebook=False,
+                                                                     convrot_groupsize=64)
+    assert params.correction is not None and params.correction.shape == (256 // 16, 128)
+    qt = QuantizedTensor(qdata, "AsymW4A8Int8Layout", params)
+    sd.update(qt.state_dict(f"{name}.weight"))
+    sd[f"{name}.comfy_quant"] = marker_tensor({"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 64})
+    save(sd, tmp_path / "asym.safetensors")
+    model, _, _ = build(tmp_path / "asym.safetensors", compute_dtype=torch.bfloat16)
+    layer = model.get_submodule(name)
+    assert set(layer.stored_tensors()) == {"weight", "weight_s_rel", "weight_s_channel", "weight_correction"}
+    x = layer_input(name).to(torch.bfloat16)
+    assert torch.equal(layer(x), nn.functional.linear(x, qt, sd[f"{name}.bias"]))
+    assert rel_err(layer(x), reference_output(name, x)) < TOLERANCE_4BIT["asym_w4a8_int8"]
+
+
+def test_nvfp4_awq_pre_quant_scale_multiplies_the_input(plain_file, tmp_path):
+    """A text encoder's NVFP4 AWQ layers (ModelOpt's export): the input times pre_quant_scale, then the NVFP4
+    weight (of the weight divided by that scale), as upstream's Linear computes; the product is the bf16 layer's."""
+    layers = ["blocks.0.ffn.0", "blocks.0.ffn.2"]
+    scales = write_nvfp4_awq(plain_file, tmp_path / "awq.safetensors", layers)
+    model, report, plan = build(tmp_path / "awq.safetensors")
+    assert report.summary_line() == f"quantized 2/{len(LINEARS)} linear layers"
+    sd, _ = load(tmp_path / "awq.safetensors")
+    for name in layers:
+        assert plan.layers[name].tensors["pre_quant_scale"] == f"{name}.pre_quant_scale"
+        layer = model.get_submodule(name)
+        assert layer.pre_quant_scale.dtype == torch.bfloat16 and torch.equal(layer.pre_quant_scale, scales[name])
+        x = layer_input(name)
+        # upstream (not native on CPU): input * scale in the input's dtype, then the dequantized weight
+        unscaled = layer.method.dequantize(layer).float()
+        host = nn.functional.linear(x * scales[name].float(), unscaled, sd[f"{name}.bias"].float())
+        assert torch.allclose(layer(x), host, rtol=0, atol=1e-6), name
+        # measured 0.102-0.104 (AWQ-like scales exp(N(0, 0.3)) on random weights)
+        assert rel_err(layer(x), reference_output(name, x)) < TOLERANCE["nvfp4"], name
+        # a fused input activation comes first, then the smoothing (upstream: linear(act(x)))
+        act = nn.functional.gelu(x, approximate="tanh")
+        assert torch.allclose(layer(x, input_act="gelu_tanh"), layer(act), rtol=0, atol=1e-6)
+
+
+def test_nvfp4_awq_requantized_folds_the_scale_into_the_weight(plain_file, tmp_path):
+    name = "blocks.0.ffn.2"
+    write_nvfp4_awq(plain_file, tmp_path / "awq.safetensors", [name])
+    model, _, _ = build(tmp_path / "awq.safetensors", nvfp4="requantize")
+    layer = model.get_submodule(name)
+    assert layer.method.describe() == "int8_convrot(g=256)" and not hasattr(layer, "pre_quant_scale")
+    x = layer_input(name)
+    assert rel_err(layer(x), reference_output(name, x)) < TOLERANCE["nvfp4"] + TOLERANCE["int8_convrot"]
+
+
+def test_unknown_marker_keys_are_named_in_one_warning(plain_file, tmp_path, caplog):
+    """Writers add keys (convert_to_quant's "orig_dtype"): loaded, and named once per file with their layers."""
+    markers = {"blocks.0.self_attn.q": {"format": "int8_tensorwise", "params": "convrot"},
+               "blocks.0.self_attn.o": {"format": "int8_tensorwise", "orig_dtype": "bfloat16"},
+               "blocks.0.ffn.0": {"format": "float8_e4m3fn", "orig_dtype": "bfloat16", "per_row": True},
+               "blocks.0.ffn.2": {"format": "int8_tensorwise", "params": {"convrot": False, "note": 1}}}
+    path = write_markers(plain_file, tmp_path / "keys.safetensors", markers)
+    with caplog.at_level("WARNING"):
+        plan = inspect_checkpoint(path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("[BigDiT] keys.safetensors: marker key(s) the loader does not read, so they "
+                                  "change nothing: "), warnings[0]
+    for part in ("'params' (layer: blocks.0.self_attn.q)", "'params.note' (layer: blocks.0.ffn.2)"):
+        assert part in warnings[0], warnings[0]
+    assert ("'orig_dtype' (layers: blocks.0.self_attn.o, blocks.0.ffn.0)" in warnings[0]
+            or "'orig_dtype' (layers: blocks.0.ffn.0, blocks.0.self_attn.o)" in warnings[0]), warnings[0]
+    assert warnings[0][len("[BigDiT] "):] in plan.describe()
+    assert {name: layer.format for name, layer in plan.layers.items()} == {
+        name: marker["format"] for name, marker in markers.items()}
+
+
+def test_known_keys_in_both_places_give_no_warning(plain_file, tmp_path, caplog):
+    marker = {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 64}, "per_row": True}
+    path = write_markers(plain_file, tmp_path / "ok.safetensors", {"blocks.0.ffn.0": marker})
+    with caplog.at_level("WARNING"):
+        plan = inspect_checkpoint(path)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert plan.layers["blocks.0.ffn.0"].options == {"convrot": True, "convrot_groupsize": 64}
 
 
 # ---- files written by a real converter: convert_to_quant 1.3.4 ------------------

@@ -25,7 +25,7 @@ def test_unknown_values_are_named_with_the_choices():
     assert QUANTIZATIONS.problem("fp8_e4m3fn") is None and OFFLOAD_MODES.problem("layerwise") is None
     assert OFFLOAD_MODES.problem("all") == "offload mode must be one of auto, none, got 'all'"
     assert QUANTIZATIONS.problem("int4") == ("quantization must be one of auto, int8_convrot, float8_e4m3fn, "
-                                             "mxfp4, none, got 'int4'")
+                                             "mxfp4, convrot_w4a4, asym_w4a8_int8, none, got 'int4'")
     with pytest.raises(ValueError, match="offload mode must be one of auto, none, got 'all'"):
         OFFLOAD_MODES.read("all")
 

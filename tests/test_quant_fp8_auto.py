@@ -82,6 +82,17 @@ def test_auto_on_cpu_uses_table_without_timing():
     assert method is None and "no native format" in why
 
 
+@pytest.mark.parametrize("capability, formats", [
+    ((7, 5), ("int8_convrot", "convrot_w4a4")), ((8, 6), ("int8_convrot", "convrot_w4a4")),
+    ((8, 9), ("float8_e4m3fn", "int8_convrot", "convrot_w4a4")),
+    ((9, 0), ("float8_e4m3fn", "int8_convrot")), ((12, 0), ("float8_e4m3fn", "int8_convrot")),
+    ((7, 0), ()),
+])
+def test_auto_considers_w4a4_only_where_its_int4_gemm_is_native(monkeypatch, capability, formats):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert preferred_formats(torch.device("cuda")) == formats
+
+
 class ScriptedClock:
     """Runs each timed call for real, keeps its output's dtype, and answers the next scripted time
     (the plain GEMM is timed first)."""

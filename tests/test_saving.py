@@ -132,6 +132,31 @@ def test_markers_in_both_forms_and_metadata(tmp_path):
         *(f"{n}.weight_scale" for n in MARKERS), "blocks.0.ffn.0.weight_scale_2"}
 
 
+FOUR_BIT = {"convrot_w4a4": ({"group_size": 64}, {"format": "convrot_w4a4", "convrot_groupsize": 64}),
+            "asym_w4a8_int8": ({"group_size": 64}, {"format": "asym_w4a8_int8", "group_size": 16,
+                                                    "convrot_groupsize": 64})}
+
+
+@pytest.mark.parametrize("fmt", list(FOUR_BIT))
+def test_4bit_layers_save_upstreams_markers_and_load_back(tmp_path, fmt):
+    """Quantized online by kitchen's quantizer (the format's method), saved as upstream ComfyUI's markers and
+    kitchen's tensor names, loaded back bit-identical; upstream's own Linear (a QuantizedTensor weight) saves
+    the same tensors."""
+    options, marker = FOUR_BIT[fmt]
+    methods = {name: (fmt, options) for name in ("blocks.0.self_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2")}
+    model = quantized_model(methods)
+    plan = save(model, tmp_path / "saved.safetensors")
+    assert {name: plan.markers()[name] for name in methods} == dict.fromkeys(methods, marker)
+    loaded, _, _ = build(tmp_path / "saved.safetensors")
+    for name in methods:
+        x = layer_input(name)
+        assert torch.equal(model.get_submodule(name)(x), loaded.get_submodule(name)(x)), name
+    kitchen = save(kitchen_model(quantized_model(methods)), tmp_path / "kitchen.safetensors")
+    assert kitchen.markers() == plan.markers()
+    assert [key for key, _ in kitchen.tensors] == [key for key, _ in plan.tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kitchen.tensors, plan.tensors))
+
+
 def test_kitchen_weights_save_the_same_file(tmp_path):
     """ComfyUI's Linear with a QuantizedTensor weight writes what the QuantLinear writes, byte for byte."""
     save(quantized_model(), tmp_path / "module.safetensors")

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from checkpoint_files import write_markers
+from checkpoint_files import write_kitchen, write_markers
 from graphs import add_preview, chain_id, h3_graph, rel_l2
 
 pytestmark = [pytest.mark.integration, pytest.mark.host_feature("minimax_h3")]
@@ -143,6 +143,38 @@ def test_mixed_checkpoint_loader_matches_upstreams_native_loading(comfy, tiny_h3
     for ours, upstream, plain in ((video, native[0], baseline[0]), (audio, native[1], baseline[1])):
         assert rel_l2(ours, upstream) < NATIVE_TOLERANCE[kind], rel_l2(ours, upstream)
         assert rel_l2(ours, plain) > DIFFERS  # the file's formats ran, not a float copy
+
+
+# 4-bit files written by comfy-kitchen itself (its layouts' quantize and serialization). Relative L2 distance
+# between MixedCheckpointLoader and upstream's UNETLoader on the same file: both run kitchen's linear on the
+# same tensors (activations quantized by it in both), measured on CPU: W4A4 0 (video and audio), W4A8 1.3e-7
+# and 4.7e-6 (fp32 rounding in the unquantized layers can flip an INT8 activation rounding, as for
+# int8_convrot above). From the bf16 baseline: W4A4 0.045 / 0.038, W4A8 0.017 / 0.017; LoadH3Quantized
+# (the file's layers kept, condition_proj quantized to INT8 too) lands 0.022-0.028 (W4A4) and 0.0013-0.0015
+# (W4A8) from upstream's run.
+FOUR_BIT_FILES = {"convrot_w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 256},
+                  "asym_w4a8_int8": {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256}}
+FOUR_BIT_TOLERANCE = 1e-3
+
+
+@pytest.mark.host_feature("four_bit_markers")
+@pytest.mark.parametrize("fmt", list(FOUR_BIT_FILES))
+def test_4bit_files_match_upstreams_native_loading(comfy, tiny_h3, baseline, fmt):
+    """MixedCheckpointLoader, and LoadH3Quantized keeping the file's layers while it quantizes the rest, against
+    upstream's UNETLoader on the file."""
+    name = f"tiny_h3_{fmt}.safetensors"
+    write_kitchen(tiny_h3["path"], comfy.models_dir / "diffusion_models" / name,
+                  dict.fromkeys(QUANTIZABLE[:-1], FOUR_BIT_FILES[fmt]))
+    native = run(comfy, tiny_h3, unet_name=name)
+    for loader in (("MixedCheckpointLoader", {"unet_name": name}),
+                   ("LoadH3Quantized", {"unet_name": name, "quantization": "int8_convrot", "offload": "none"})):
+        video, audio, history, report_id = run(comfy, tiny_h3, loader=loader)
+        report = history["outputs"][report_id]["text"][0]
+        assert f"{fmt} x12" in report, report
+        for ours, upstream, plain in ((video, native[0], baseline[0]), (audio, native[1], baseline[1])):
+            if loader[0] == "MixedCheckpointLoader":
+                assert rel_l2(ours, upstream) < FOUR_BIT_TOLERANCE, rel_l2(ours, upstream)
+            assert rel_l2(ours, plain) > DIFFERS
 
 
 # ---- attention ----------------------------------------------------------------------------

@@ -137,7 +137,11 @@ def test_int8_file_fails_loudly_where_the_host_lacks_int8_markers(comfy, tiny_wa
         sample(comfy, tiny_wan2, loader=unet_loader(int8_file["name"]))
 
 
-@pytest.mark.parametrize("quantization", ["int8_convrot", "float8_e4m3fn"])
+FOUR_BIT_MARKERS = {"convrot_w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 256},
+                    "asym_w4a8_int8": {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256}}
+
+
+@pytest.mark.parametrize("quantization", ["int8_convrot", "float8_e4m3fn", *FOUR_BIT_MARKERS])
 def test_quantized_while_loading_saves_and_loads_bit_identical(comfy, tiny_wan2, quantization):
     name = f"saved/wan2_h3_{quantization}.safetensors"
     text = save(comfy, h3(tiny_wan2, quantization), filename=name)
@@ -145,11 +149,35 @@ def test_quantized_while_loading_saves_and_loads_bit_identical(comfy, tiny_wan2,
     in_memory = sample(comfy, tiny_wan2, loader=h3(tiny_wan2, quantization))
     latent = sample(comfy, tiny_wan2, loader=mixed(name))
     assert torch.equal(latent, in_memory), rel_l2(latent, in_memory)
+    if quantization in FOUR_BIT_MARKERS:
+        saved, meta = tensors(comfy.models_dir / "diffusion_models" / name)
+        markers = json.loads(meta["_quantization_metadata"])["layers"]
+        assert markers and all(m == FOUR_BIT_MARKERS[quantization] for m in markers.values()), markers
+        if comfy.host.lacks("four_bit_markers") is None:
+            # upstream's plain UNETLoader reads the markers: its own layers, the same kitchen linear
+            native = sample(comfy, tiny_wan2, loader=unet_loader(name))
+            assert rel_l2(native, in_memory) < 1e-4, rel_l2(native, in_memory)
     if quantization == "float8_e4m3fn":
         # FP8 markers are what ComfyUI 0.3.75 reads natively (header form): its own loader takes the file too.
         bf16 = sample(comfy, tiny_wan2)
         native = sample(comfy, tiny_wan2, loader=unet_loader(name))
         assert 0 < rel_l2(native, bf16) < FP8_TOLERANCE
+
+
+def test_quantize_model_w4a8_saves_upstreams_markers(comfy, tiny_wan2):
+    """QuantizeModelINT8 with quantization asym_w4a8_int8 (comfy-kitchen's quantizer, layer by layer): the saved
+    file samples the in-memory model's latent through MixedCheckpointLoader, and through upstream's own
+    UNETLoader where the host reads the format."""
+    chain = [("QuantizeModelINT8", {"group_size": "256", "ignored_layers": "", "quantization": "asym_w4a8_int8"})]
+    name = "saved/wan2_w4a8.safetensors"
+    text = save(comfy, unet(tiny_wan2), chain, filename=name)
+    assert "(asym_w4a8_int8 x" in text, text
+    in_memory = sample(comfy, tiny_wan2, chain)
+    assert 1e-4 < rel_l2(in_memory, sample(comfy, tiny_wan2)) < 0.05
+    assert torch.equal(sample(comfy, tiny_wan2, loader=mixed(name)), in_memory)
+    if comfy.host.lacks("four_bit_markers") is None:
+        native = sample(comfy, tiny_wan2, loader=unet_loader(name))
+        assert rel_l2(native, in_memory) < 1e-4, rel_l2(native, in_memory)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,119 @@
+"""Grouped W4A8 layers (upstream ComfyUI's `asym_w4a8_int8` markers), through comfy-kitchen's
+AsymW4A8Int8Layout.
+
+Stored tensors, exactly as the kitchen layout serializes them (K = in_features, G = group_size):
+  weight             int8 [N, K/2]   two 4-bit codes per byte (low nibble = even column) of the
+                                     ConvRot-rotated weight
+  weight_s_rel       fp8 e4m3 (or uint8 bytes, or fp32) [N, K/G]   per-group scale relative to the row's
+  weight_s_channel   fp32 [N]        per-row scale of the int8 grid the codes decode to
+  weight_codebook    fp32 [16]       optional: the code -> level table (kitchen's Lloyd-Max levels)
+  weight_correction  float [K/G, N]  optional: the asymmetric quantizer's per-group offsets (zero points)
+Marker: {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256}.
+
+Kitchen's linear decodes the codes to int8 and runs its INT8 ConvRot linear, which rotates and
+quantizes the activations per token, on every device (its eager reference on CPU): the numbers are
+upstream ComfyUI's. Upstream 0.33.0's loader does not read weight_correction; the pack passes it to
+kitchen, which applies it (a file with it computes here as kitchen means, not as that loader does).
+"""
+from __future__ import annotations
+
+import torch
+
+from .descriptor import Contract, MarkerParam, QuantFormat, power_of_4
+from .kitchen_layout import KitchenLayoutMethod
+from .registry import register_format
+
+NAME = "asym_w4a8_int8"
+LAYOUT = "AsymW4A8Int8Layout"
+ROLES = {"s_rel": "weight_s_rel", "s_channel": "weight_s_channel", "codebook": "weight_codebook",
+         "correction": "weight_correction"}   # kitchen's state_dict suffixes, as the file's roles
+
+
+def _group_size_ok(value: int) -> bool:
+    return value >= 4 and (16 % value == 0 or value % 16 == 0)     # kitchen's rule
+
+
+class W4A8Int8Method(KitchenLayoutMethod):
+    name = NAME
+    layout = LAYOUT
+
+    def __init__(self, group_size: int = 16, convrot_groupsize: int = 256):
+        self.group_size = group_size
+        self.convrot_groupsize = convrot_groupsize
+
+    def describe(self) -> str:
+        return f"{NAME}(g={self.group_size}, rot={self.convrot_groupsize})"
+
+    def skip_reason(self, in_features: int, out_features: int) -> str | None:
+        if in_features % 16 or in_features % self.group_size or in_features % self.convrot_groupsize:
+            return (f"in_features {in_features} not divisible by 16, group size {self.group_size} and rotation "
+                    f"group {self.convrot_groupsize}")
+        return None
+
+    def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        qdata, params = self.layout_class().quantize(weight, group_size=self.group_size,
+                                                     convrot_groupsize=self.convrot_groupsize)
+        tensors = {"weight": qdata}
+        for field, role in ROLES.items():
+            value = params.scale if field == "s_rel" else getattr(params, field)
+            if value is not None:
+                tensors[role] = value
+        return tensors
+
+    def layout_params(self, tensors, layer, dtype):
+        return self.layout_class().Params(
+            scale=tensors["weight_s_rel"], s_channel=tensors["weight_s_channel"],
+            codebook=tensors.get("weight_codebook"), correction=tensors.get("weight_correction"),
+            orig_dtype=dtype, orig_shape=(layer.out_features, layer.in_features),
+            group_size=self.group_size, convrot_groupsize=self.convrot_groupsize)
+
+
+def _marker(group_size: int, convrot_groupsize: int) -> dict:
+    return {"format": NAME, "group_size": int(group_size), "convrot_groupsize": int(convrot_groupsize)}
+
+
+@register_format
+class W4A8Int8Format(QuantFormat):
+    name = NAME
+    marker = True
+    online = True
+    rotation_group = True
+    summary = ("4-bit weights in groups of 16 (a 16-level codebook, fp8 group scales) decoded to INT8, INT8 "
+               "activations with ConvRot: about 0.56 bytes per weight (comfy-kitchen's INT8 GEMM, sm80+)")
+    kitchen_layouts = (LAYOUT,)
+    contract = Contract(
+        required=frozenset({"weight", "weight_s_rel", "weight_s_channel"}),
+        optional=frozenset({"weight_codebook", "weight_correction"}),
+        weight_dtypes=("I8",), weight_note="packed 4-bit codes", pack=2,
+        scale_role="weight_s_channel", magnitude=("weight_s_channel",),
+        shapes={"weight_s_rel": "N,K/group_size", "weight_s_channel": "N", "weight_codebook": "16",
+                "weight_correction": "K/group_size,N"},
+        dtypes={"weight_s_rel": ("F8_E4M3", "U8", "F32"), "weight_s_channel": ("F32",),
+                "weight_codebook": ("F32",)},
+        encodings={"weight_s_rel": "F8_E4M3", "weight_s_channel": "float"},
+        views={"weight_s_rel": torch.float8_e4m3fn},
+        stored_max=127.0)   # codes decode onto the int8 grid, clamped to +-127, times weight_s_channel
+    marker_params = {
+        "group_size": MarkerParam((int,), 16, _group_size_ok, "at least 4, dividing 16 or a multiple of 16"),
+        "convrot_groupsize": MarkerParam((int,), 256, power_of_4, "a power of 4 from 4 up"),
+    }
+
+    def method(self, group_size: int = 256, weight_group: int = 16, **_) -> W4A8Int8Method:
+        # group_size is the rotation's group, as for every ConvRot format (the nodes' group_size)
+        return W4A8Int8Method(weight_group, group_size)
+
+    def native(self, device: torch.device) -> bool:
+        return W4A8Int8Method().native_supported(device)
+
+    def marker_options(self, values: dict, in_features: int) -> dict:
+        options = {"group_size": values["convrot_groupsize"], "weight_group": values["group_size"]}
+        reason = self.method(**options).skip_reason(in_features, 0)
+        if reason is not None:
+            raise ValueError(f"bad marker: {reason}")
+        return options
+
+    def saved_marker(self, method) -> dict:
+        return _marker(method.group_size, method.convrot_groupsize)
+
+    def kitchen_marker(self, params: dict) -> dict:
+        return _marker(params.get("group_size", 16), params.get("convrot_groupsize", 256))
