@@ -17,19 +17,18 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import FLOAT_DTYPES
-from . import convrot_w4a4, fp8, int8_convrot
+from . import fp8, int8_convrot
 from .kernel_select import _time_ms
 from .linear import quantized_layer
 from .linear_method import LinearMethod, default_device
 from .registry import format_spec, get_method, register_selector
 
-# Preference order by compute capability (first match from the top). ConvRot W4A4 is a candidate only where
-# comfy-kitchen's int4 tensor-core GEMM is native (Turing to Ada; from Hopper it falls back to INT8 GEMMs);
-# W4A8 runs INT8 GEMMs after decoding its weights, never faster than INT8 itself, so it is no candidate.
+# Preference order by compute capability (first match from the top). The 4-bit formats are no candidates: on
+# speed alone auto would take W4A4 where its int4 GEMM is native (Turing to Ada) at about 17x INT8's layer
+# error; they run where the user names them.
 PREFERENCE = (
-    ((9, 0), (fp8.NAME, int8_convrot.CONVROT)),
-    ((8, 9), (fp8.NAME, int8_convrot.CONVROT, convrot_w4a4.NAME)),
-    ((7, 5), (int8_convrot.CONVROT, convrot_w4a4.NAME)),
+    ((8, 9), (fp8.NAME, int8_convrot.CONVROT)),
+    ((7, 5), (int8_convrot.CONVROT,)),
 )
 DEFAULT_ROWS = 8192
 

@@ -83,12 +83,12 @@ def test_auto_on_cpu_uses_table_without_timing():
 
 
 @pytest.mark.parametrize("capability, formats", [
-    ((7, 5), ("int8_convrot", "convrot_w4a4")), ((8, 6), ("int8_convrot", "convrot_w4a4")),
-    ((8, 9), ("float8_e4m3fn", "int8_convrot", "convrot_w4a4")),
+    ((7, 5), ("int8_convrot",)), ((8, 6), ("int8_convrot",)),
+    ((8, 9), ("float8_e4m3fn", "int8_convrot")),
     ((9, 0), ("float8_e4m3fn", "int8_convrot")), ((12, 0), ("float8_e4m3fn", "int8_convrot")),
     ((7, 0), ()),
 ])
-def test_auto_considers_w4a4_only_where_its_int4_gemm_is_native(monkeypatch, capability, formats):
+def test_auto_never_considers_4bit_formats(monkeypatch, capability, formats):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert preferred_formats(torch.device("cuda")) == formats
 
