@@ -22,12 +22,14 @@ HEADLINE = [
         ("comfy_fp8_marker", "ComfyUI UNETLoader, its own FP8 file"),
         ("pack_auto", "LoadH3Quantized `auto` (FP8)"),
     ]),
-    ("MiniMax-H3 pruned, 32,690 tokens, ComfyUI 0.33.0",
-     "comfy-e2e-h3pruned-staged-nvidia-h200-comfyui-0.33.0-2026-12-01.json", [
+    ("MiniMax-H3 pruned, 32,690 tokens, ComfyUI 0.33.0, dynamic VRAM",
+     "comfy-e2e-h3pruned-dynamic-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
          ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
-         ("comfy_fp8_marker", "ComfyUI UNETLoader, its own FP8 file"),
-         ("pack_auto", "LoadH3Quantized `auto` (FP8)"),
-         ("pack_auto_static", "LoadH3Quantized `auto`, `--disable-dynamic-vram`"),
+         ("comfy_fp8_marker_12g", "ComfyUI UNETLoader, its own FP8 file"),
+         ("pack_auto_12g", "LoadH3Quantized `auto` (FP8)"),
+         ("comfy_fp8_marker_8g", "ComfyUI UNETLoader, its own FP8 file"),
+         ("pack_auto_8g", "LoadH3Quantized `auto` (FP8)"),
+         ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
      ]),
 ]
 
