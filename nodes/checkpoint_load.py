@@ -7,8 +7,8 @@ import os
 import folder_paths
 
 from ..loaders import LayerBuilder, inspect_checkpoint
-from ..loaders.mapping import release_file
-from ..loaders.options import online_config, online_method, parse_prefix_rules, progress_total
+from ..loaders.file_map import release_file_map
+from .options import online_config, online_method, parse_prefix_rules, progress_total
 from . import checkpoint_compat as compat
 from .comfy_compat import compute_device, quantized_layers
 from .dynamic_vram import prepare_dynamic_vram
@@ -50,7 +50,7 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
         else:
             loaded = compat.load_text_encoder(plan, builder, state_dict, clip_type,
                                               folder_paths.get_folder_paths("embeddings"))
-        copied = release_file(loaded.model if clip_type is None else loaded.cond_stage_model,
+        copied = release_file_map(loaded.model if clip_type is None else loaded.cond_stage_model,
                               file_tensors, os.path.getsize(path))
         del state_dict, file_tensors
     if copied:

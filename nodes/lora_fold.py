@@ -12,7 +12,7 @@ unpatched weight (which unpatch_model and partially_unload restore), and
 QuantLinear.set_weight requantizing with the layer's own method. The math runs
 on the load device; the patched weight stays in RAM, pinned where ComfyUI had
 pinned the original, so ComfyUI's per-op copy and the pack's block streaming
-(loaders/offload/streaming.py) move the folded weight. A layer ComfyUI offloads later
+(offload/streaming.py) move the folded weight. A layer ComfyUI offloads later
 (partially_unload, between loads) runs per call until the next load.
 
 Under upstream's dynamic VRAM (`patcher.is_dynamic()`) ComfyUI attaches a LoRA

@@ -1,4 +1,4 @@
-"""Offload for ComfyUI, adapting loaders/offload/: `install_offload` (loaders call it; SetOffload on a clone).
+"""Offload for ComfyUI, adapting offload/: `install_offload` (loaders call it; SetOffload on a clone).
 Under dynamic VRAM (`patcher.is_dynamic()`) it only plans. Elsewhere, while sampling, `memory_required` answers
 at least the plan's estimate and the blocks left in RAM stream one ahead, pinned by ComfyUI's `pin_memory`."""
 from __future__ import annotations
@@ -14,11 +14,11 @@ import comfy.patcher_extension
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
-from ..loaders.offload.budget import Budget, ModelView, OffloadReport, brief_line, check_fits, describe
-from ..loaders.offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
-from ..loaders.offload.session import StreamSession
-from ..loaders.offload.streaming import normalize_device
-from ..loaders.options import OFFLOAD_MODES
+from ..offload.budget import Budget, ModelView, OffloadReport, brief_line, check_fits, describe
+from ..offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
+from ..offload.session import StreamSession
+from ..offload.streaming import normalize_device
+from .options import OFFLOAD_MODES
 from . import categories
 from .comfy_compat import module_view, quantized_layers
 from .node_report import node_output, show_on_node

@@ -13,7 +13,7 @@ from ..pack_logging import pack_logger
 from ..quant import QuantConfig, available_methods, get_method
 from ..quant.keep import keep_patterns
 from ..quant.registry import format_aliases, online_formats
-from .checkpoint import CheckpointPlan
+from ..loaders.checkpoint import CheckpointPlan
 
 log = pack_logger(__name__)
 

@@ -1,7 +1,7 @@
 """The numbers and text around a memory plan, from plain values: modes, capacity, the estimate
 ComfyUI's budget asks for, and the report.
 
-Two modes (loaders/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
+Two modes (nodes/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
 nothing and fails when the model does not fit.
 """
 from __future__ import annotations

@@ -50,7 +50,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from ...quant.kitchen_api import tensor_bytes
+from ..quant.kitchen_api import tensor_bytes
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2

@@ -34,8 +34,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ...pack_logging import pack_logger
-from ...quant.kitchen_api import is_quantized_tensor, storage
+from ..pack_logging import pack_logger
+from ..quant.kitchen_api import is_quantized_tensor, storage
 
 log = pack_logger(__name__)
 

@@ -4,8 +4,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from bigdit.loaders.offload.plan import MemoryPlan, RunShape
-from bigdit.loaders.offload.streaming import HostPins, block_tensors
+from bigdit.offload.plan import MemoryPlan, RunShape
+from bigdit.offload.streaming import HostPins, block_tensors
 from bigdit.quant.kitchen_api import storage
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bigdit.attention import Router, install
-from bigdit.loaders.offload.streaming import LayerwiseStreamer
+from bigdit.offload.streaming import LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant import compiled_ops
 from bigdit.quant.registry import get_method

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.loaders.offload.plan import (GIB, MIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
+from bigdit.offload.plan import (GIB, MIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
                                          latent_tokens, max_resident_tokens, module_bytes, plan_for_model,
                                          plan_placement, spread, tensor_bytes)
 from bigdit.quant import QuantLinear
@@ -213,7 +213,7 @@ def test_max_resident_tokens():
 
 
 def test_run_shape_adds_the_streams_of_an_audio_video_latent():
-    from bigdit.loaders.offload.budget import ModelView
+    from bigdit.offload.budget import ModelView
     model = Model()
     model.patch_size = (1, 2, 2)
     view = ModelView(model, {}, torch.bfloat16)

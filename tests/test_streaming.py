@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.loaders.offload.plan import plan_placement
-from bigdit.loaders.offload.session import StreamSession
-from bigdit.loaders.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
+from bigdit.offload.plan import plan_placement
+from bigdit.offload.session import StreamSession
+from bigdit.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
 from bigdit.quant import QuantConfig, quantize_layers
 from bigdit.quant.dispatch import apply_replacements
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
