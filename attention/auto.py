@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, capability
+from ..hardware import cuda_capability
+from .base import Backend
 from .kernels import FA2, FA4, FA3Fwd, FA3Interface, KitchenInt8, Sage, Sdpa, SdpaCudnn, SdpaFlash
 from .registry import register_backend
 
@@ -54,7 +55,7 @@ class Auto(Backend):
         self._by_cap = {}
 
     def impls_for(self, device: torch.device):
-        cap = capability(device)
+        cap = cuda_capability(device)
         if cap not in self._by_cap:
             self._by_cap[cap] = [cls() for name in ranking(cap) for cls in KERNELS[name]]
         return self._by_cap[cap]

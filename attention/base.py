@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
+from ..hardware import cuda_capability
 
 LAYOUTS = ("BHSD", "BSHD")
 
@@ -38,21 +39,6 @@ def dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 def convert(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     """Same tensor viewed in another layout (a transpose, never a copy)."""
     return t if src == dst else t.transpose(1, 2)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(index)  # torch.compile folds this; get_device_capability breaks
-    return props.major, props.minor
-
-
-def capability(device: torch.device) -> tuple[int, int] | None:
-    """Compute capability of a CUDA device, None for anything else."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else None)
-    return _capability(device.type, index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +80,7 @@ class Constraints:
         if self.devices is not None and dev.type not in self.devices:
             raise Unsupported(f"needs {' or '.join(sorted(self.devices))}, got a {dev.type} tensor")
         if dev.type == "cuda" and (self.min_capability or self.max_capability):
-            cap = capability(dev)
+            cap = cuda_capability(dev)
             if self.min_capability and cap < self.min_capability:
                 raise Unsupported(f"needs compute capability >= {_cc(self.min_capability)}, GPU is {_cc(cap)}")
             if self.max_capability and cap > self.max_capability:

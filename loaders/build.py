@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES
+from ..dtypes import FLOAT_DTYPES, torch_dtype
+from ..hardware import cuda_capability
 from ..quant.auto import fastest_native_methods
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
 from ..quant.linear import QuantLinear, quantized_layer
@@ -27,9 +28,9 @@ from ..quant.nvfp4 import NAME as NVFP4
 from ..quant.registry import available_methods, get_method
 from ..quant.report import LayerRecord, QuantReport
 from ..quant.selector import Selector
+from ..units import format_gib
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
-from .safetensors_header import torch_dtype
 from .staging import PinnedStaging
 
 NVFP4_MODES = ("auto", "requantize")
@@ -192,10 +193,10 @@ class LayerBuilder:
 
     def _timing_note(self) -> str:
         line = f"quantizing while loading took {self._quantize_seconds:.1f} s on {self.device}"
-        staging, gib = self.staging, 1024 ** 3
+        staging = self.staging
         if staging.staged_bytes:
-            line += (f": {staging.seconds:.1f} s reading {staging.staged_bytes / gib:.2f} GiB of weights into pinned "
-                     f"memory, {staging.host_seconds:.1f} s quantizing and moving {staging.host_bytes / gib:.2f} GiB "
+            line += (f": {staging.seconds:.1f} s reading {format_gib(staging.staged_bytes)} of weights into pinned "
+                     f"memory, {staging.host_seconds:.1f} s quantizing and moving {format_gib(staging.host_bytes)} "
                      "back to RAM")
         return line
 
@@ -209,7 +210,7 @@ class LayerBuilder:
             self.report.notes.append(self._timing_note())
         self.staging.close()
         for fmt, paths in self._paths.items():
-            where = f"{self.device.type}" + (f" sm{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
+            where = f"{self.device.type}" + (f" sm{''.join(map(str, cuda_capability(self.device)))}"
                                             if self.device.type == "cuda" else "")
             self.report.headline_notes.append(f"{fmt} layers on {where}: " + ", ".join(
                 f"{label} x{n}" for label, n in paths.items()))

@@ -23,12 +23,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..dtypes import TORCH_TO_SAFETENSORS
 from ..quant.kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype
 from ..quant.linear import QuantLinear
 from ..quant.registry import format_spec, kitchen_format, marker_formats
-from .errors import name_list
+from .errors import with_layers
 from .markers import MARKER_SUFFIX, METADATA_KEY
-from .safetensors_writer import SAFETENSORS_DTYPES, dtype_code
+from .safetensors_writer import dtype_code
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +38,7 @@ class SaveError(ValueError):
 
     def __init__(self, problem: str, layers: Iterable[str] = ()):
         self.layers = tuple(layers)
-        message = problem
-        if self.layers:
-            message += f" (layer{'s' if len(self.layers) > 1 else ''}: {name_list(self.layers)})"
-        super().__init__(message)
+        super().__init__(with_layers(problem, self.layers))
 
 
 @dataclass
@@ -78,7 +76,7 @@ def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     weight = module.weight
     layout = layout_name(weight)
     spec = kitchen_format(layout)
-    if spec is not None and SAFETENSORS_DTYPES.get(storage_dtype(weight)) not in spec.contract.weight_dtypes:
+    if spec is not None and TORCH_TO_SAFETENSORS.get(storage_dtype(weight)) not in spec.contract.weight_dtypes:
         spec = None   # e.g. an FP8 layout holding float8_e5m2
     if spec is None:
         raise _Unsupported(f"comfy-kitchen layout {layout} ({storage_dtype(weight)}) has no marker format the "

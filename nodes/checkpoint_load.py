@@ -8,7 +8,7 @@ import folder_paths
 
 from ..loaders import LayerBuilder, inspect_checkpoint
 from ..loaders.file_map import release_file_map
-from .options import online_config, online_method, parse_prefix_rules, progress_total
+from ..units import format_gib
 from . import checkpoint_compat as compat
 from .comfy_compat import compute_device, quantized_layers
 from .dynamic_vram import prepare_dynamic_vram
@@ -16,6 +16,7 @@ from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
+from .options import online_config, online_method, parse_prefix_rules, progress_total
 
 
 def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None, nvfp4: str = "auto",
@@ -54,7 +55,7 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
                               file_tensors, os.path.getsize(path))
         del state_dict, file_tensors
     if copied:
-        builder.report.notes.append(f"copied the {copied / 1024 ** 3:.2f} GiB of the file's tensors ComfyUI kept "
+        builder.report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                                     "mapped, so the file's map is released")
     short, full = "\n".join(builder.report.brief()), builder.report.render()
     if clip_type is None:

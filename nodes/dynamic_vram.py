@@ -26,7 +26,7 @@ import comfy.utils
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .comfy_compat import quantized_layers, weight_patched_quant_tensors
+from .comfy_compat import is_dynamic, quantized_layers, weight_patched_quant_tensors
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced
@@ -81,7 +81,7 @@ def on_detach(patcher, unpatch_all: bool = True) -> None:
 
 def prepare_dynamic_vram(patcher) -> None:
     """On a dynamic-VRAM patcher, have ComfyUI load the pack's quantized layers whole (see the module's docstring)."""
-    if not getattr(patcher, "is_dynamic", lambda: False)():
+    if not is_dynamic(patcher):
         return
     for layer in quantized_layers(patcher).values():
         layer.__dict__.pop("comfy_cast_weights", None)

@@ -24,7 +24,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 
 from ..pack_logging import pack_logger
-from .comfy_compat import weight_patched_quant_tensors
+from .comfy_compat import is_dynamic, weight_patched_quant_tensors
 
 log = pack_logger(__name__)
 
@@ -39,7 +39,7 @@ def _per_call_patch(function) -> bool:
 def fold_offloaded_patches(patcher, device_to=None, *_) -> int:
     """Write the per-call weight patches of `patcher`'s offloaded QuantLinear layers into their weights;
     returns how many tensors were patched."""
-    if getattr(patcher, "is_dynamic", lambda: False)():
+    if is_dynamic(patcher):
         return 0
     pinned = getattr(patcher, "pinned", set())
     folded = 0

@@ -20,16 +20,11 @@ from ..offload.session import StreamSession
 from ..offload.streaming import normalize_device
 from .options import OFFLOAD_MODES
 from . import categories
-from .comfy_compat import module_view, quantized_layers
+from .comfy_compat import is_dynamic, module_view, quantized_layers
 from .node_report import node_output, show_on_node
 
 log = pack_logger(__name__)
 WRAPPER_KEY = "bigdit_offload"
-
-
-def comfy_places_weights(patcher) -> bool:
-    """True where ComfyUI's dynamic VRAM manages weight placement itself."""
-    return bool(getattr(patcher, "is_dynamic", lambda: False)())
 
 
 def host_pin_functions() -> dict:
@@ -71,7 +66,7 @@ class _Offload:
         patcher = executor.class_obj.model_patcher
         parts = _packed_parts(kwargs.get("latent_shapes"))
         plan = self.plan(patcher, parts(tuple(noise.shape)))
-        dynamic = comfy_places_weights(patcher)
+        dynamic = is_dynamic(patcher)
         log.info("offload (%s) for %s%s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
                  ", a plan only (ComfyUI's dynamic VRAM places the weights)" if dynamic else "", plan.summary_line())
         log.debug("offload plan:\n%s", plan.render())
@@ -128,7 +123,7 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
     mode = OFFLOAD_MODES.read(mode)
     offload = _Offload(mode, Budget.from_gib(reserve_gib, vram_gib), on_run)
     plan = offload.plan(model_patcher)
-    device, dynamic = normalize_device(model_patcher.load_device), comfy_places_weights(model_patcher)
+    device, dynamic = normalize_device(model_patcher.load_device), is_dynamic(model_patcher)
     report = describe(mode, device, plan, model_view(model_patcher), dynamic=dynamic,
                       block_prefetch=importlib.util.find_spec("comfy.model_prefetch") is not None,
                       quantized=bool(quantized_layers(model_patcher)), host_bytes=model_patcher.model_size())

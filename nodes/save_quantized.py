@@ -16,6 +16,7 @@ from comfy_api.latest import io
 
 from ..loaders.safetensors_writer import target_path, write_safetensors
 from ..loaders.saving import SaveError, plan_save
+from ..units import format_gib
 from . import categories
 from .checkpoint_compat import progress_counter
 from .comfy_compat import DIFFUSION_PREFIX
@@ -122,7 +123,7 @@ class SaveQuantizedModel(io.ComfyNode):
         step = progress_counter(len(plan.tensors))
         size = write_safetensors(path, plan.tensors, plan.metadata(NODE_NAME), overwrite=overwrite,
                                  on_tensor=lambda _: step())
-        saved, (layers, others) = f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", plan.describe()
+        saved, (layers, others) = f"saved models/diffusion_models/{name} ({format_gib(size, '.3f')})", plan.describe()
         full = "\n".join([saved, layers, others, "markers: comfy_quant tensors and the _quantization_metadata header"])
         return node_output(NODE_NAME, f"{saved}\n{layers}", full)
 

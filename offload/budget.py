@@ -13,7 +13,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .plan import (BLOCK_LIST_NAMES, GIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
+from ..units import GIB
+from .plan import (BLOCK_LIST_NAMES, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
                    latent_tokens, max_resident_tokens, module_bytes, plan_for_model, size_text)
 
 

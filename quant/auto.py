@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import FLOAT_DTYPES
+from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..hardware import cuda_capability
 from . import fp8, int8_convrot
 from .kernel_select import _time_ms
 from .linear import quantized_layer
@@ -34,7 +35,7 @@ DEFAULT_ROWS = 8192
 def preferred_formats(device: torch.device) -> tuple[str, ...]:
     if device.type != "cuda":
         return (int8_convrot.CONVROT,)  # no fast format on CPU; INT8 still halves memory
-    capability = torch.cuda.get_device_capability(device)
+    capability = cuda_capability(device)
     for minimum, formats in PREFERENCE:
         if capability >= minimum:
             return formats
@@ -93,7 +94,7 @@ class AutoSelector:
 
     def _decide(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]) -> tuple[str | None, str]:
         times = self._time(k, n, dtype, formats)
-        best, plain = min(times, key=times.get), _name(dtype)
+        best, plain = min(times, key=times.get), dtype_name(dtype)
         if best == plain:
             return None, f"auto: {plain} fastest at {k}->{n} ({_fmt(times)})"
         return best, f"auto: {best} at {plain} ({_fmt(times)})"
@@ -105,7 +106,7 @@ class AutoSelector:
         with torch.no_grad():
             linear.weight.normal_(0, k ** -0.5, generator=gen)
         x = torch.randn(self.rows, k, device=self.device, dtype=dtype, generator=gen)
-        times = {_name(dtype): self.time_ms(lambda: F.linear(x, linear.weight))}
+        times = {dtype_name(dtype): self.time_ms(lambda: F.linear(x, linear.weight))}
         for fmt in formats:
             layer = quantized_layer(self.methods[fmt], linear.weight.detach(), k, n, None, dtype,
                                     self.device, self.device)
@@ -120,8 +121,6 @@ def _auto(group_size: int = 256, device=None, **_) -> AutoSelector:
     return AutoSelector(torch.device(device) if device is not None else default_device(), group_size=group_size)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _fmt(times: dict[str, float]) -> str:

@@ -13,8 +13,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..dtypes import FLOAT_DTYPES
+from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..pack_logging import pack_logger
+from ..units import format_gib
 from . import fp8, int8_convrot
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear, quantized_layer
@@ -83,9 +84,9 @@ def _is_quantized_weight(weight: torch.Tensor) -> bool:
 def _format_of(weight: torch.Tensor) -> str:
     """The format name of a weight someone else quantized."""
     if not is_quantized_tensor(weight):
-        return str(weight.dtype).replace("torch.", "")
+        return dtype_name(weight.dtype)
     if layout_name(weight).startswith("TensorCoreFP8"):
-        return str(storage_dtype(weight)).replace("torch.", "")
+        return dtype_name(storage_dtype(weight))
     if layout_name(weight) == int8_convrot.LAYOUT:
         return int8_convrot.format_of_params(layout_params(weight))
     return layout_name(weight)
@@ -288,8 +289,8 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
         if progress is not None:
             progress(done, len(todo))
     report.notes.extend(_fp8_notes(plans, config))
-    log.info("%s: %s, %.3f -> %.3f GiB", title, report.summary_line(),
-             report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
+    log.info("%s: %s, %s -> %s", title, report.summary_line(),
+             format_gib(report.bytes_before(), ".3f"), format_gib(report.bytes_after(), ".3f"))
     return replacements, report
 
 

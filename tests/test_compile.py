@@ -12,6 +12,7 @@ from torch import nn
 from bigdit.attention import Router, install
 from bigdit.offload.streaming import LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
+from bigdit.hardware import cuda_capability
 from bigdit.quant import compiled_ops
 from bigdit.quant.registry import get_method
 
@@ -170,7 +171,7 @@ def test_fullgraph_inductor_quantized_layer_on_cuda(fmt, act):
     assert out.shape == eager.shape and out.dtype == eager.dtype
     # the quantized GEMM is the same kernel; inductor may fuse what surrounds it (bias, casts) differently
     assert rel(out, eager) < 1e-2
-    assert compiled_ops.cuda_capability(x.device) == torch.cuda.get_device_capability()
+    assert cuda_capability(x.device) == torch.cuda.get_device_capability()
 
 
 @pytest.mark.gpu
