@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..pack_logging import pack_logger
-from ..quant import QuantConfig, available_methods, get_method
+from ..quant import QuantConfig, get_method
 from ..quant.keep import keep_patterns
 from ..quant.registry import format_aliases, online_formats
 from ..loaders.checkpoint import CheckpointPlan
@@ -58,10 +58,7 @@ QUANTIZATIONS = Choices("quantization", ("auto", *online_formats(), "none"), for
 
 
 def online_method(name: str, group_size: int, device):
-    """The registered method for a LoadH3Quantized choice, or a clear error if this build lacks it."""
-    if name not in available_methods():
-        raise ValueError(f"quantization {name!r} is not available in this build yet "
-                         f"(available: {', '.join(available_methods())})")
+    """The registered method for a LoadH3Quantized choice (get_method names the valid ones for any other)."""
     return get_method(name, group_size=group_size, device=device)
 
 

@@ -67,18 +67,19 @@ _MEASURED: dict[tuple, tuple[str | None, str]] = {}
 class AutoSelector:
     """A Selector (quant/selector.py): picks a method per layer shape; `select` returns (method or None, reason).
 
-    `time_ms(fn)` times one call of `fn` (CUDA events by default; tests pass a clock).
+    It measures on CUDA only; `time_ms(fn)` times one call of `fn` with CUDA events.
     """
 
-    def __init__(self, device: torch.device, group_size: int = 256, measure: bool | None = None,
-                 time_ms: Callable[[Callable[[], object]], float] | None = None):
+    def __init__(self, device: torch.device, group_size: int = 256):
         self.device = device
         self.group_size = group_size
         self.order = preferred_formats(device)
         self.methods: dict[str, LinearMethod] = {fmt: get_method(fmt, group_size=group_size) for fmt in self.order}
-        self.measure = device.type == "cuda" if measure is None else measure
+        self.measure = device.type == "cuda"
         self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
-        self.time_ms = time_ms or (lambda fn: _time_ms(fn, iters=5))
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        return _time_ms(fn, iters=5)
 
     def select(self, in_features: int, out_features: int, dtype: torch.dtype) -> tuple[LinearMethod | None, str]:
         usable = tuple(f for f in self.order if self.methods[f].skip_reason(in_features, out_features) is None)

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from bigdit.attention import Router, install
-from bigdit.offload.streaming import LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.hardware import cuda_capability
 from bigdit.quant import compiled_ops
 from bigdit.quant.registry import get_method
+from offload_helpers import TracingStreamer
 
 # every format that quantizes a bf16 layer on CPU
 FORMATS = ["int8_convrot", "int8_tensorwise", "float8_e4m3fn", "quanto_qint8", "nvfp4", "mxfp8", "mxfp4"]
@@ -131,7 +131,7 @@ def test_streamer_hooks_run_eagerly_and_blocks_compile():
     with torch.no_grad():
         eager = model(x)
         trace = []
-        with LayerwiseStreamer(model.blocks, "cpu", [1, 2, 3], trace=trace) as streamer:
+        with TracingStreamer(model.blocks, "cpu", [1, 2, 3], trace=trace) as streamer:
             counters = compile_counters()
             compiled = torch.compile(model, backend="aot_eager")
             outs = [compiled(x) for _ in range(2)]
