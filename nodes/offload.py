@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import contextmanager
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -14,7 +14,7 @@ import comfy.patcher_extension
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
-from ..offload.budget import Budget, ModelView, OffloadReport, brief_line, check_fits, describe
+from ..offload.budget import Budget, ModelView, OffloadReport, brief_line, check_fits, describe, packed_parts
 from ..offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
 from ..offload.session import StreamSession
 from ..offload.streaming import normalize_device
@@ -64,7 +64,7 @@ class _Offload:
 
     def outer_sample(self, executor, noise, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
-        parts = _packed_parts(kwargs.get("latent_shapes"))
+        parts = packed_parts(kwargs.get("latent_shapes"))
         plan = self.plan(patcher, parts(tuple(noise.shape)))
         dynamic = is_dynamic(patcher)
         log.info("offload (%s) for %s%s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
@@ -91,14 +91,6 @@ class _Offload:
         if self.session is not None:
             self.session.start(executor.class_obj)
         return executor(*args, **kwargs)
-
-
-def _packed_parts(latent_shapes) -> Callable[[Sequence[int]], list[tuple[int, ...]]]:
-    """shape -> the latents it stands for. Upstream samples the streams of an audio-video model (H3) packed
-    into one [B, 1, N] latent and hands their shapes to OUTER_SAMPLE as `latent_shapes`."""
-    if not latent_shapes or len(latent_shapes) < 2:
-        return lambda shape: [tuple(shape)]
-    return lambda shape: [(int(shape[0]), *tuple(part)[1:]) for part in latent_shapes]
 
 
 @contextmanager

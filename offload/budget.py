@@ -134,3 +134,11 @@ def describe(mode: str, device: torch.device, plan: MemoryPlan, view: ModelView,
     lines.append(f"ComfyUI accounts {size_text(host_bytes)} for this model; the plan counts "
                  f"{size_text(module_bytes(view.diffusion, view.overrides))} in the diffusion model")
     return "\n".join(lines)
+
+
+def packed_parts(latent_shapes) -> Callable[[Sequence[int]], list[tuple[int, ...]]]:
+    """shape -> the latents it stands for. Upstream samples the streams of an audio-video model (H3) packed
+    into one [B, 1, N] latent and hands their shapes to OUTER_SAMPLE as `latent_shapes`."""
+    if not latent_shapes or len(latent_shapes) < 2:
+        return lambda shape: [tuple(shape)]
+    return lambda shape: [(int(shape[0]), *tuple(part)[1:]) for part in latent_shapes]
