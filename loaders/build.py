@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, torch_dtype
+from ..dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from ..hardware import cuda_capability
 from ..quant.auto import fastest_native_methods
 from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
@@ -52,7 +52,7 @@ def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int,
     if name in config.keep:
         return None, config.keep[name]
     if dtype not in FLOAT_DTYPES:
-        return None, f"already quantized ({str(dtype).replace('torch.', '')})"
+        return None, f"already quantized ({dtype_name(dtype)})"
     return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
 
 
