@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
+from ..dtypes import torch_dtype
 from ..hardware import cuda_capability
 from ..quant.auto import fastest_native_methods
-from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
+from ..quant.dispatch import QuantConfig, decide, parameter_bytes
 from ..quant.linear import QuantLinear, quantized_layer
 from ..quant.linear_method import LinearMethod
 from ..quant.nvfp4 import NAME as NVFP4
@@ -43,17 +43,6 @@ class OnlineLayer:
     shape: tuple[int, ...]                  # [out, in]
     method: LinearMethod | None             # None: kept as stored
     reason: str
-
-
-def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
-           dominant: torch.dtype, compute_dtype: torch.dtype | None = None) -> tuple[LinearMethod | None, str]:
-    """The decision quant.dispatch.plan_layers makes for a module, from a weight's dtype and shape
-    (and the dtype it will compute in, the stored one by default)."""
-    if name in config.keep:
-        return None, config.keep[name]
-    if dtype not in FLOAT_DTYPES:
-        return None, f"already quantized ({dtype_name(dtype)})"
-    return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
 
 
 def plan_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:

@@ -201,12 +201,24 @@ def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_feature
     return method, reason or method.describe()
 
 
+def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
+           dominant: torch.dtype, compute_dtype: torch.dtype | None = None) -> tuple[LinearMethod | None, str]:
+    """The one decision for a Linear from its name, weight dtype and shape (and the dtype it will compute in,
+    the stored one by default): kept on purpose (`config.keep`), already quantized, or `choose_method`'s.
+    plan_layers (a model's modules) and loading (a file's header, then the tensor ComfyUI hands over) call it."""
+    if name in config.keep:
+        return None, config.keep[name]
+    if dtype not in FLOAT_DTYPES:
+        return None, f"already quantized ({dtype_name(dtype)})"
+    return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
+
+
 def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     """Decide, for every weight-bearing module, a method or a reason to keep it."""
     dominant = _dominant_dtype(model, config.overrides)
     plans = []
     for name, module in iter_weight_modules(model, config.overrides):
-        if name in config.keep:
+        if name in config.keep:  # before the module checks: a kept module of any kind is recorded as kept
             plans.append(LayerPlan(name, module, None, config.keep[name], linear=_linear_like(module)))
             continue
         fmt = fp8_format(module)
@@ -224,7 +236,7 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
         if _is_quantized_weight(weight):
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=_format_of(weight)))
             continue
-        method, reason = choose_method(config, name, weight.dtype, module.in_features, module.out_features, dominant)
+        method, reason = decide(config, name, weight.dtype, module.in_features, module.out_features, dominant)
         plans.append(LayerPlan(name, module, method, reason))
     return plans
 
