@@ -151,6 +151,8 @@ INTERPRETED = textwrap.dedent("""
     import sys, types, torch
     pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
     from bigdit.attention import fp8_qkv as f
+    sys.path.insert(0, sys.argv[1] + "/tests")
+    import fp8_qkv_reference as reference
     g = torch.Generator().manual_seed(0)
     # (layout, batch, heads, q tokens, k/v tokens, head dim): two statistics chunks; cross-attention
     # with an odd head dim in (B, S, H, D)
