@@ -7,7 +7,7 @@ does this file (tools and test runners import it outside ComfyUI).
 import importlib.util
 
 if importlib.util.find_spec("comfy") is not None:
-    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .nodes.mappings import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 else:
     NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = {}, {}
 

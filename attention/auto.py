@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dtypes import dtype_name
 from ..pack_logging import pack_logger
 from . import registry
 from .base import Backend, Plan, Unsupported, dims
@@ -69,7 +70,7 @@ def shape_key(q, k, v, layout, mask) -> tuple:
 def shape_text(q, k, layout, mask) -> str:
     b, h, s, d = dims(q, layout)
     hk, sk = dims(k, layout)[1:3]
-    text = f"{b}x{h}x{s}x{d} {str(q.dtype).removeprefix('torch.')}"
+    text = f"{b}x{h}x{s}x{d} {dtype_name(q.dtype)}"
     if (hk, sk) != (h, s):
         text += f", keys {hk}x{sk}"
     return text + (", masked" if mask is not None else "")

@@ -9,7 +9,6 @@ broadcastable to (batch, heads, queries, keys).
 """
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
+from ..hardware import cuda_capability as capability
 from ..pack_logging import pack_logger
 from . import compiled_ops
 
@@ -46,21 +46,6 @@ def dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 def convert(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     """Same tensor viewed in another layout (a transpose, never a copy)."""
     return t if src == dst else t.transpose(1, 2)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(index)  # torch.compile folds this; get_device_capability breaks
-    return props.major, props.minor
-
-
-def capability(device: torch.device) -> tuple[int, int] | None:
-    """Compute capability of a CUDA device, None for anything else."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else None)
-    return _capability(device.type, index)
 
 
 # (module, attr, package) -> what `load` returned. A plain dict, not lru_cache: torch.compile reads a

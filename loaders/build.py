@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES
+from ..dtypes import torch_dtype
+from ..hardware import cuda_capability
 from ..quant.auto import fastest_native_methods
-from ..quant.dispatch import QuantConfig, choose_method, parameter_bytes
+from ..quant.dispatch import QuantConfig, decide, parameter_bytes
 from ..quant.linear import QuantLinear, quantized_layer
 from ..quant.descriptor import PRE_QUANT_SCALE
 from ..quant.linear_method import LinearMethod
@@ -28,9 +29,9 @@ from ..quant.nvfp4 import NAME as NVFP4
 from ..quant.registry import available_methods, get_method
 from ..quant.report import LayerRecord, QuantReport
 from ..quant.selector import Selector
+from ..units import format_gib
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
-from .safetensors_header import torch_dtype
 from .staging import PinnedStaging
 
 NVFP4_MODES = ("auto", "requantize")
@@ -43,17 +44,6 @@ class OnlineLayer:
     shape: tuple[int, ...]                  # [out, in]
     method: LinearMethod | None             # None: kept as stored
     reason: str
-
-
-def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
-           dominant: torch.dtype, compute_dtype: torch.dtype | None = None) -> tuple[LinearMethod | None, str]:
-    """The decision quant.dispatch.plan_layers makes for a module, from a weight's dtype and shape
-    (and the dtype it will compute in, the stored one by default)."""
-    if name in config.keep:
-        return None, config.keep[name]
-    if dtype not in FLOAT_DTYPES:
-        return None, f"already quantized ({str(dtype).replace('torch.', '')})"
-    return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
 
 
 def plan_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:
@@ -201,10 +191,10 @@ class LayerBuilder:
 
     def _timing_note(self) -> str:
         line = f"quantizing while loading took {self._quantize_seconds:.1f} s on {self.device}"
-        staging, gib = self.staging, 1024 ** 3
+        staging = self.staging
         if staging.staged_bytes:
-            line += (f": {staging.seconds:.1f} s reading {staging.staged_bytes / gib:.2f} GiB of weights into pinned "
-                     f"memory, {staging.host_seconds:.1f} s quantizing and moving {staging.host_bytes / gib:.2f} GiB "
+            line += (f": {staging.seconds:.1f} s reading {format_gib(staging.staged_bytes)} of weights into pinned "
+                     f"memory, {staging.host_seconds:.1f} s quantizing and moving {format_gib(staging.host_bytes)} "
                      "back to RAM")
         return line
 
@@ -218,7 +208,7 @@ class LayerBuilder:
             self.report.notes.append(self._timing_note())
         self.staging.close()
         for fmt, paths in self._paths.items():
-            where = f"{self.device.type}" + (f" sm{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
+            where = f"{self.device.type}" + (f" sm{''.join(map(str, cuda_capability(self.device)))}"
                                             if self.device.type == "cuda" else "")
             self.report.headline_notes.append(f"{fmt} layers on {where}: " + ", ".join(
                 f"{label} x{n}" for label, n in paths.items()))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..dtypes import FLOAT_DTYPES, SAFETENSORS_TO_TORCH
 from .errors import CheckpointError
 from .layers import Check, LayerFormat, method_tensors
 from .markers import MARKER_SUFFIX, has_markers, inspect_markers
@@ -22,7 +23,6 @@ from .scaled_fp8 import marker_keys as scaled_fp8_keys
 from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, SafetensorsHeader, read_header
 from ..quant.registry import formats
 
-_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
 class TensorSource:
@@ -77,9 +77,10 @@ class CheckpointPlan:
         counts = Counter()
         for key in self.plain_keys.values():
             info = self.header.tensors[key]
-            if info.dtype in _TORCH_DTYPES and len(info.shape) >= 2:
-                counts[info.dtype] += info.numel
-        return _TORCH_DTYPES[counts.most_common(1)[0][0]] if counts else torch.bfloat16
+            dtype = SAFETENSORS_TO_TORCH.get(info.dtype)
+            if dtype in FLOAT_DTYPES and len(info.shape) >= 2:
+                counts[dtype] += info.numel
+        return counts.most_common(1)[0][0] if counts else torch.bfloat16
 
     def state_dict(self, source: TensorSource) -> dict[str, torch.Tensor]:
         """What a model loader sees: the plain tensors, and for each quantized layer a

@@ -14,6 +14,13 @@ def name_list(names: Iterable[str], limit: int = NAMES_SHOWN) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def with_layers(message: str, layers: tuple[str, ...]) -> str:
+    """`message`, then the layers it concerns (up to five) where there are any."""
+    if not layers:
+        return message
+    return f"{message} (layer{'s' if len(layers) > 1 else ''}: {name_list(layers)})"
+
+
 class CheckpointError(ValueError):
     """A checkpoint the loaders refuse. The message names the file and the layers (up to 5).
 
@@ -25,7 +32,4 @@ class CheckpointError(ValueError):
         self.path = str(path)
         self.problem = problem
         self.layers = tuple(layers)
-        message = f"{os.path.basename(self.path)}: {problem}"
-        if self.layers:
-            message += f" (layer{'s' if len(self.layers) > 1 else ''}: {name_list(self.layers)})"
-        super().__init__(message)
+        super().__init__(with_layers(f"{os.path.basename(self.path)}: {problem}", self.layers))

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..quant.descriptor import Contract, QuantFormat
 from ..quant.registry import format_spec
 from .errors import CheckpointError
@@ -106,12 +107,12 @@ def non_finite(tensor: torch.Tensor, encoding: str) -> bool:
 
 # A dequantized weight must stay finite in every compute dtype ComfyUI may choose; float16 is the narrowest.
 WEIGHT_LIMIT = torch.finfo(torch.float16).max
-_BLOCK_VIEWS = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+_BLOCK_VIEWS = ("F8_E4M3", "F8_E8M0")  # 8-bit float scales stored as U8
 
 
 def _decoded(tensor: torch.Tensor, encoding: str) -> torch.Tensor:
     if encoding in _BLOCK_VIEWS:
-        return tensor.view(torch.uint8).view(_BLOCK_VIEWS[encoding]).float()
+        return tensor.view(torch.uint8).view(torch_dtype(encoding)).float()
     return tensor.double()
 
 

@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..dtypes import SAFETENSORS_TO_TORCH
 from .errors import CheckpointError
 
 # safetensors' own reader refuses headers over 100 MB; a real checkpoint's is well under 1 MB.
@@ -72,7 +73,7 @@ class HeaderReader:
 
     def __init__(self, header: "SafetensorsHeader"):
         self.header = header
-        self._dtypes = {name: torch_dtype(name) for name in _TORCH_DTYPE_NAMES}
+        self._dtypes = SAFETENSORS_TO_TORCH
         try:
             with open(header.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
@@ -106,19 +107,6 @@ class HeaderReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_TORCH_DTYPE_NAMES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
-    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
-}
-
-
-def torch_dtype(name: str):
-    """The torch dtype of a safetensors dtype name ("BF16" -> torch.bfloat16)."""
-    import torch
-    return getattr(torch, _TORCH_DTYPE_NAMES[name])
 
 
 def short_repr(value, limit: int = 80) -> str:

@@ -24,19 +24,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..dtypes import TORCH_TO_SAFETENSORS
+from ..units import format_gib
 from .safetensors_header import DTYPE_SIZES
 
 SUFFIX = ".safetensors"
-
-SAFETENSORS_DTYPES = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8",
-    torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-    torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e8m0fnu", "F8_E8M0")):
-    if hasattr(torch, _name):  # newer torch only
-        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 _METADATA_KEY = "__metadata__"
 _COPY_CHUNK = 64 * 1024 * 1024  # bytes per write: bounds the extra memory a GPU tensor's host copy costs
@@ -44,7 +36,7 @@ _COPY_CHUNK = 64 * 1024 * 1024  # bytes per write: bounds the extra memory a GPU
 
 def dtype_code(dtype: torch.dtype, name: str = "") -> str:
     try:
-        return SAFETENSORS_DTYPES[dtype]
+        return TORCH_TO_SAFETENSORS[dtype]
     except KeyError:
         raise TypeError(f"tensor {name!r}: dtype {dtype} has no safetensors encoding") from None
 
@@ -118,8 +110,8 @@ def write_safetensors(path, tensors: Sequence[tuple[str, torch.Tensor]], metadat
     total = len(header) + data_bytes(tensors)
     free = shutil.disk_usage(folder).free
     if total > free:
-        raise OSError(f"not enough disk space for {path}: {total / 1024 ** 3:.2f} GiB needed, "
-                      f"{free / 1024 ** 3:.2f} GiB free")
+        raise OSError(f"not enough disk space for {path}: {format_gib(total)} needed, "
+                      f"{format_gib(free)} free")
     # A hidden name without the .safetensors suffix: model lists never show it. Mode 0o666 less
     # the umask, as any file the user saves (mkstemp would make it private).
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.partial")

@@ -8,7 +8,7 @@ tensor and in the header's `_quantization_metadata` (what ComfyUI 0.3.75
 reads; upstream reads both). A quantized layer is either a QuantLinear or a
 layer whose weight is a comfy-kitchen QuantizedTensor (upstream's own layers).
 Every other tensor is written as the module holds it, under the name its
-state_dict gives it. Nothing is copied here: the plan lists the model's own
+state_dict gives it. Nothing is copied here: the contents list the model's own
 tensors, and the writer reads them one at a time.
 """
 from __future__ import annotations
@@ -23,12 +23,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..dtypes import TORCH_TO_SAFETENSORS
 from ..quant.kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype
 from ..quant.linear import QuantLinear
 from ..quant.registry import format_spec, kitchen_format, marker_formats
-from .errors import name_list
+from .errors import with_layers
 from .markers import MARKER_SUFFIX, METADATA_KEY
-from .safetensors_writer import SAFETENSORS_DTYPES, dtype_code
+from .safetensors_writer import dtype_code
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +38,7 @@ class SaveError(ValueError):
 
     def __init__(self, problem: str, layers: Iterable[str] = ()):
         self.layers = tuple(layers)
-        message = problem
-        if self.layers:
-            message += f" (layer{'s' if len(self.layers) > 1 else ''}: {name_list(self.layers)})"
-        super().__init__(message)
+        super().__init__(with_layers(problem, self.layers))
 
 
 @dataclass
@@ -78,7 +76,7 @@ def _from_kitchen_weight(name: str, module: nn.Module) -> SavedLayer:
     weight = module.weight
     layout = layout_name(weight)
     spec = kitchen_format(layout)
-    if spec is not None and SAFETENSORS_DTYPES.get(storage_dtype(weight)) not in spec.contract.weight_dtypes:
+    if spec is not None and TORCH_TO_SAFETENSORS.get(storage_dtype(weight)) not in spec.contract.weight_dtypes:
         spec = None   # e.g. an FP8 layout holding float8_e5m2
     if spec is None:
         raise _Unsupported(f"comfy-kitchen layout {layout} ({storage_dtype(weight)}) has no marker format the "
@@ -101,7 +99,7 @@ class _Unsupported(Exception):
     pass
 
 
-def quantized_layer(name: str, module: nn.Module) -> SavedLayer | None:
+def saved_layer(name: str, module: nn.Module) -> SavedLayer | None:
     """The quantized layer `module` holds, or None if it is not quantized. Raises _Unsupported."""
     if isinstance(module, QuantLinear):
         layer = _from_quant_linear(name, module)
@@ -129,7 +127,7 @@ def _plain_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 @dataclass
-class SavePlan:
+class SaveContents:
     """What goes into the file, in order, as (key, the model's own tensor)."""
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     layers: dict[str, SavedLayer] = field(default_factory=dict)
@@ -158,35 +156,35 @@ class SavePlan:
                 f"other tensors, as they were: {sum(self.plain.values())} ({plain})"]
 
 
-def plan_save(modules: Iterable[tuple[str, nn.Module]]) -> SavePlan:
+def save_contents(modules: Iterable[tuple[str, nn.Module]]) -> SaveContents:
     """The file's tensors for `modules`: (name, module) for every module of the model, parents first,
     names as in the model's state_dict ("" for the root). Raises SaveError naming every layer that
     has no marker format the loaders read, before anything is written."""
-    plan = SavePlan()
+    contents = SaveContents()
     unsupported: dict[str, list[str]] = {}
     for name, module in modules:
         prefix = f"{name}." if name else ""
         try:
-            layer = quantized_layer(name, module)
+            layer = saved_layer(name, module)
         except _Unsupported as exc:
             unsupported.setdefault(str(exc), []).append(name)
             continue
         if layer is None:
             for key, tensor in _plain_tensors(module):
-                plan.tensors.append((prefix + key, tensor))
-                plan.plain[dtype_code(tensor.dtype, prefix + key)] += 1
+                contents.tensors.append((prefix + key, tensor))
+                contents.plain[dtype_code(tensor.dtype, prefix + key)] += 1
             continue
-        plan.layers[name] = layer
-        plan.tensors.extend((f"{prefix}{role}", tensor) for role, tensor in layer.tensors.items())
+        contents.layers[name] = layer
+        contents.tensors.extend((f"{prefix}{role}", tensor) for role, tensor in layer.tensors.items())
         if getattr(module, "bias", None) is not None:
-            plan.tensors.append((f"{prefix}bias", module.bias))
-        plan.tensors.append((f"{name}{MARKER_SUFFIX}", marker_tensor(layer.marker)))
+            contents.tensors.append((f"{prefix}bias", module.bias))
+        contents.tensors.append((f"{name}{MARKER_SUFFIX}", marker_tensor(layer.marker)))
     if unsupported:
         reason, layers = next(iter(unsupported.items()))
         more = f" (and {len(unsupported) - 1} other reason(s))" if len(unsupported) > 1 else ""
         raise SaveError(f"cannot save {sum(map(len, unsupported.values()))} quantized layer(s): {reason}{more}; "
                         f"nothing was written", [n for names in unsupported.values() for n in names])
-    return plan
+    return contents
 
 
 def pack_version() -> str:

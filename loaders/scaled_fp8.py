@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import dtype_name
 from ..quant.fp8 import FP8, NAME as FP8_FORMAT
 from .layers import (Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale,
                      is_scalar)
@@ -50,7 +51,7 @@ def inspect_scaled_fp8(header: SafetensorsHeader, read: HeaderReader,
             problems.add(f"bad scaled_fp8 marker: its dtype must name the weights' FP8 type (F8_E4M3, or F32 "
                          f"for it), found {dtype}", key)
         elif fp8 != FP8:
-            problems.add(f"unsupported scaled_fp8 weights {str(fp8).replace('torch.', '')}: the pack's FP8 layers "
+            problems.add(f"unsupported scaled_fp8 weights {dtype_name(fp8)}: the pack's FP8 layers "
                          f"are {FP8_FORMAT}; load this file with ComfyUI's UNETLoader", key)
         prefixes.append(key[:-len(MARKER)])
     problems.raise_if_any()

@@ -1,13 +1,2 @@
-"""ComfyUI adapters. Each module lists its nodes, V3 `io.ComfyNode` classes, in NODES; both hosts take V3
-classes through NODE_CLASS_MAPPINGS (they tell them from V1 ones by their base class)."""
-from . import attention_backend, checkpoint_loaders, offload, quantize_int8, save_quantized
-
-_MODULES = (quantize_int8, attention_backend, offload, checkpoint_loaders, save_quantized)
-
-NODE_CLASS_MAPPINGS = {}
-NODE_DISPLAY_NAME_MAPPINGS = {}
-for _module in _MODULES:
-    for _cls in _module.NODES:
-        _schema = _cls.GET_SCHEMA()
-        NODE_CLASS_MAPPINGS[_schema.node_id] = _cls
-        NODE_DISPLAY_NAME_MAPPINGS[_schema.node_id] = _schema.display_name
+"""ComfyUI adapters; `mappings.py` holds the node tables. The package itself imports nothing, so its
+plain-data modules (`options.py`) import without ComfyUI."""

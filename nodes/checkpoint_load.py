@@ -7,8 +7,8 @@ import os
 import folder_paths
 
 from ..loaders import LayerBuilder, inspect_checkpoint
-from ..loaders.mapping import release_file
-from ..loaders.options import online_config, online_method, parse_prefix_rules, progress_total
+from ..loaders.file_map import release_file_map
+from ..units import format_gib
 from . import checkpoint_compat as compat
 from .comfy_compat import compute_device, quantized_layers
 from .dynamic_vram import prepare_dynamic_vram
@@ -16,6 +16,7 @@ from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
+from .options import online_config, online_method, parse_prefix_rules, progress_total
 
 
 def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None, nvfp4: str = "auto",
@@ -50,11 +51,11 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
         else:
             loaded = compat.load_text_encoder(plan, builder, state_dict, clip_type,
                                               folder_paths.get_folder_paths("embeddings"))
-        copied = release_file(loaded.model if clip_type is None else loaded.cond_stage_model,
+        copied = release_file_map(loaded.model if clip_type is None else loaded.cond_stage_model,
                               file_tensors, os.path.getsize(path))
         del state_dict, file_tensors
     if copied:
-        builder.report.notes.append(f"copied the {copied / 1024 ** 3:.2f} GiB of the file's tensors ComfyUI kept "
+        builder.report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                                     "mapped, so the file's map is released")
     short, full = "\n".join(builder.report.brief()), builder.report.render()
     if clip_type is None:

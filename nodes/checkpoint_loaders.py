@@ -4,7 +4,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..loaders.options import OFFLOAD_MODES, QUANTIZATIONS
+from .options import OFFLOAD_MODES, QUANTIZATIONS
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import describe_keep
 from ..quant.registry import online_summaries, rotation_formats

@@ -25,6 +25,11 @@ def compute_device() -> torch.device:
     return comfy.model_management.get_torch_device()
 
 
+def is_dynamic(patcher) -> bool:
+    """True where upstream's dynamic VRAM manages weight placement itself (`ModelPatcherDynamic`)."""
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
 def set_model_size(patcher, size: int = 0) -> None:
     """Set the size ModelPatcher caches from the modules it measured first, so memory planning sees the
     quantized or built layers; 0 has ComfyUI measure the modules again at its next model_size()."""

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .comfy_compat import quantized_layers
+from .comfy_compat import is_dynamic, quantized_layers
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced
@@ -149,7 +149,7 @@ def on_detach(patcher, unpatch_all: bool = True) -> None:
 
 def prepare_dynamic_vram(patcher) -> None:
     """On a dynamic-VRAM patcher, have ComfyUI page the pack's quantized layers (see the module's docstring)."""
-    if not getattr(patcher, "is_dynamic", lambda: False)():
+    if not is_dynamic(patcher):
         return
     for layer in quantized_layers(patcher).values():
         layer.weight_pager = page_weights

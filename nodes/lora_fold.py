@@ -12,7 +12,7 @@ unpatched weight (which unpatch_model and partially_unload restore), and
 QuantLinear.set_weight requantizing with the layer's own method. The math runs
 on the load device; the patched weight stays in RAM, pinned where ComfyUI had
 pinned the original, so ComfyUI's per-op copy and the pack's block streaming
-(loaders/offload/streaming.py) move the folded weight. A layer ComfyUI offloads later
+(offload/streaming.py) move the folded weight. A layer ComfyUI offloads later
 (partially_unload, between loads) runs per call until the next load.
 
 Under upstream's dynamic VRAM (`patcher.is_dynamic()`) ComfyUI attaches a LoRA
@@ -24,7 +24,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 
 from ..pack_logging import pack_logger
-from .comfy_compat import weight_patched_quant_tensors
+from .comfy_compat import is_dynamic, weight_patched_quant_tensors
 
 log = pack_logger(__name__)
 
@@ -39,7 +39,7 @@ def _per_call_patch(function) -> bool:
 def fold_offloaded_patches(patcher, device_to=None, *_) -> int:
     """Write the per-call weight patches of `patcher`'s offloaded QuantLinear layers into their weights;
     returns how many tensors were patched."""
-    if getattr(patcher, "is_dynamic", lambda: False)():
+    if is_dynamic(patcher):
         return 0
     pinned = getattr(patcher, "pinned", set())
     folded = 0

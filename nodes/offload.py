@@ -1,11 +1,11 @@
-"""Offload for ComfyUI, adapting loaders/offload/: `install_offload` (loaders call it; SetOffload on a clone).
+"""Offload for ComfyUI, adapting offload/: `install_offload` (loaders call it; SetOffload on a clone).
 Under dynamic VRAM (`patcher.is_dynamic()`) it only plans. Elsewhere, while sampling, `memory_required` answers
 at least the plan's estimate and the blocks left in RAM stream one ahead, pinned by ComfyUI's `pin_memory`."""
 from __future__ import annotations
 
 import importlib.util
 from contextlib import contextmanager
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -14,24 +14,19 @@ import comfy.patcher_extension
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
-from ..loaders.offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe,
-                                      paged_run_line)
-from ..loaders.offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
-from ..loaders.offload.session import StreamSession
-from ..loaders.offload.streaming import normalize_device
-from ..loaders.options import OFFLOAD_MODES
+from ..offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe, packed_parts,
+                              paged_run_line)
+from ..offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
+from ..offload.session import StreamSession
+from ..offload.streaming import normalize_device
+from .options import OFFLOAD_MODES
 from . import categories
-from .comfy_compat import module_view, quantized_layers
+from .comfy_compat import is_dynamic, module_view, quantized_layers
 from .dynamic_vram import PAGED
 from .node_report import node_output, show_on_node
 
 log = pack_logger(__name__)
 WRAPPER_KEY = "bigdit_offload"
-
-
-def comfy_places_weights(patcher) -> bool:
-    """True where ComfyUI's dynamic VRAM manages weight placement itself."""
-    return bool(getattr(patcher, "is_dynamic", lambda: False)())
 
 
 def host_pin_functions() -> dict:
@@ -72,9 +67,9 @@ class _Offload:
 
     def outer_sample(self, executor, noise, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
-        parts = _packed_parts(kwargs.get("latent_shapes"))
+        parts = packed_parts(kwargs.get("latent_shapes"))
         plan = self.plan(patcher, parts(tuple(noise.shape)))
-        dynamic = comfy_places_weights(patcher)
+        dynamic = is_dynamic(patcher)
         log.info("offload (%s) for %s%s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
                  ", a plan only (ComfyUI's dynamic VRAM places the weights)" if dynamic else "", plan.summary_line())
         log.debug("offload plan:\n%s", plan.render())
@@ -114,14 +109,6 @@ class _Offload:
         return executor(*args, **kwargs)
 
 
-def _packed_parts(latent_shapes) -> Callable[[Sequence[int]], list[tuple[int, ...]]]:
-    """shape -> the latents it stands for. Upstream samples the streams of an audio-video model (H3) packed
-    into one [B, 1, N] latent and hands their shapes to OUTER_SAMPLE as `latent_shapes`."""
-    if not latent_shapes or len(latent_shapes) < 2:
-        return lambda shape: [tuple(shape)]
-    return lambda shape: [(int(shape[0]), *tuple(part)[1:]) for part in latent_shapes]
-
-
 @contextmanager
 def _memory_estimate_at_least(base_model, estimate):
     """BaseModel.memory_required answers at least `estimate(input_shape)` inside the block."""
@@ -144,7 +131,7 @@ def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, 
     mode = OFFLOAD_MODES.read(mode)
     offload = _Offload(mode, Budget.from_gib(reserve_gib, vram_gib), on_run)
     plan = offload.plan(model_patcher)
-    device, dynamic = normalize_device(model_patcher.load_device), comfy_places_weights(model_patcher)
+    device, dynamic = normalize_device(model_patcher.load_device), is_dynamic(model_patcher)
     report = describe(mode, device, plan, model_view(model_patcher), dynamic=dynamic,
                       block_prefetch=importlib.util.find_spec("comfy.model_prefetch") is not None,
                       quantized=bool(quantized_layers(model_patcher)), host_bytes=model_patcher.model_size())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..loaders.options import online_method
+from .options import online_method
 from ..quant import QuantConfig
 from ..quant.int8_convrot import CONVROT, GROUP_SIZES
 from ..quant.keep import describe_keep, keep_patterns

@@ -15,7 +15,8 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..loaders.safetensors_writer import target_path, write_safetensors
-from ..loaders.saving import SaveError, plan_save
+from ..loaders.saving import SaveError, save_contents
+from ..units import format_gib
 from . import categories
 from .checkpoint_compat import progress_counter
 from .comfy_compat import DIFFUSION_PREFIX
@@ -114,15 +115,15 @@ class SaveQuantizedModel(io.ComfyNode):
                             f"saved file would not contain; save the model before patching it", patched)
         if _weights_written_in(model):
             _unload_clones(model)
-        plan = plan_save(model_modules(model))
-        if not plan.layers:
+        contents = save_contents(model_modules(model))
+        if not contents.layers:
             raise SaveError("the model has no quantized layers; quantize it first (Quantize Model INT8 or a "
                             "quantizing loader), or use ComfyUI's own model saving for a plain model")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        step = progress_counter(len(plan.tensors))
-        size = write_safetensors(path, plan.tensors, plan.metadata(NODE_NAME), overwrite=overwrite,
+        step = progress_counter(len(contents.tensors))
+        size = write_safetensors(path, contents.tensors, contents.metadata(NODE_NAME), overwrite=overwrite,
                                  on_tensor=lambda _: step())
-        saved, (layers, others) = f"saved models/diffusion_models/{name} ({size / 1024 ** 3:.3f} GiB)", plan.describe()
+        saved, (layers, others) = f"saved models/diffusion_models/{name} ({format_gib(size, '.3f')})", contents.describe()
         full = "\n".join([saved, layers, others, "markers: comfy_quant tensors and the _quantization_metadata header"])
         return node_output(NODE_NAME, f"{saved}\n{layers}", full)
 

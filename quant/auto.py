@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import FLOAT_DTYPES
+from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..hardware import cuda_capability
 from . import fp8, int8_convrot
 from .kernel_select import _time_ms
 from .linear import quantized_layer
@@ -36,7 +37,7 @@ DEFAULT_ROWS = 8192
 def preferred_formats(device: torch.device) -> tuple[str, ...]:
     if device.type != "cuda":
         return (int8_convrot.CONVROT,)  # no fast format on CPU; INT8 still halves memory
-    capability = torch.cuda.get_device_capability(device)
+    capability = cuda_capability(device)
     for minimum, formats in PREFERENCE:
         if capability >= minimum:
             return formats
@@ -68,18 +69,19 @@ _MEASURED: dict[tuple, tuple[str | None, str]] = {}
 class AutoSelector:
     """A Selector (quant/selector.py): picks a method per layer shape; `select` returns (method or None, reason).
 
-    `time_ms(fn)` times one call of `fn` (CUDA events by default; tests pass a clock).
+    It measures on CUDA only; `time_ms(fn)` times one call of `fn` with CUDA events.
     """
 
-    def __init__(self, device: torch.device, group_size: int = 256, measure: bool | None = None,
-                 time_ms: Callable[[Callable[[], object]], float] | None = None):
+    def __init__(self, device: torch.device, group_size: int = 256):
         self.device = device
         self.group_size = group_size
         self.order = preferred_formats(device)
         self.methods: dict[str, LinearMethod] = {fmt: get_method(fmt, group_size=group_size) for fmt in self.order}
-        self.measure = device.type == "cuda" if measure is None else measure
+        self.measure = device.type == "cuda"
         self.rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
-        self.time_ms = time_ms or (lambda fn: _time_ms(fn, iters=5))
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        return _time_ms(fn, iters=5)
 
     def select(self, in_features: int, out_features: int, dtype: torch.dtype) -> tuple[LinearMethod | None, str]:
         usable = tuple(f for f in self.order if self.methods[f].skip_reason(in_features, out_features) is None)
@@ -95,7 +97,7 @@ class AutoSelector:
 
     def _decide(self, k: int, n: int, dtype: torch.dtype, formats: tuple[str, ...]) -> tuple[str | None, str]:
         times = self._time(k, n, dtype, formats)
-        best, plain = min(times, key=times.get), _name(dtype)
+        best, plain = min(times, key=times.get), dtype_name(dtype)
         if best == plain:
             return None, f"auto: {plain} fastest at {k}->{n} ({_fmt(times)})"
         return best, f"auto: {best} at {plain} ({_fmt(times)})"
@@ -107,7 +109,7 @@ class AutoSelector:
         with torch.no_grad():
             linear.weight.normal_(0, k ** -0.5, generator=gen)
         x = torch.randn(self.rows, k, device=self.device, dtype=dtype, generator=gen)
-        times = {_name(dtype): self.time_ms(lambda: F.linear(x, linear.weight))}
+        times = {dtype_name(dtype): self.time_ms(lambda: F.linear(x, linear.weight))}
         for fmt in formats:
             layer = quantized_layer(self.methods[fmt], linear.weight.detach(), k, n, None, dtype,
                                     self.device, self.device)
@@ -122,8 +124,6 @@ def _auto(group_size: int = 256, device=None, **_) -> AutoSelector:
     return AutoSelector(torch.device(device) if device is not None else default_device(), group_size=group_size)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _fmt(times: dict[str, float]) -> str:

@@ -67,11 +67,3 @@ def fp8_quantize_rows(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max
     return call(x, swiglu, inv_fp8_max, fp8_max, min_scale)
 
 
-def cuda_capability(device) -> tuple[int, int]:
-    """A CUDA device's compute capability, also while torch.compile traces.
-
-    Dynamo folds `get_device_properties` into a constant but would put
-    `get_device_capability` (a Python function returning a tuple) into the graph.
-    """
-    props = torch.cuda.get_device_properties(device)
-    return props.major, props.minor

@@ -13,8 +13,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..dtypes import FLOAT_DTYPES
+from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..pack_logging import pack_logger
+from ..units import format_gib
 from . import fp8, int8_convrot
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear, quantized_layer
@@ -83,9 +84,9 @@ def _is_quantized_weight(weight: torch.Tensor) -> bool:
 def _format_of(weight: torch.Tensor) -> str:
     """The format name of a weight someone else quantized."""
     if not is_quantized_tensor(weight):
-        return str(weight.dtype).replace("torch.", "")
+        return dtype_name(weight.dtype)
     if layout_name(weight).startswith("TensorCoreFP8"):
-        return str(storage_dtype(weight)).replace("torch.", "")
+        return dtype_name(storage_dtype(weight))
     if layout_name(weight) == int8_convrot.LAYOUT:
         return int8_convrot.format_of_params(layout_params(weight))
     return layout_name(weight)
@@ -200,12 +201,24 @@ def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_feature
     return method, reason or method.describe()
 
 
+def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
+           dominant: torch.dtype, compute_dtype: torch.dtype | None = None) -> tuple[LinearMethod | None, str]:
+    """The one decision for a Linear from its name, weight dtype and shape (and the dtype it will compute in,
+    the stored one by default): kept on purpose (`config.keep`), already quantized, or `choose_method`'s.
+    plan_layers (a model's modules) and loading (a file's header, then the tensor ComfyUI hands over) call it."""
+    if name in config.keep:
+        return None, config.keep[name]
+    if dtype not in FLOAT_DTYPES:
+        return None, f"already quantized ({dtype_name(dtype)})"
+    return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
+
+
 def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
     """Decide, for every weight-bearing module, a method or a reason to keep it."""
     dominant = _dominant_dtype(model, config.overrides)
     plans = []
     for name, module in iter_weight_modules(model, config.overrides):
-        if name in config.keep:
+        if name in config.keep:  # before the module checks: a kept module of any kind is recorded as kept
             plans.append(LayerPlan(name, module, None, config.keep[name], linear=_linear_like(module)))
             continue
         fmt = fp8_format(module)
@@ -223,7 +236,7 @@ def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
         if _is_quantized_weight(weight):
             plans.append(LayerPlan(name, module, None, "already quantized", existing_format=_format_of(weight)))
             continue
-        method, reason = choose_method(config, name, weight.dtype, module.in_features, module.out_features, dominant)
+        method, reason = decide(config, name, weight.dtype, module.in_features, module.out_features, dominant)
         plans.append(LayerPlan(name, module, method, reason))
     return plans
 
@@ -288,8 +301,8 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
         if progress is not None:
             progress(done, len(todo))
     report.notes.extend(_fp8_notes(plans, config))
-    log.info("%s: %s, %.3f -> %.3f GiB", title, report.summary_line(),
-             report.bytes_before() / 1024 ** 3, report.bytes_after() / 1024 ** 3)
+    log.info("%s: %s, %s -> %s", title, report.summary_line(),
+             format_gib(report.bytes_before(), ".3f"), format_gib(report.bytes_after(), ".3f"))
     return replacements, report
 
 

@@ -9,12 +9,12 @@ Every path quantizes rows by one formula (`quantize_rows`), bit for bit.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from ..dtypes import HALF_DTYPES
+from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
 from . import compiled_ops
 from .descriptor import PER_ROW, Contract, QuantFormat
@@ -109,13 +109,8 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
     return quantize_rows(x, input_act)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return compiled_ops.cuda_capability(device)
-
-
 def native_fp8_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and _capability(device) >= (8, 9)
+    return cuda_at_least(device, (8, 9))
 
 
 class Fp8Method(LinearMethod):

@@ -50,14 +50,10 @@ if triton is not None:
         tl.store(scale_ptr + row, scale)
 
 
-def quantize_rows(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max: float, min_scale: float,
-                  out_dtype: torch.dtype = torch.float8_e4m3fn):
-    """(fp8 [M, width], fp32 [M, 1]) for a 2-D CUDA activation; width halves with SwiGLU.
-
-    `out_dtype` float32 returns the scaled, clamped values before the final cast.
-    """
+def quantize_rows(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max: float, min_scale: float):
+    """(fp8 [M, width], fp32 [M, 1]) for a 2-D CUDA activation; width halves with SwiGLU."""
     rows, width = x.shape[0], x.shape[1] // (2 if swiglu else 1)
-    q = torch.empty(rows, width, device=x.device, dtype=out_dtype)
+    q = torch.empty(rows, width, device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(width)
     _quantize_rows_kernel[(rows,)](x, q, scale, width, x.stride(0), q.stride(0), inv_fp8_max=inv_fp8_max,

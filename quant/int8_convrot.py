@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..hardware import cuda_at_least
 from . import compiled_ops
 from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
 from .kernel_select import KernelChooser, rows_bucket
@@ -145,10 +146,6 @@ def _int8_marker(convrot: bool, group_size: int) -> dict:
     return {"format": TENSORWISE}
 
 
-def _cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= capability
-
-
 @register_format
 class Int8ConvRotFormat(QuantFormat):
     """Online INT8 ConvRot; saved as int8_tensorwise markers with the rotation's flags."""
@@ -161,7 +158,7 @@ class Int8ConvRotFormat(QuantFormat):
         return Int8ConvRotMethod(group_size=group_size, row_split=row_split)
 
     def native(self, device: torch.device) -> bool:
-        return _cuda_at_least(device, (7, 5))  # comfy-kitchen's INT8 GEMM; CPU runs its eager reference
+        return cuda_at_least(device, (7, 5))  # comfy-kitchen's INT8 GEMM; CPU runs its eager reference
 
     def variants(self) -> tuple[dict, ...]:
         return tuple({"group_size": g} for g in sorted(GROUP_SIZES, reverse=True))  # largest group that fits
@@ -190,7 +187,7 @@ class Int8TensorwiseFormat(QuantFormat):
         return Int8ConvRotMethod(group_size=convrot_groupsize, convrot=convrot)
 
     def native(self, device: torch.device) -> bool:
-        return _cuda_at_least(device, (7, 5))
+        return cuda_at_least(device, (7, 5))
 
     def marker_meaning(self, marker: dict) -> dict:
         meaning = super().marker_meaning(marker)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..hardware import cuda_capability
 from .linear_method import LinearMethod, output_dtype
 
 
@@ -24,8 +25,8 @@ class KitchenLayoutMethod(LinearMethod):
         return get_layout_class(self.layout)
 
     def native_supported(self, device: torch.device) -> bool:
-        return (device.type == "cuda"
-                and torch.cuda.get_device_capability(device) >= self.layout_class().MIN_SM_VERSION)
+        capability = cuda_capability(device)  # first, so CPU never imports comfy-kitchen here
+        return capability is not None and capability >= self.layout_class().MIN_SM_VERSION
 
     def missing(self) -> str | None:
         from importlib.metadata import version

@@ -209,7 +209,7 @@ class QuantLinear(nn.Module):
         (unpatch_model, partially_unload): the scales it replaced come back with it.
 
         An assignment, not a comparison with the patched tensor: the pack's
-        streaming (loaders/offload/streaming.py) swaps a streamed layer's tensors for
+        streaming (offload/streaming.py) swaps a streamed layer's tensors for
         device copies in `_parameters` for the duration of a block.
         """
         unpatched = self.__dict__.get("_unpatched")

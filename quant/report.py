@@ -3,11 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GIB = 1024 ** 3
-
-
-def format_gib(n_bytes: int) -> str:
-    return f"{n_bytes / GIB:.4g} GiB"
+from ..units import GIB, format_gib
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,8 @@ class QuantReport:
 
     def weights_line(self) -> str:
         before, after = self.bytes_before(), self.bytes_after()
-        return f"weights: {format_gib(before)} -> {format_gib(after)} (saved {format_gib(before - after)})"
+        return (f"weights: {format_gib(before, '.4g')} -> {format_gib(after, '.4g')} "
+                f"(saved {format_gib(before - after, '.4g')})")
 
     def brief(self) -> list[str]:
         """The report in two lines for the node: the formats; the memory saved, the layers kept and the

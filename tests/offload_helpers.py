@@ -1,11 +1,12 @@
 """Helpers of the offload tests and the offload benchmark (tests/bench/offload.py)."""
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
-from bigdit.loaders.offload.plan import MemoryPlan, RunShape
-from bigdit.loaders.offload.streaming import HostPins, block_tensors
+from bigdit.offload.plan import MemoryPlan, RunShape
+from bigdit.offload.streaming import HostPins, LayerwiseStreamer, block_tensors
 from bigdit.quant.kitchen_api import storage
 
 
@@ -35,3 +36,30 @@ def move_blocks_to_host(blocks: Sequence[nn.Module], indices: Iterable[int], pin
             if pins is not None:
                 pins.pin(tensor.data)
     return moved
+
+
+@dataclass
+class TracingStreamer(LayerwiseStreamer):
+    """A LayerwiseStreamer whose `trace` records ("issue" | "enter" | "swap_in" | "release", block index) in order."""
+    trace: list = field(default_factory=list)
+
+    def _issue(self, i, prefetched):
+        staged = super()._issue(i, prefetched)
+        self.trace.append(("issue", i))
+        return staged
+
+    @torch.compiler.disable
+    def _enter(self, j):
+        self.trace.append(("enter", j))
+        self._entering = j
+        super()._enter(j)
+
+    def _prefetch(self, i):
+        j, self._entering = getattr(self, "_entering", None), None
+        if j is not None and j in self._entries:  # _enter calls _prefetch right after its swap
+            self.trace.append(("swap_in", j))
+        super()._prefetch(i)
+
+    def _release(self, i):
+        super()._release(i)
+        self.trace.append(("release", i))

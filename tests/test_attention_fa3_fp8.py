@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fp8_qkv_reference as reference
 from bench.attention_inputs import cosine, random_qkv, relative_error, structured_qkv
 from bigdit.attention import Router, base, fp8_qkv, registry
 from bigdit.attention.fa3_fp8 import FA3Fp8
@@ -37,8 +38,8 @@ def bshd(*ts):
 
 def emulated(q, k, v, *, smooth_k=True):
     """FP8 attention as FA3 computes it, up to its own rounding of the probabilities (BHSD, fp32)."""
-    x = fp8_qkv.reference_quantize(q, k, v, "BHSD", fp8_qkv.reference_stats(q, k, v, "BHSD", smooth_k=smooth_k))
-    qd, kd, vd = (fp8_qkv.dequantize(t, x.descale[i]).transpose(1, 2) for i, t in enumerate((x.q, x.k, x.v)))
+    x = reference.reference_quantize(q, k, v, "BHSD", reference.reference_stats(q, k, v, "BHSD", smooth_k=smooth_k))
+    qd, kd, vd = (reference.dequantize(t, x.descale[i]).transpose(1, 2) for i, t in enumerate((x.q, x.k, x.v)))
     return F.scaled_dot_product_attention(qd, kd, vd)
 
 
@@ -52,8 +53,8 @@ def test_reference_scales_and_rounding():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 50, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     v[1, 2] = 0  # an all-zero head takes the minimum scale
-    st = fp8_qkv.reference_stats(q, k, v, "BHSD")
-    x = fp8_qkv.reference_quantize(q, k, v, "BHSD", st)
+    st = reference.reference_stats(q, k, v, "BHSD")
+    x = reference.reference_quantize(q, k, v, "BHSD", st)
     assert x.q.dtype == FP8 and x.q.shape == (2, 50, 3, 64) and x.q.is_contiguous()
     assert x.descale.shape == (3, 2, 3) and x.descale.dtype == torch.float32
     torch.testing.assert_close(st.k_mean, k.float().mean(dim=2), rtol=0, atol=0)
@@ -63,7 +64,7 @@ def test_reference_scales_and_rounding():
         expected = torch.where(amax > 0, amax * fp8_qkv.INV_FP8_MAX, torch.tensor(fp8_qkv.MIN_SCALE))
         assert torch.equal(x.descale[i], expected)
         out = (x.q, x.k, x.v)[i]
-        back = fp8_qkv.dequantize(out, x.descale[i]).transpose(1, 2)
+        back = reference.dequantize(out, x.descale[i]).transpose(1, 2)
         # E4M3: half an ulp is 2^-4 relative in the normal range, 2^-10 of the scale among subnormals
         bound = src.abs() * 2.0 ** -4 + x.descale[i][:, :, None, None] * 2.0 ** -10
         assert ((back - src).abs() <= bound).all()
@@ -75,9 +76,9 @@ def test_reference_scales_and_rounding():
 
 def test_reference_reads_either_layout_and_writes_bshd():
     q, k, v = random_qkv(1, 2, 70, 128, seed=1)
-    a = fp8_qkv.reference_quantize(q, k, v, "BHSD", fp8_qkv.reference_stats(q, k, v, "BHSD"))
+    a = reference.reference_quantize(q, k, v, "BHSD", reference.reference_stats(q, k, v, "BHSD"))
     qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # a real BSHD tensor
-    b = fp8_qkv.reference_quantize(qs, ks, vs, "BSHD", fp8_qkv.reference_stats(qs, ks, vs, "BSHD"))
+    b = reference.reference_quantize(qs, ks, vs, "BSHD", reference.reference_stats(qs, ks, vs, "BSHD"))
     for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
     assert torch.equal(a.descale, b.descale)
@@ -150,6 +151,8 @@ INTERPRETED = textwrap.dedent("""
     import sys, types, torch
     pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
     from bigdit.attention import fp8_qkv as f
+    sys.path.insert(0, sys.argv[1] + "/tests")
+    import fp8_qkv_reference as reference
     g = torch.Generator().manual_seed(0)
     # (layout, batch, heads, q tokens, k/v tokens, head dim): two statistics chunks; cross-attention
     # with an odd head dim in (B, S, H, D)
@@ -161,13 +164,13 @@ INTERPRETED = textwrap.dedent("""
         if layout == "BSHD":
             v[1] = 0
         st = f.stats(q, k, v, layout)
-        ref = f.reference_stats(q, k, v, layout)
+        ref = reference.reference_stats(q, k, v, layout)
         torch.testing.assert_close(st.k_mean, ref.k_mean, rtol=1e-5, atol=1e-6)  # summation order
-        assert torch.equal(st.amax, f.reference_stats(q, k, v, layout, k_mean=st.k_mean).amax)
+        assert torch.equal(st.amax, reference.reference_stats(q, k, v, layout, k_mean=st.k_mean).amax)
         # float32 output: the values just before the FP8 cast (the interpreter's float8 cast is
         # numpy's, not the GPU's; the GPU test checks the cast bit for bit)
         got = f.quantize(q, k, v, layout, st, out_dtype=torch.float32)
-        want = f.reference_quantize(q, k, v, layout, st, out_dtype=torch.float32)
+        want = reference.reference_quantize(q, k, v, layout, st, out_dtype=torch.float32)
         for x, y in ((got.q, want.q), (got.k, want.k), (got.v, want.v)):
             assert x.shape == y.shape and torch.equal(x, y)
         assert torch.equal(got.descale, want.descale)
@@ -193,12 +196,12 @@ def test_kernels_match_the_reference_bit_for_bit(layout, dtype):
     if layout == "BSHD":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     st = fp8_qkv.stats(q, k, v, layout)
-    ref = fp8_qkv.reference_stats(*(t.cpu() for t in (q, k, v)), layout)
+    ref = reference.reference_stats(*(t.cpu() for t in (q, k, v)), layout)
     torch.testing.assert_close(st.k_mean.cpu(), ref.k_mean, rtol=1e-5, atol=1e-6)  # summation order
-    same_mean = fp8_qkv.reference_stats(*(t.cpu() for t in (q, k, v)), layout, k_mean=st.k_mean.cpu())
+    same_mean = reference.reference_stats(*(t.cpu() for t in (q, k, v)), layout, k_mean=st.k_mean.cpu())
     assert torch.equal(st.amax.cpu(), same_mean.amax)
     got = fp8_qkv.quantize_qkv(q, k, v, layout)
-    want = fp8_qkv.reference_quantize(*(t.cpu() for t in (q, k, v)), layout, same_mean)
+    want = reference.reference_quantize(*(t.cpu() for t in (q, k, v)), layout, same_mean)
     for x, y in ((got.q, want.q), (got.k, want.k), (got.v, want.v)):
         assert x.dtype == FP8 and torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8))
     assert torch.equal(got.descale.cpu(), want.descale)

@@ -15,10 +15,11 @@ from torch import nn
 from bigdit.attention import Constraints, Router, auto as attention_auto, install, registry
 from bigdit.attention.base import Backend, Impl
 from bigdit.attention.kernels import Sdpa
-from bigdit.loaders.offload.streaming import LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
+from bigdit.hardware import cuda_capability
 from bigdit.quant import compiled_ops
 from bigdit.quant.registry import get_method
+from offload_helpers import TracingStreamer
 
 # every format that quantizes a bf16 layer on CPU
 FORMATS = ["int8_convrot", "int8_tensorwise", "float8_e4m3fn", "quanto_qint8", "nvfp4", "mxfp8", "mxfp4"]
@@ -178,7 +179,7 @@ def test_streamer_hooks_run_eagerly_and_blocks_compile():
     with torch.no_grad():
         eager = model(x)
         trace = []
-        with LayerwiseStreamer(model.blocks, "cpu", [1, 2, 3], trace=trace) as streamer:
+        with TracingStreamer(model.blocks, "cpu", [1, 2, 3], trace=trace) as streamer:
             counters = compile_counters()
             compiled = torch.compile(model, backend="aot_eager")
             outs = [compiled(x) for _ in range(2)]
@@ -218,7 +219,7 @@ def test_fullgraph_inductor_quantized_layer_on_cuda(fmt, act):
     assert out.shape == eager.shape and out.dtype == eager.dtype
     # the quantized GEMM is the same kernel; inductor may fuse what surrounds it (bias, casts) differently
     assert rel(out, eager) < 1e-2
-    assert compiled_ops.cuda_capability(x.device) == torch.cuda.get_device_capability()
+    assert cuda_capability(x.device) == torch.cuda.get_device_capability()
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""loaders/options.py: the nodes' option values and old spellings, prefix rules, the online config, progress."""
+"""nodes/options.py: the nodes' option values and old spellings, prefix rules, the online config, progress."""
 import logging
 
 import pytest
@@ -6,13 +6,13 @@ import torch
 from safetensors.torch import save_file
 
 from bigdit.loaders import inspect_checkpoint
-from bigdit.loaders.options import (OFFLOAD_MODES, QUANTIZATIONS, online_config, online_method, parse_prefix_rules,
+from bigdit.nodes.options import (OFFLOAD_MODES, QUANTIZATIONS, online_config, online_method, parse_prefix_rules,
                                     progress_total)
 from bigdit.quant.keep import keep_patterns
 
 
 def test_old_spellings_read_as_todays_and_are_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="bigdit.loaders.options"):
+    with caplog.at_level(logging.INFO, logger="bigdit.nodes.options"):
         assert QUANTIZATIONS.read("fp8_e4m3fn", "LoadH3Quantized") == "float8_e4m3fn"
         assert OFFLOAD_MODES.read("layerwise") == "auto"
         assert QUANTIZATIONS.read("mxfp4", "LoadH3Quantized") == "mxfp4"
@@ -51,5 +51,5 @@ def test_online_config_keeps_the_architecture_layers_then_the_users(tmp_path):
                            "blocks.*")
     assert config.ignored == ("head.*", "time_projection.*", "blocks.*")
     assert config.ignored == keep_patterns(["head.head", "time_projection.1"], "blocks.*")
-    with pytest.raises(ValueError, match="quantization 'int4' is not available in this build yet"):
+    with pytest.raises(ValueError, match="unknown quantization method 'int4'; valid: .*int8_convrot"):
         online_method("int4", 64, torch.device("cpu"))

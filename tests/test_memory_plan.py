@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.loaders.offload.plan import (GIB, MIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
+from bigdit.offload.plan import (GIB, MIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
                                          latent_tokens, max_resident_tokens, module_bytes, plan_for_model,
                                          plan_placement, spread, tensor_bytes)
 from bigdit.quant import QuantLinear
@@ -213,7 +213,7 @@ def test_max_resident_tokens():
 
 
 def test_run_shape_adds_the_streams_of_an_audio_video_latent():
-    from bigdit.loaders.offload.budget import ModelView
+    from bigdit.offload.budget import ModelView
     model = Model()
     model.patch_size = (1, 2, 2)
     view = ModelView(model, {}, torch.bfloat16)
@@ -226,7 +226,7 @@ def test_run_shape_adds_the_streams_of_an_audio_video_latent():
 
 
 def test_paged_run_line_reports_what_the_host_copied_per_model_call():
-    from bigdit.loaders.offload.budget import paged_run_line
+    from bigdit.offload.budget import paged_run_line
     plan = plan_placement([100] * 4, 10, 0, capacity_bytes=400, reserve_bytes=0, workspace_bytes=0)
     # 6 model calls; 30 of 40 layer calls copied 3 GiB in all: 0.5 GiB per model call
     line = paged_run_line(plan, model_calls=6, paged_calls=40, copied_calls=30, copied_bytes=3 * GIB,

@@ -108,7 +108,7 @@ def test_registry_archive_holds_the_pack_and_no_tests():
     for kept in ("__init__.py", "dtypes.py", "pack_logging.py", "pyproject.toml", "requirements.txt", "LICENSE", "README.md",
                  "web/js/bigdit_report.js", "web/icon.png"):
         assert kept in files, kept
-    for package in ("nodes", "quant", "loaders", "attention"):
+    for package in ("nodes", "quant", "loaders", "offload", "attention"):
         modules = {str(p.relative_to(PACK_ROOT)) for p in (PACK_ROOT / package).glob("*.py")}
         assert modules and modules <= files, package
     assert {f"web/docs/{p.name}" for p in (PACK_ROOT / "web" / "docs").glob("*.md")} <= files

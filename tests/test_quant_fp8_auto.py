@@ -9,6 +9,15 @@ from bigdit.quant.fp8 import FP8, Fp8Method, quantize_rows
 from bigdit.quant.linear import quantized_layer
 
 
+
+def auto_selector(device, *, time_ms, measure=None):
+    """An AutoSelector timed by `time_ms` (a test clock); `measure` True measures on CPU too."""
+    selector = AutoSelector(device)
+    selector.time_ms = time_ms
+    if measure is not None:
+        selector.measure = measure
+    return selector
+
 def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -73,7 +82,7 @@ def test_fp8_skips_shapes_cublas_cannot_take():
 
 def test_auto_on_cpu_uses_table_without_timing():
     clock = ScriptedClock()
-    selector = AutoSelector(torch.device("cpu"), time_ms=clock)
+    selector = auto_selector(torch.device("cpu"), time_ms=clock)
     assert preferred_formats(torch.device("cpu")) == ("int8_convrot",)
     method, why = selector.select(256, 128, torch.bfloat16)
     assert method.name == "int8_convrot" and "table" in why
@@ -111,16 +120,16 @@ def test_auto_measures_once_and_keeps_bf16_where_nothing_is_faster(monkeypatch):
     monkeypatch.setattr(auto, "_MEASURED", {})
     monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
     fast = ScriptedClock(2.0, 1.0)
-    selector = AutoSelector(torch.device("cpu"), measure=True, time_ms=fast)
+    selector = auto_selector(torch.device("cpu"), measure=True, time_ms=fast)
     method, why = selector.select(256, 128, torch.bfloat16)
     assert method.name == "int8_convrot"
     assert why == "auto: int8_convrot at bfloat16 (bfloat16 2.000 ms, int8_convrot 1.000 ms)"
     assert fast.calls == 2
     # a second selector (another load) reuses the measurement
-    again = AutoSelector(torch.device("cpu"), measure=True, time_ms=fast)
+    again = auto_selector(torch.device("cpu"), measure=True, time_ms=fast)
     assert again.select(256, 128, torch.bfloat16)[0].name == "int8_convrot" and fast.calls == 2
     slow = ScriptedClock(1.0, 3.0)
-    method, why = AutoSelector(torch.device("cpu"), measure=True, time_ms=slow).select(512, 128, torch.bfloat16)
+    method, why = auto_selector(torch.device("cpu"), measure=True, time_ms=slow).select(512, 128, torch.bfloat16)
     assert method is None and why.startswith("auto: bfloat16 fastest at 512->128")
 
 
@@ -139,7 +148,7 @@ def test_auto_measures_in_the_dtype_the_layer_computes_in(monkeypatch):
 
     monkeypatch.setattr(auto, "quantized_layer", observed_layer)
     clock = ScriptedClock(2.0, 1.0, 1.0, 3.0)
-    selector = AutoSelector(torch.device("cpu"), measure=True, time_ms=clock)
+    selector = auto_selector(torch.device("cpu"), measure=True, time_ms=clock)
     method, why = selector.select(256, 128, torch.float16)
     assert method.name == "int8_convrot"
     assert why == "auto: int8_convrot at float16 (float16 2.000 ms, int8_convrot 1.000 ms)"
@@ -160,7 +169,7 @@ def test_auto_through_the_dispatcher_measures_in_the_models_dtype(monkeypatch):
     monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
     clock = ScriptedClock(2.0, 1.0)
     model = nn.Sequential(nn.Linear(256, 256)).to(torch.float16)
-    replacements, report = quantize_layers(model, QuantConfig(method=AutoSelector(torch.device("cpu"), measure=True,
+    replacements, report = quantize_layers(model, QuantConfig(method=auto_selector(torch.device("cpu"), measure=True,
                                                                                    time_ms=clock)))
     assert replacements["0"].compute_dtype == torch.float16 and clock.dtypes == [torch.float16, torch.float16]
     assert report.records[0].reason.startswith("auto: int8_convrot at float16 (float16 2.000 ms")

@@ -1,5 +1,5 @@
 """The short reports a node shows (1-3 lines) against the full ones, and a plan before any run."""
-from bigdit.loaders.offload.plan import plan_placement
+from bigdit.offload.plan import plan_placement
 from bigdit.quant.report import GIB, LayerRecord, QuantReport
 from offload_helpers import h3_shape
 

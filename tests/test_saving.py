@@ -18,7 +18,7 @@ from torch import nn
 from test_checkpoint_loaders import LINEARS, WanShaped, build, layer_input, plain_state_dict
 
 from bigdit.loaders import inspect_checkpoint
-from bigdit.loaders.saving import SaveError, pack_version, plan_save
+from bigdit.loaders.saving import SaveError, pack_version, save_contents
 from bigdit.loaders.safetensors_writer import write_safetensors
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method, quantize_layers
 
@@ -84,7 +84,7 @@ def kitchen_model(model):
 
 
 def save(model, path):
-    plan = plan_save(model.named_modules())
+    plan = save_contents(model.named_modules())
     write_safetensors(path, plan.tensors, plan.metadata("test"))
     return plan
 
@@ -178,7 +178,7 @@ def test_formats_without_a_marker_format_are_refused(tmp_path):
     model.head.head = QuantLinear(get_method("quanto_qint8"), 128, 64,
                                   get_method("quanto_qint8").quantize_weight(torch.randn(64, 128)), None, torch.float32)
     with pytest.raises(SaveError) as info:
-        plan_save(model.named_modules())
+        save_contents(model.named_modules())
     message = str(info.value)
     assert "MXFP4" in message and "nothing was written" in message
     assert info.value.layers == ("blocks.0.ffn.2", "head.head")
@@ -191,10 +191,10 @@ def test_a_lora_written_into_a_layer_is_refused_and_gone_once_removed():
     backup = layer.weight
     layer.set_weight(layer.convert_weight(torch.empty(0)) + 0.01)   # as ComfyUI writes a LoRA in
     with pytest.raises(SaveError, match="weight patch") as info:
-        plan_save(model.named_modules())
+        save_contents(model.named_modules())
     assert info.value.layers == ("blocks.0.self_attn.q",)
     layer.weight = backup                                            # as ComfyUI restores the weight
-    plan = plan_save(model.named_modules())
+    plan = save_contents(model.named_modules())
     saved = dict(plan.tensors)
     assert saved["blocks.0.self_attn.q.weight"] is original["weight"]
     assert saved["blocks.0.self_attn.q.weight_scale"] is original["weight_scale"]

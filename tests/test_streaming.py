@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.loaders.offload.plan import plan_placement
-from bigdit.loaders.offload.session import StreamSession
-from bigdit.loaders.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
+from bigdit.offload.plan import plan_placement
+from bigdit.offload.session import StreamSession
+from bigdit.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
 from bigdit.quant import QuantConfig, quantize_layers
 from bigdit.quant.dispatch import apply_replacements
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
-from offload_helpers import move_blocks_to_host, pinned_bytes
+from offload_helpers import TracingStreamer, move_blocks_to_host, pinned_bytes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,7 +90,7 @@ def test_streamed_block_computes_on_copies():
 def test_move_order_and_prefetch_pattern():
     model = Stack()
     trace = []
-    with LayerwiseStreamer(model.blocks, "cpu", streamed=[1, 2, 4], trace=trace):
+    with TracingStreamer(model.blocks, "cpu", streamed=[1, 2, 4], trace=trace):
         model(torch.randn(2, 64))
         first = list(trace)
         trace.clear()
@@ -117,7 +117,7 @@ def test_at_most_two_blocks_staged_and_every_copy_ahead(streamed):
     x = torch.randn(2, 64)
     ref = model(x)
     trace = []
-    with LayerwiseStreamer(model.blocks, "cpu", streamed=streamed, trace=trace) as streamer:
+    with TracingStreamer(model.blocks, "cpu", streamed=streamed, trace=trace) as streamer:
         for _ in range(2):
             assert torch.equal(model(x), ref)
     staged = set()
@@ -156,7 +156,7 @@ def test_quantized_blocks_stream_exactly():
     x = torch.randn(2, 7, 256)
     ref = model(x)
     trace = []
-    with LayerwiseStreamer(model.blocks, "cpu", streamed=[2, 3], trace=trace):
+    with TracingStreamer(model.blocks, "cpu", streamed=[2, 3], trace=trace):
         out = model(x)
     assert torch.equal(out, ref)
     assert ("swap_in", 2) in trace and ("swap_in", 3) in trace

@@ -41,9 +41,9 @@ from _pack import PACK_ROOT, default_out, environment, write_json
 sys.path.insert(0, str(PACK_ROOT / "tests"))  # for offload_helpers, shared with the offload tests
 from offload_helpers import all_resident, move_blocks_to_host, pinned_bytes  # noqa: E402
 
-from bigdit.loaders.offload.plan import (CUDA_WORKSPACE_BYTES, GIB, RunShape, activation_bytes, find_blocks,
+from bigdit.offload.plan import (CUDA_WORKSPACE_BYTES, GIB, RunShape, activation_bytes, find_blocks,
                                          module_bytes, plan_for_model)
-from bigdit.loaders.offload.streaming import HostPins, LayerwiseStreamer
+from bigdit.offload.streaming import HostPins, LayerwiseStreamer
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 

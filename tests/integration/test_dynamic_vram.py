@@ -42,14 +42,14 @@ out["cpu_device_class"] = type(Dynamic(plain.model, load_device=torch.device("cp
                                        offload_device=torch.device("cpu"))).__name__
 patcher = Dynamic(plain.model, load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
 out["class"], out["is_dynamic"] = type(patcher).__name__, patcher.is_dynamic()
-out["pack_sees_dynamic"] = offload.comfy_places_weights(patcher)
-out["plain_pack_sees_dynamic"] = offload.comfy_places_weights(plain)
+out["pack_sees_dynamic"] = comfy_compat.is_dynamic(patcher)
+out["plain_pack_sees_dynamic"] = comfy_compat.is_dynamic(plain)
 size_before = patcher.model_size()
 
 config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=torch.device("cpu"))
 quantized, report, layers = comfy_compat.quantize_on_clone(patcher, config, title="test")
 out["clone_class"], out["clone_is_dynamic"] = type(quantized).__name__, quantized.is_dynamic()
-out["clone_pack_sees_dynamic"] = offload.comfy_places_weights(quantized)
+out["clone_pack_sees_dynamic"] = comfy_compat.is_dynamic(quantized)
 out["layers"] = len(layers)
 out["input_size_kept"] = patcher.model_size() == size_before
 # the bytes the clone really holds: ComfyUI's measure of the model, each replaced layer's bytes

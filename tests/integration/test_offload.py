@@ -131,7 +131,7 @@ import torch
 import comfy.model_management
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
 from bigdit.nodes import offload
-from bigdit.loaders.offload.streaming import HostPins
+from bigdit.offload.streaming import HostPins
 functions = offload.host_pin_functions()
 pins = HostPins(**functions)
 weight = torch.nn.Parameter(torch.zeros(2 ** 18), requires_grad=False)  # 1 MiB, as the streamer pins

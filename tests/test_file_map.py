@@ -1,4 +1,4 @@
-"""loaders/mapping.release_file: a model that keeps few of its file's tensors as they are (a loader with
+"""loaders/file_map.release_file_map: a model that keeps few of its file's tensors as they are (a loader with
 assign=True, as upstream's dynamic VRAM loads) gets them copied, and the file's map goes away."""
 import gc
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from bigdit.loaders import inspect_checkpoint
-from bigdit.loaders.mapping import release_file
+from bigdit.loaders.file_map import release_file_map
 
 
 def mapped(path) -> bool:
@@ -43,7 +43,7 @@ def test_a_model_that_keeps_little_of_its_file_lets_the_map_go(tmp_path):
     module, sd = load(path, keep_big=False)
     gc.collect()
     assert mapped(path)  # the norm's tensors hold the whole file's map
-    copied = release_file(module, sd.values(), path.stat().st_size)
+    copied = release_file_map(module, sd.values(), path.stat().st_size)
     assert copied == 2 * 64 * 4
     del sd
     gc.collect()
@@ -56,7 +56,7 @@ def test_a_model_that_keeps_little_of_its_file_lets_the_map_go(tmp_path):
 def test_a_model_that_is_its_file_stays_mapped(tmp_path):
     path, tensors = write(tmp_path)
     module, sd = load(path, keep_big=True)
-    assert release_file(module, sd.values(), path.stat().st_size) == 0
+    assert release_file_map(module, sd.values(), path.stat().st_size) == 0
     del sd
     gc.collect()
     assert mapped(path) and torch.equal(module.big.weight, tensors["big.weight"])
@@ -69,4 +69,4 @@ def test_tensors_outside_the_file_are_left_alone(tmp_path):
         sd = {"weight": source("norm.weight"), "bias": source("norm.bias")}
         module.load_state_dict(sd)
     before = module.weight.data_ptr()
-    assert release_file(module, sd.values(), path.stat().st_size) == 0 and module.weight.data_ptr() == before
+    assert release_file_map(module, sd.values(), path.stat().st_size) == 0 and module.weight.data_ptr() == before

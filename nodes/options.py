@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..pack_logging import pack_logger
-from ..quant import QuantConfig, available_methods, get_method
+from ..quant import QuantConfig, get_method
 from ..quant.keep import keep_patterns
 from ..quant.linear_method import LinearMethod
 from ..quant.registry import format_aliases, online_formats
-from .checkpoint import CheckpointPlan
+from ..loaders.checkpoint import CheckpointPlan
 
 log = pack_logger(__name__)
 
@@ -59,11 +59,8 @@ QUANTIZATIONS = Choices("quantization", ("auto", *online_formats(), "none"), for
 
 
 def online_method(name: str, group_size: int, device, **options):
-    """The registered method for a quantizing node's choice, or a clear error if this build or its
-    comfy-kitchen lacks it."""
-    if name not in available_methods():
-        raise ValueError(f"quantization {name!r} is not available in this build yet "
-                         f"(available: {', '.join(available_methods())})")
+    """The registered method for a quantizing node's choice (get_method names the valid ones for any other),
+    or a clear error if its comfy-kitchen lacks what it needs."""
     method = get_method(name, group_size=group_size, device=device, **options)
     lacking = method.missing() if isinstance(method, LinearMethod) else None
     if lacking is not None:

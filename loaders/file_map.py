@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 
-def release_file(module: nn.Module, file_tensors: Iterable[torch.Tensor], file_bytes: int) -> int:
+def release_file_map(module: nn.Module, file_tensors: Iterable[torch.Tensor], file_bytes: int) -> int:
     """Copy the parameters and buffers of `module` that lie in `file_tensors` (the tensors a TensorSource
     handed out) into process memory, if they are less than half of `file_bytes`; returns the bytes copied."""
     storages = (t.untyped_storage() for t in file_tensors if t.device.type == "cpu")

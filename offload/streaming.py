@@ -23,8 +23,7 @@ forward's start; the planner keeps block 0 resident so there are some.
 
 On a CPU device the same hooks run and "copies" are real host-to-host copies
 ("CPU-to-CPU streaming"), so tests can check the order of moves and that
-outputs match exactly. A `trace` list records ("issue" | "enter" | "swap_in" |
-"release", block index) in order.
+outputs match exactly.
 """
 from __future__ import annotations
 
@@ -34,8 +33,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ...pack_logging import pack_logger
-from ...quant.kitchen_api import is_quantized_tensor, storage
+from ..pack_logging import pack_logger
+from ..quant.kitchen_api import is_quantized_tensor, storage
 
 log = pack_logger(__name__)
 
@@ -194,7 +193,6 @@ class LayerwiseStreamer:
     streamed: Iterable[int]
     pins: HostPins | None = None
     stats: StreamStats = field(default_factory=StreamStats)
-    trace: list | None = None
 
     def __post_init__(self):
         self.blocks = list(self.blocks)
@@ -240,10 +238,6 @@ class LayerwiseStreamer:
         self._entries.clear()
 
     # -- the state machine -----------------------------------------------------
-    def _record(self, event: str, index: int) -> None:
-        if self.trace is not None:
-            self.trace.append((event, index))
-
     def _issue(self, i: int, prefetched: bool) -> _Staged:
         sources = [tensor for *_, tensor in self._entries[i]]
         done = None
@@ -266,14 +260,12 @@ class LayerwiseStreamer:
         staged = self._staged[i] = _Staged(targets, done, prefetched)
         self.stats.bytes_copied += sum(t.numel() * t.element_size() for t in sources)
         self.stats.max_on_device = max(self.stats.max_on_device, len(self._staged))
-        self._record("issue", i)
         return staged
 
     @torch.compiler.disable  # side-stream copies and parameter swaps run eagerly; the block compiles
     def _enter(self, j: int) -> None:
         if j == 0:
             self.stats.forwards += 1
-        self._record("enter", j)
         if j in self._entries:
             staged = self._staged.get(j) or self._issue(j, prefetched=False)
             if staged.done is not None:
@@ -285,7 +277,6 @@ class LayerwiseStreamer:
             staged.in_use = True
             self.stats.loads += 1
             self.stats.prefetched += staged.prefetched
-            self._record("swap_in", j)
         self._prefetch(self._next_streamed[j])
 
     @torch.compiler.disable
@@ -305,4 +296,3 @@ class LayerwiseStreamer:
         if staged.in_use:
             for module, kind, name, host in self._entries[i]:
                 getattr(module, kind)[name] = host
-        self._record("release", i)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...pack_logging import pack_logger
+from ..pack_logging import pack_logger
 from .plan import MemoryPlan, block_ranges, find_blocks
 from .streaming import HostPins, LayerwiseStreamer, PinFunction, offloaded_blocks
 

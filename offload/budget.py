@@ -1,7 +1,7 @@
 """The numbers and text around a memory plan, from plain values: modes, capacity, the estimate
 ComfyUI's budget asks for, and the report.
 
-Two modes (loaders/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
+Two modes (nodes/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
 nothing and fails when the model does not fit.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .plan import (BLOCK_LIST_NAMES, GIB, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
+from ..units import GIB
+from .plan import (BLOCK_LIST_NAMES, MemoryPlan, RunShape, activation_bytes, find_blocks, infer_shape,
                    latent_tokens, max_resident_tokens, module_bytes, plan_for_model, size_text)
 
 
@@ -150,3 +151,11 @@ def describe(mode: str, device: torch.device, plan: MemoryPlan, view: ModelView,
     lines.append(f"ComfyUI accounts {size_text(host_bytes)} for this model; the plan counts "
                  f"{size_text(module_bytes(view.diffusion, view.overrides))} in the diffusion model")
     return "\n".join(lines)
+
+
+def packed_parts(latent_shapes) -> Callable[[Sequence[int]], list[tuple[int, ...]]]:
+    """shape -> the latents it stands for. Upstream samples the streams of an audio-video model (H3) packed
+    into one [B, 1, N] latent and hands their shapes to OUTER_SAMPLE as `latent_shapes`."""
+    if not latent_shapes or len(latent_shapes) < 2:
+        return lambda shape: [tuple(shape)]
+    return lambda shape: [(int(shape[0]), *tuple(part)[1:]) for part in latent_shapes]

@@ -50,10 +50,9 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from ...quant.kitchen_api import tensor_bytes
+from ..quant.kitchen_api import tensor_bytes
+from ..units import GIB, MIB, format_gib
 
-GIB = 1024 ** 3
-MIB = 1024 ** 2
 # cuBLAS keeps a workspace per handle and stream, cuDNN attention a little more.
 CUDA_WORKSPACE_BYTES = 64 * MIB
 # Attributes that hold a DiT's block list, in execution order (Flux runs double then single blocks).
@@ -61,7 +60,7 @@ BLOCK_LIST_NAMES = ("blocks", "double_blocks", "single_blocks", "transformer_blo
 
 
 def size_text(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB / 10 else f"{n_bytes / MIB:.2f} MiB"
+    return format_gib(n_bytes) if n_bytes >= GIB / 10 else f"{n_bytes / MIB:.2f} MiB"
 
 
 # ---- weights ---------------------------------------------------------------

@@ -1,0 +1,30 @@
+"""What the core asks of a device: a CUDA device's compute capability, one definition for quant/, attention/
+and loaders/."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    # torch.compile folds get_device_properties into a constant; get_device_capability would enter the graph
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.minor
+
+
+def cuda_capability(device) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device (also while torch.compile traces), None for anything else."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else None)
+    return _capability(device.type, index)
+
+
+def cuda_at_least(device, minimum: tuple[int, int]) -> bool:
+    """Whether `device` is a CUDA device of compute capability `minimum` or later."""
+    capability = cuda_capability(device)
+    return capability is not None and capability >= minimum
