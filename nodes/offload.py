@@ -4,7 +4,6 @@ at least the plan's estimate and the blocks left in RAM stream one ahead, pinned
 from __future__ import annotations
 
 import importlib.util
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -14,8 +13,8 @@ import comfy.patcher_extension
 from comfy_api.latest import io
 
 from ..pack_logging import pack_logger
-from ..offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe, packed_parts,
-                              paged_run_line)
+from ..offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe,
+                              memory_estimate_at_least, packed_parts, paged_run_line)
 from ..offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
 from ..offload.session import StreamSession
 from ..offload.streaming import normalize_device
@@ -89,7 +88,7 @@ class _Offload:
                                                streams=self.mode != "none", **host_pin_functions())
         extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))
         try:
-            with _memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra, parts)):
+            with memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra, parts)):
                 return executor(noise, *args, **kwargs)
         finally:
             self.session = None
@@ -107,20 +106,6 @@ class _Offload:
         if self.session is not None:
             self.session.start(executor.class_obj)
         return executor(*args, **kwargs)
-
-
-@contextmanager
-def _memory_estimate_at_least(base_model, estimate):
-    """BaseModel.memory_required answers at least `estimate(input_shape)` inside the block."""
-    previous, comfy_estimate = vars(base_model).get("memory_required"), base_model.memory_required
-    base_model.memory_required = lambda shape, *args, **kwargs: max(comfy_estimate(shape, *args, **kwargs),
-                                                                     estimate(shape))
-    try:
-        yield
-    finally:
-        del base_model.memory_required
-        if previous is not None:
-            base_model.memory_required = previous
 
 
 def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, *,
