@@ -113,16 +113,20 @@ class LayerBuilder:
         """The module for Linear `name`, or None to keep the plain layer (its record is kept either way)."""
         home = torch.device("cpu") if home is None else torch.device(home)
         plain_bytes = (in_features + (bias is not None)) * out_features * compute_dtype.itemsize
+        file_bias = bias
         if bias is not None:
             bias = bias.to(device=home, dtype=compute_dtype, copy=True)
         if name in self.plan.layers:
             built = self._from_checkpoint(name, in_features, out_features, bias, compute_dtype, home, plain_bytes)
+            self.source.file_map.release(*(self.source(key) for key in self.plan.layers[name].tensors.values()))
         elif self.online is not None and weight is not None:
             built = self._online(name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes)
         else:
             why = "not quantized in the checkpoint" if weight is not None else "no weight in the checkpoint"
             self.report.records.append(LayerRecord(name, None, why, plain_bytes, plain_bytes))
             built = None
+        if built is not None:  # consumed: its pages of the file go back (a plain layer's go once loaded)
+            self.source.file_map.release(weight, file_bias)
         if self.progress is not None:
             self.progress()
         return built

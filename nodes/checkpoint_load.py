@@ -44,17 +44,20 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
                                title=title, progress=compat.progress_counter(progress_total(plan)))
         builder.resolve_methods()
         state_dict = plan.state_dict(source)
-        file_tensors = list(state_dict.values())  # ComfyUI pops the dict's entries as it loads them
         if clip_type is None:
             loaded = compat.load_diffusion_model(plan, builder, state_dict)
         else:
             loaded = compat.load_text_encoder(plan, builder, state_dict, clip_type,
                                               folder_paths.get_folder_paths("embeddings"))
+        del state_dict
         copied = release_file(loaded.model if clip_type is None else loaded.cond_stage_model,
-                              file_tensors, os.path.getsize(path))
-        del state_dict, file_tensors
+                              source.file_map, os.path.getsize(path))
+    gib = 1024 ** 3
+    if source.file_map.released_bytes:
+        builder.report.notes.append(f"gave back the file's pages as its tensors were consumed "
+                                    f"({source.file_map.released_bytes / gib:.2f} GiB)")
     if copied:
-        builder.report.notes.append(f"copied the {copied / 1024 ** 3:.2f} GiB of the file's tensors ComfyUI kept "
+        builder.report.notes.append(f"copied the {copied / gib:.2f} GiB of the file's tensors ComfyUI kept "
                                     "mapped, so the file's map is released")
     short, full = "\n".join(builder.report.brief()), builder.report.render()
     if clip_type is None:
