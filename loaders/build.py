@@ -29,6 +29,7 @@ from ..quant.report import LayerRecord, QuantReport
 from ..quant.selector import Selector
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
+from .host_memory import trim_heap
 from .safetensors_header import torch_dtype
 from .staging import PinnedStaging
 
@@ -189,6 +190,8 @@ class LayerBuilder:
         weight = self.staging.to_device(weight)
         built = quantized_layer(method, weight, in_features, out_features, bias, compute_dtype, self.device, home,
                                 self.staging.to_host if home.type == "cpu" else None)
+        if self.device.type == "cpu":
+            trim_heap()  # the layer's temporaries left holes between the quantized tensors that stay
         self._quantize_seconds += time.perf_counter() - start
         self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, parameter_bytes(built)))
         self._online_counts[reason] = self._online_counts.get(reason, 0) + 1

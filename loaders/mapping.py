@@ -9,7 +9,7 @@ pages of a tensor back once it was consumed (quantized, or copied into the
 model), with madvise(MADV_DONTNEED): the tensor stays valid, and reading it again
 faults its pages in from the file (the page cache keeps them, they are just no
 longer the process's). Only whole pages inside the tensor are given back, so a
-neighbour's pages are never touched.
+neighbour's pages are never touched (loaders/host_memory.py).
 
 A loader may also keep tensors that map the file as the model's own (upstream's
 dynamic VRAM loads with `assign=True`). The map then lives as long as one of them
@@ -18,30 +18,10 @@ process memory, giving back each one's pages, so the map can go.
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
-from typing import Callable
-
 import torch
 from torch import nn
 
-
-def _madvise() -> Callable[[int, int], bool] | None:
-    """madvise(address, length, MADV_DONTNEED) from the C library, where the platform has both (not Windows)."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return lambda address, length: call(address, length, advice) == 0
-
-
-_DONTNEED = _madvise()
-PAGE = mmap.PAGESIZE
+from .host_memory import release_pages
 
 
 class FileMap:
@@ -57,19 +37,13 @@ class FileMap:
         return tensor.device.type == "cpu" and self.start <= ptr and ptr + _nbytes(tensor) <= self.end
 
     def release(self, *tensors: torch.Tensor | None) -> None:
-        """Give back the pages of the file's map under each tensor (those in the map; others are left alone).
+        """Give back the pages of the map under each tensor (those in the map; others are left alone).
 
-        Call it only for a tensor nothing will write to (a consumed one): a private map's written page is
+        Only for a tensor nothing will write to (a consumed one): a written page of a private map is
         discarded, not kept."""
-        if _DONTNEED is None:
-            return
         for tensor in tensors:
-            if tensor is None or not tensor.is_contiguous() or not self.holds(tensor):
-                continue
-            ptr = tensor.data_ptr()
-            first, last = -(-ptr // PAGE) * PAGE, (ptr + _nbytes(tensor)) // PAGE * PAGE
-            if last > first and _DONTNEED(first, last - first):
-                self.released_bytes += last - first
+            if tensor is not None and tensor.is_contiguous() and self.holds(tensor):
+                self.released_bytes += release_pages(tensor.data_ptr(), _nbytes(tensor))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from bigdit.loaders import inspect_checkpoint
-from bigdit.loaders.mapping import PAGE, release_file
+from bigdit.loaders.host_memory import PAGE
+from bigdit.loaders.mapping import release_file
 
 
 def mapped(path) -> bool:
