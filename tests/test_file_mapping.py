@@ -99,3 +99,30 @@ def test_a_consumed_tensor_gives_its_pages_of_the_file_back(tmp_path):
         assert source.file_map.released_bytes >= 64 * 2 ** 20 - 2 * PAGE
         assert torch.equal(b, tensors["b"]) and torch.equal(tensors["b"], b.clone())
         assert torch.equal(a, tensors["a"])  # faulted in again from the file
+
+
+def test_the_builder_gives_back_each_weight_it_quantized(tmp_path):
+    """LayerBuilder quantizing four 16 MiB bf16 weights (FP8, on the CPU) leaves none of their pages of the
+    file with the process, and says how much it gave back; the layers equal those built from copies."""
+    from bigdit.loaders import LayerBuilder
+    from bigdit.quant.dispatch import QuantConfig
+    from bigdit.quant.registry import get_method
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"l{i}.weight": torch.randn(4096, 2048, generator=gen).bfloat16() for i in range(4)}
+    path = tmp_path / "plain.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    plan = inspect_checkpoint(path)
+    method = get_method("float8_e4m3fn")
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=method))
+        sd = plan.state_dict(source)
+        before = mapped_file_bytes()
+        built = {key: builder.build(key[:-len(".weight")], weight, 2048, 4096, None, torch.float32, None)
+                 for key, weight in sd.items()}
+        assert mapped_file_bytes() - before < 4 * 2 ** 20  # of 64 MiB read
+        assert source.file_map.released_bytes >= 64 * 2 ** 20 - 8 * PAGE
+    for key, layer in built.items():
+        expected = method.quantize_weight(tensors[key])
+        assert torch.equal(layer.weight.view(torch.uint8), expected["weight"].view(torch.uint8))
+        assert torch.equal(layer.weight_scale, expected["weight_scale"])
