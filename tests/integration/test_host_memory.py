@@ -18,9 +18,9 @@ dtype ComfyUI computes in, fp32 on the CPU):
 ALLOWANCE is fixed, 96 MiB: quantizing one layer on the CPU makes fp32 temporaries of it (the widest here,
 4096 x 1024, is 16 MiB in fp32), and ComfyUI builds the model's other modules and runs the sampler.
 Measured in one run (MiB, peak / after loading / after sampling, for the weights): Wan 166 / 125 / 165 for
-128 on 0.3.75 and 165 / 124 / 132 on 0.33.0, H3 186 / 155 / 158 for 122 (in other runs within 20). A loader that keeps the file's pages it
-read holds the whole file beside the weights, and fails the first bound (Wan on 0.3.75 before this
-change: a 574 MiB peak, file pages and glibc's heap holes). During sampling on the CPU each model call also
+128 on 0.3.75 and 165 / 124 / 132 on 0.33.0, H3 186 / 155 / 158 for 122 (in other runs within 20). A
+loader that keeps the file's pages it read holds the whole file beside the weights, and fails the first
+bound (Wan on 0.3.75 before this change: a 574 MiB peak, file pages and glibc's heap holes). During sampling on the CPU each model call also
 dequantizes a layer to fp32; that in-call peak is printed, not bounded: on a GPU it is device memory, and
 the benchmark (tests/bench/comfy_e2e.py host_rss_sampling_gib) measures the host there.
 """
