@@ -32,6 +32,7 @@ from ..quant.selector import Selector
 from ..units import format_gib
 from .checkpoint import CheckpointPlan, TensorSource
 from .errors import CheckpointError
+from .host_memory import trim_heap
 from .staging import PinnedStaging
 
 NVFP4_MODES = ("auto", "requantize")
@@ -109,16 +110,20 @@ class LayerBuilder:
         """The module for Linear `name`, or None to keep the plain layer (its record is kept either way)."""
         home = torch.device("cpu") if home is None else torch.device(home)
         plain_bytes = (in_features + (bias is not None)) * out_features * compute_dtype.itemsize
+        file_bias = bias
         if bias is not None:
             bias = bias.to(device=home, dtype=compute_dtype, copy=True)
         if name in self.plan.layers:
             built = self._from_checkpoint(name, in_features, out_features, bias, compute_dtype, home, plain_bytes)
+            self.source.file_map.release(*(self.source(key) for key in self.plan.layers[name].tensors.values()))
         elif self.online is not None and weight is not None:
             built = self._online(name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes)
         else:
             why = "not quantized in the checkpoint" if weight is not None else "no weight in the checkpoint"
             self.report.records.append(LayerRecord(name, None, why, plain_bytes, plain_bytes))
             built = None
+        if built is not None:  # consumed: its pages of the file go back (a plain layer's go once loaded)
+            self.source.file_map.release(weight, file_bias)
         if self.progress is not None:
             self.progress()
         return built
@@ -184,6 +189,8 @@ class LayerBuilder:
         weight = self.staging.to_device(weight)
         built = quantized_layer(method, weight, in_features, out_features, bias, compute_dtype, self.device, home,
                                 self.staging.to_host if home.type == "cpu" else None)
+        if self.device.type == "cpu":
+            trim_heap()  # the layer's temporaries left holes between the quantized tensors that stay
         self._quantize_seconds += time.perf_counter() - start
         self.report.records.append(LayerRecord(name, method.name, reason, plain_bytes, parameter_bytes(built)))
         self._online_counts[reason] = self._online_counts.get(reason, 0) + 1

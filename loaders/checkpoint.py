@@ -16,37 +16,49 @@ import torch
 from ..dtypes import FLOAT_DTYPES, SAFETENSORS_TO_TORCH
 from .errors import CheckpointError
 from .layers import Check, LayerFormat, method_tensors
+from .file_map import FileMap
 from .markers import MARKER_SUFFIX, has_markers, inspect_markers
 from .quanto import FORMAT_KEY, inspect_quanto, is_quanto
 from .scaled_fp8 import inspect_scaled_fp8, unmarked_fp8_scales
 from .scaled_fp8 import marker_keys as scaled_fp8_keys
+from ..dtypes import torch_dtype
 from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, SafetensorsHeader, read_header
 from ..quant.registry import formats
 
 
 
 class TensorSource:
-    """Lazy tensor access to one safetensors file (zero-copy: tensors map the file).
+    """Lazy tensor access to one safetensors file, zero-copy: it maps the file once, privately, as
+    safetensors does (torch's file storage), and hands out each tensor as a slice of the map, by the
+    checked header. `file_map.release(tensor)` gives back the pages of a tensor once it was consumed.
 
-    Tensors handed out stay valid after `close()`.
+    Tensors handed out stay valid after `close()` (each holds the map).
     """
 
-    def __init__(self, path: str):
-        from safetensors import safe_open
-        self.path = path
+    def __init__(self, path: str, header: SafetensorsHeader):
+        self.path, self.header = path, header
         try:
-            self._file = safe_open(path, framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(path, f"safetensors cannot open the file ({exc})") from exc
+            self._storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=header.file_size)
+        except (OSError, RuntimeError) as exc:  # gone, unreadable, or shorter than when it was inspected
+            raise CheckpointError(path, f"cannot map the file ({exc})") from exc
+        self.file_map = FileMap(self._storage.data_ptr(), header.file_size)
 
     def __call__(self, key: str) -> torch.Tensor:
+        info = self.header.tensors.get(key)
+        if info is None:
+            raise CheckpointError(self.path, f"no tensor {key!r} in the file", [key])
         try:
-            return self._file.get_tensor(key)
-        except Exception as exc:
-            raise CheckpointError(self.path, f"cannot read tensor {key!r} ({exc})", [key]) from exc
+            dtype = torch_dtype(info.dtype)
+        except AttributeError:
+            raise CheckpointError(self.path, f"tensor {key!r}: this torch has no dtype {info.dtype}", [key]) from None
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=dtype)
+        start = self.header.data_start + info.begin
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage[start:start + info.nbytes])
+        return raw.view(dtype).reshape(info.shape)
 
     def close(self) -> None:
-        self._file = None
+        self._storage = None
 
     def __enter__(self) -> "TensorSource":
         return self
@@ -65,7 +77,7 @@ class CheckpointPlan:
     notes: list[str] = field(default_factory=list)
 
     def open(self) -> TensorSource:
-        return TensorSource(self.path)
+        return TensorSource(self.path, self.header)
 
     def layer_tensors(self, source: TensorSource, name: str) -> dict[str, torch.Tensor]:
         """The quantized layer's tensors, by role, as its LinearMethod stores them."""

@@ -1,43 +1,69 @@
-"""A loaded model's hold on its file's memory map.
+"""A loader's hold on its file's memory map, and how it lets go of it layer by layer.
 
-safetensors hands out tensors that map the file, and a loader may keep them as
-the model's own (upstream's dynamic VRAM loads with `assign=True`). The map then
-lives as long as one of them does, and every page of it that loading touched
-stays in the process's resident memory, including the pages of the weights a
-quantizing loader replaced: for MiniMax-H3 quantized to FP8, 39 GiB of file pages
-beside 21 GiB of weights. Where the model keeps less than half of the file,
-copying what it keeps into process memory lets the map go.
+A loader's tensors map the file (one private map per file, as safetensors does). A
+page of the map that loading reads stays in the process's resident memory as
+long as the map lives: a quantizing loader that reads every weight once would
+hold the whole file beside the quantized copy (for MiniMax-H3 quantized to FP8,
+39 GiB of file pages beside 21 GiB of weights). `FileMap.release` gives the
+pages of a tensor back once it was consumed (quantized, or copied into the
+model), with madvise(MADV_DONTNEED): the tensor stays valid, and reading it again
+faults its pages in from the file (the page cache keeps them, they are just no
+longer the process's). Only whole pages inside the tensor are given back, so a
+neighbour's pages are never touched (loaders/host_memory.py).
+
+A loader may also keep tensors that map the file as the model's own (upstream's
+dynamic VRAM loads with `assign=True`). The map then lives as long as one of them
+does; where they are less than half of the file, `release_file_map` copies them into
+process memory, giving back each one's pages, so the map can go.
 """
 from __future__ import annotations
-
-import bisect
-from typing import Iterable
 
 import torch
 from torch import nn
 
+from .host_memory import release_pages
 
-def release_file_map(module: nn.Module, file_tensors: Iterable[torch.Tensor], file_bytes: int) -> int:
-    """Copy the parameters and buffers of `module` that lie in `file_tensors` (the tensors a TensorSource
-    handed out) into process memory, if they are less than half of `file_bytes`; returns the bytes copied."""
-    storages = (t.untyped_storage() for t in file_tensors if t.device.type == "cpu")
-    spans = sorted((s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages if s.nbytes())
-    starts = [start for start, _ in spans]
 
-    def in_file(tensor: torch.Tensor) -> bool:
+class FileMap:
+    """The address range of one file's memory map, and the pages given back from it so far."""
+
+    def __init__(self, start: int, nbytes: int):
+        self.start, self.end = start, start + nbytes
+        self.released_bytes = 0  # whole pages inside released tensors
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s data lies in the map."""
         ptr = tensor.data_ptr()
-        i = bisect.bisect_right(starts, ptr) - 1
-        return tensor.device.type == "cpu" and i >= 0 and ptr < spans[i][1]
+        return tensor.device.type == "cpu" and self.start <= ptr and ptr + _nbytes(tensor) <= self.end
 
+    def release(self, *tensors: torch.Tensor | None) -> None:
+        """Give back the pages of the map under each tensor (those in the map; others are left alone).
+
+        Only for a tensor nothing will write to (a consumed one): a written page of a private map is
+        discarded, not kept."""
+        for tensor in tensors:
+            if tensor is not None and tensor.is_contiguous() and self.holds(tensor):
+                self.released_bytes += release_pages(tensor.data_ptr(), _nbytes(tensor))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def release_file_map(module: nn.Module, file_map: FileMap, file_bytes: int) -> int:
+    """Copy the parameters and buffers of `module` that lie in `file_map` into process memory, giving back
+    their pages, if they are less than half of `file_bytes`; returns the bytes copied."""
     seen, mapped = set(), []
     for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) not in seen and tensor.numel() and in_file(tensor):
+        if id(tensor) not in seen and tensor.numel() and file_map.holds(tensor):
             seen.add(id(tensor))
             mapped.append(tensor)
-    kept = sum(t.numel() * t.element_size() for t in mapped)
+    kept = sum(_nbytes(t) for t in mapped)
     if not mapped or 2 * kept >= file_bytes:
         return 0  # nothing mapped, or the model mostly is the file: the map costs nothing extra
     with torch.no_grad():
         for tensor in mapped:
-            tensor.data = tensor.data.clone()
+            data = tensor.data
+            tensor.data = data.clone()
+            file_map.release(data)
     return kept

@@ -69,6 +69,10 @@ def building_operations(builder: LayerBuilder):
                                                                  **self.factory))
                     super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                   unexpected_keys, error_msgs)
+                    for given, held in ((weight, self.weight), (bias, self.bias)):
+                        # copied: its pages of the file go back (with assign=True it is the layer's own)
+                        if given is not None and held is not None and held.data_ptr() != given.data_ptr():
+                            builder.source.file_map.release(given)
 
     return BuildingOperations
 

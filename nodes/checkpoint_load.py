@@ -45,15 +45,17 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
                                title=title, progress=compat.progress_counter(progress_total(plan)))
         builder.resolve_methods()
         state_dict = plan.state_dict(source)
-        file_tensors = list(state_dict.values())  # ComfyUI pops the dict's entries as it loads them
         if clip_type is None:
             loaded = compat.load_diffusion_model(plan, builder, state_dict)
         else:
             loaded = compat.load_text_encoder(plan, builder, state_dict, clip_type,
                                               folder_paths.get_folder_paths("embeddings"))
+        del state_dict
         copied = release_file_map(loaded.model if clip_type is None else loaded.cond_stage_model,
-                              file_tensors, os.path.getsize(path))
-        del state_dict, file_tensors
+                                  source.file_map, os.path.getsize(path))
+    if source.file_map.released_bytes:
+        builder.report.notes.append(f"gave back the file's pages as its tensors were consumed "
+                                    f"({format_gib(source.file_map.released_bytes)})")
     if copied:
         builder.report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                                     "mapped, so the file's map is released")

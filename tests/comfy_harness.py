@@ -366,6 +366,11 @@ class ComfyServer:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (its memory: /proc/<pid>/status)."""
+        return self._proc.pid
+
     def stop(self):
         if self.alive():
             self._proc.terminate()

@@ -50,6 +50,7 @@ FEATURES = [
      ["test_offload::test_auto_streams_what_does_not_fit_exactly_where_none_refuses",
       "test_checkpoint_loader_workflows::test_load_h3_quantized_offload_modes_agree"]),
     ("Dynamic VRAM (upstream's ModelPatcherDynamic)", ["test_dynamic_vram::"]),
+    ("Host memory: quantizing while loading holds one copy of the model", ["test_host_memory::"]),
     ("LoRA after quantization", ["test_lora_workflows::test_lora_after_quantization_matches_lora_on_float_model"]),
     ("LoRA before quantization", ["test_lora_workflows::test_lora_before_quantization_keeps_patched_layers"]),
     ("Partial loading and unloading with LoRA", ["test_lora_workflows::test_partial_loading_and_unloading_with_lora"]),

@@ -1,5 +1,7 @@
-"""loaders/file_map.release_file_map: a model that keeps few of its file's tensors as they are (a loader with
-assign=True, as upstream's dynamic VRAM loads) gets them copied, and the file's map goes away."""
+"""loaders/file_map: a consumed tensor's pages of the file's map go back (FileMap.release, the process's
+mapped file pages measured in /proc/self/status), and a model that keeps few of its file's tensors as they
+are (a loader with assign=True, as upstream's dynamic VRAM loads) gets them copied, and the file's map goes
+away (release_file_map)."""
 import gc
 
 import safetensors.torch
@@ -7,6 +9,7 @@ import torch
 from torch import nn
 
 from bigdit.loaders import inspect_checkpoint
+from bigdit.loaders.host_memory import PAGE
 from bigdit.loaders.file_map import release_file_map
 
 
@@ -35,15 +38,15 @@ def load(path, keep_big: bool):
         sd = {key: source(key) for key in ("big.weight", "norm.weight", "norm.bias")}
         module.load_state_dict(sd if keep_big else {k: v for k, v in sd.items() if k != "big.weight"},
                                assign=True)
-    return module, sd
+    return module, sd, source.file_map
 
 
 def test_a_model_that_keeps_little_of_its_file_lets_the_map_go(tmp_path):
     path, tensors = write(tmp_path)
-    module, sd = load(path, keep_big=False)
+    module, sd, file_map = load(path, keep_big=False)
     gc.collect()
     assert mapped(path)  # the norm's tensors hold the whole file's map
-    copied = release_file_map(module, sd.values(), path.stat().st_size)
+    copied = release_file_map(module, file_map, path.stat().st_size)
     assert copied == 2 * 64 * 4
     del sd
     gc.collect()
@@ -55,8 +58,8 @@ def test_a_model_that_keeps_little_of_its_file_lets_the_map_go(tmp_path):
 
 def test_a_model_that_is_its_file_stays_mapped(tmp_path):
     path, tensors = write(tmp_path)
-    module, sd = load(path, keep_big=True)
-    assert release_file_map(module, sd.values(), path.stat().st_size) == 0
+    module, sd, file_map = load(path, keep_big=True)
+    assert release_file_map(module, file_map, path.stat().st_size) == 0
     del sd
     gc.collect()
     assert mapped(path) and torch.equal(module.big.weight, tensors["big.weight"])
@@ -69,4 +72,57 @@ def test_tensors_outside_the_file_are_left_alone(tmp_path):
         sd = {"weight": source("norm.weight"), "bias": source("norm.bias")}
         module.load_state_dict(sd)
     before = module.weight.data_ptr()
-    assert release_file_map(module, sd.values(), path.stat().st_size) == 0 and module.weight.data_ptr() == before
+    assert release_file_map(module, source.file_map, path.stat().st_size) == 0 and module.weight.data_ptr() == before
+
+
+def mapped_file_bytes() -> int:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields["RssFile"].split()[0]) * 1024
+
+
+def test_a_consumed_tensor_gives_its_pages_of_the_file_back(tmp_path):
+    """Reading a 64 MiB tensor of the file maps its pages into the process; released, they are no longer
+    the process's (RssFile drops by at least 60 MiB), and it and its neighbour still read the same."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(4096, 4096, generator=gen), "b": torch.randn(3, 1000, generator=gen)}
+    path = tmp_path / "pages.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    with inspect_checkpoint(path).open() as source:
+        a, b = source("a"), source("b")
+        before = mapped_file_bytes()
+        assert torch.equal(a, tensors["a"]) and torch.equal(b, tensors["b"])  # reads every page
+        read = mapped_file_bytes()
+        assert read - before > 60 * 2 ** 20
+        source.file_map.release(a, tensors["b"])  # a tensor outside the file is left alone
+        assert read - mapped_file_bytes() > 60 * 2 ** 20
+        assert source.file_map.released_bytes >= 64 * 2 ** 20 - 2 * PAGE
+        assert torch.equal(b, tensors["b"]) and torch.equal(tensors["b"], b.clone())
+        assert torch.equal(a, tensors["a"])  # faulted in again from the file
+
+
+def test_the_builder_gives_back_each_weight_it_quantized(tmp_path):
+    """LayerBuilder quantizing four 16 MiB bf16 weights (FP8, on the CPU) leaves none of their pages of the
+    file with the process, and says how much it gave back; the layers equal those built from copies."""
+    from bigdit.loaders import LayerBuilder
+    from bigdit.quant.dispatch import QuantConfig
+    from bigdit.quant.registry import get_method
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"l{i}.weight": torch.randn(4096, 2048, generator=gen).bfloat16() for i in range(4)}
+    path = tmp_path / "plain.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    plan = inspect_checkpoint(path)
+    method = get_method("float8_e4m3fn")
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=method))
+        sd = plan.state_dict(source)
+        before = mapped_file_bytes()
+        built = {key: builder.build(key[:-len(".weight")], weight, 2048, 4096, None, torch.float32, None)
+                 for key, weight in sd.items()}
+        assert mapped_file_bytes() - before < 4 * 2 ** 20  # of 64 MiB read
+        assert source.file_map.released_bytes >= 64 * 2 ** 20 - 8 * PAGE
+    for key, layer in built.items():
+        expected = method.quantize_weight(tensors[key])
+        assert torch.equal(layer.weight.view(torch.uint8), expected["weight"].view(torch.uint8))
+        assert torch.equal(layer.weight_scale, expected["weight_scale"])

@@ -39,6 +39,11 @@ def test_tiny_run_measures_compares_and_records(tmp_path):
         assert 0 < rec["loader_s"] <= rec["load_s"] < rec["wall_s"]
         assert rec["latent_shape"] == [1, 16, 3, 8, 12]  # 96x64x9: 3 latent frames of 8x12
     assert ref["rel_l2"] == 0.0 and ref["vs_resident"] == 1.0 and not ref["capped"]
+    # host memory against the weights (issue 19): the quantized model is the smaller, the ratios are of each one's
+    for rec in (ref, sol):
+        assert rec["host_rss_peak_over_weights"] == pytest.approx(rec["host_rss_peak_gib"] / rec["weights_gib"])
+        assert rec["host_rss_sampling_over_weights"] == pytest.approx(rec["host_rss_sampling_gib"] / rec["weights_gib"])
+    assert sol["weights_gib"] < ref["weights_gib"]
     # the pack quantized the model (24 of 26 layers: the head and the time projection stay), so the latent moved
     assert re.search(r"quantized 24/26 linear layers", sol["pack_reports"]["unet"])
     assert sol["pack_reports"]["m0"].startswith("attention: backend sol, tau 1")

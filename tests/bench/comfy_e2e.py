@@ -25,6 +25,9 @@ nodes in tests/fixtures/bigdit_testnodes/bench.py record inside the server):
 - host_rss_peak_gib: the server's peak resident set (loading included); host_rss_sampling_gib:
   the largest resident set after a model call; host_rss_gib,
   host_rss_anon_gib, host_rss_file_gib: after sampling, all, anonymous, mapped file pages;
+  weights_gib: the sampled model's weights as ComfyUI counts them (model_size), and
+  host_rss_peak_over_weights, host_rss_sampling_over_weights: the two resident sets over them
+  (issue 19's targets: at most 1.25 and 1.1);
 - rel_l2 and cosine of the saved latent against comfy_resident's at the same
   model and length, and vs_resident = its step_s / this step_s;
 - breakdown: the device time of one model call of the second step by kind (GEMM, attention, copies,
@@ -351,6 +354,12 @@ def measurements(report: dict, entry: dict) -> dict:
     for key in ("host_rss_peak", "host_rss_sampling", "host_rss", "host_rss_anon", "host_rss_file"):
         if report.get(key) is not None:
             out[f"{key}_gib"] = report[key] / GIB
+    # issue 19's host memory targets: peak (loading) <= 1.25 x the weights, sampling <= 1.1 x
+    if report.get("model_bytes"):
+        out["weights_gib"] = report["model_bytes"] / GIB
+        for key in ("host_rss_peak", "host_rss_sampling"):
+            if report.get(key) is not None:
+                out[f"{key}_over_weights"] = report[key] / report["model_bytes"]
     # the device as NVML saw it during sampling: also weight pages outside the allocator (dynamic VRAM)
     if report.get("device_used_peak_sampling"):
         out["device_used_peak_sampling_gib"] = report["device_used_peak_sampling"] / GIB
