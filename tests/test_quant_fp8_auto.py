@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from bigdit.quant import QuantConfig, get_method, quantize_layers
+from bigdit.quant import auto
 from bigdit.quant.auto import AutoSelector, preferred_formats
 from bigdit.quant.fp8 import FP8, Fp8Method, quantize_rows
 from bigdit.quant.linear import quantized_layer
@@ -98,7 +99,7 @@ def test_auto_on_cpu_uses_table_without_timing():
     ((7, 0), ()),
 ])
 def test_auto_never_considers_4bit_formats(monkeypatch, capability, formats):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(auto, "cuda_capability", lambda device: capability)
     assert preferred_formats(torch.device("cuda")) == formats
 
 
