@@ -38,6 +38,11 @@ class KitchenLayoutMethod(LinearMethod):
             return f"comfy-kitchen's {self.layout}, which comfy-kitchen {version('comfy-kitchen')} lacks"
         return None
 
+    def kitchen_backend(self, device: torch.device) -> str | None:
+        """A comfy-kitchen backend this layer must run on at `device` (None: kitchen picks), where kitchen's
+        own choice would take a kernel that cannot run this layer."""
+        return None
+
     def quantizes_input(self) -> bool:
         """Whether F.linear needs the input quantized first (else kitchen's linear quantizes it)."""
         return getattr(self.layout_class(), "QUANTIZES_INPUT", True)
@@ -67,7 +72,13 @@ class KitchenLayoutMethod(LinearMethod):
         bias = None if bias is None else bias.to(out_dtype)
         weight = self.kitchen_tensor(t, layer, out_dtype)
         if not self.quantizes_input():
-            out = F.linear(x2d, weight, bias)
+            backend = self.kitchen_backend(x.device)
+            if backend is None:
+                out = F.linear(x2d, weight, bias)
+            else:
+                import comfy_kitchen
+                with comfy_kitchen.use_backend(backend):
+                    out = F.linear(x2d, weight, bias)
         elif self.native_supported(x.device):
             out = F.linear(self.quantize_input(x2d, t), weight, bias)
         else:

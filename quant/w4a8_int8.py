@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pack_logging import pack_logger
 from .descriptor import Contract, MarkerParam, QuantFormat, power_of_4
 from .kitchen_layout import KitchenLayoutMethod
 from .registry import register_format
@@ -27,6 +28,10 @@ NAME = "asym_w4a8_int8"
 LAYOUT = "AsymW4A8Int8Layout"
 ROLES = {"s_rel": "weight_s_rel", "s_channel": "weight_s_channel", "codebook": "weight_codebook",
          "correction": "weight_correction"}   # kitchen's state_dict suffixes, as the file's roles
+
+
+log = pack_logger(__name__)
+_EAGER_WARNED: set[int] = set()  # rotation groups warned about, once each
 
 
 def _group_size_ok(value: int) -> bool:
@@ -43,6 +48,18 @@ class W4A8Int8Method(KitchenLayoutMethod):
 
     def describe(self) -> str:
         return f"{NAME}(g={self.group_size}, rot={self.convrot_groupsize})"
+
+    def kitchen_backend(self, device: torch.device) -> str | None:
+        # comfy-kitchen's CUDA W4A8 GEMM (0.2.31, 0.2.40) rotates in groups of 256 only and raises for any
+        # other; its eager backend computes the same layout on any device, slower
+        if device.type != "cuda" or self.convrot_groupsize == 256:
+            return None
+        if self.convrot_groupsize not in _EAGER_WARNED:
+            _EAGER_WARNED.add(self.convrot_groupsize)
+            log.warning("%s layers with ConvRot group %d run on comfy-kitchen's eager backend (its CUDA kernel "
+                        "takes group 256 only): correct, but slower; quantize with group_size 256 for the kernel",
+                        NAME, self.convrot_groupsize)
+        return "eager"
 
     def skip_reason(self, in_features: int, out_features: int) -> str | None:
         if in_features % 16 or in_features % self.group_size or in_features % self.convrot_groupsize:

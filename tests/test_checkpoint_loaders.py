@@ -737,3 +737,11 @@ def test_oversized_marker_is_refused_before_it_is_read(plain_file, tmp_path):
     tracemalloc.stop()
     assert peak < 2 * 1024 * 1024, peak     # the 10 MB marker is never copied
     assert seconds < 1.0, seconds
+
+
+@pytest.mark.parametrize("device, group, backend", [("cuda", 64, "eager"), ("cuda", 256, None), ("cpu", 64, None)])
+def test_w4a8_runs_kitchens_eager_backend_where_its_cuda_kernel_cannot(device, group, backend):
+    """comfy-kitchen's CUDA W4A8 GEMM rotates in groups of 256 only (it raises for 64, seen on the H200): a layer
+    of another ConvRot group runs kitchen's eager backend on CUDA; kitchen picks its kernel everywhere else."""
+    method = get_method("asym_w4a8_int8", group_size=group)
+    assert method.kitchen_backend(torch.device(device)) == backend
