@@ -261,7 +261,7 @@ def test_wan_example_runs_on_the_tiny_model(comfy, tiny_wan, tiny_mixed, name, r
 H3_LORA_LAYERS = ("blocks.0.attn.qkv_proj", "blocks.0.mlp.fc2", "blocks.1.attn.out_proj", "blocks.1.mlp.fc1")
 # What has no tiny form, swapped: the Qwen3-VL-32B encoder (a fixed 32B config) and what it feeds, and the
 # video (2.6B) and audio VAEs, whose configs are fixed. Everything else runs as the example has it.
-NO_TINY_FORM = {"CLIPLoader", "VAELoader", "VAEDecode", "VAEDecodeAudio", "CreateVideo", "SaveVideo", "SaveImage",
+NO_TINY_FORM = {"QuantizedCLIPLoader", "VAELoader", "VAEDecode", "VAEDecodeAudio", "CreateVideo", "SaveVideo", "SaveImage",
                 "LoadImage"}
 CONDITIONING = {"MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo", "CLIPTextEncode"}
 TINY_STEPS = 2  # each step of the INT8 model on CPU takes about a second
