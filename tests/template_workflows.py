@@ -9,9 +9,10 @@ nodes, subgraph, notes and `properties.models` download hints as they are, and
 - SetAttentionBackend on the model after the turbo-LoRA switch (in the text-to-image template it
   replaces upstream's ModelAttentionBackend there, whose subgraph input `attention_backend` it takes
   over; in the video templates its `backend` becomes a subgraph input of that name);
+- the Load CLIP node replaced by QuantizedCLIPLoader (same file and `type`, same links): it loads the
+  official NVFP4-AWQ encoder (a `pre_quant_scale` per layer), and on GPUs without an NVFP4 GEMM its
+  `nvfp4` input can re-quantize it to the GPU's fastest native format;
 - a note saying what changed.
-The text encoder stays on ComfyUI's CLIPLoader: the official encoder is NVFP4-AWQ (a
-`pre_quant_scale` per layer), which QuantizedCLIPLoader does not load.
 
 The pack's nodes are written from their /object_info definitions on upstream 0.33.0
 (tests/fixtures/object_info_0.33.0.json), as the front end serializes a node: every input in
@@ -31,6 +32,7 @@ SUBGRAPH_INPUT = -10  # the id links from a subgraph's inputs originate at
 
 LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256", "ignored_layers": ""}
 ATTENTION = {"dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0, "dense_layers": ""}
+TEXT_ENCODER = {"rename_prefixes": "", "nvfp4": "auto"}
 
 
 def node_specs() -> dict:
@@ -224,6 +226,10 @@ def with_pack_nodes(template, attention_backend, attention_pos, note):
     (loader,) = graph.of_type("UNETLoader")
     replace_node(specs, graph, loader, "LoadH3Quantized", {"unet_name": loader["widgets_values"][0], **LOADER},
                  size=[loader["size"][0], 180])
+    (clip,) = graph.of_type("CLIPLoader")
+    clip_name, clip_type, _device = clip["widgets_values"]
+    replace_node(specs, graph, clip, "QuantizedCLIPLoader", {"clip_name": clip_name, "type": clip_type, **TEXT_ENCODER},
+                 size=[clip["size"][0], 220])
     widgets = {"backend": attention_backend, **ATTENTION}
     upstream_attention = graph.of_type("ModelAttentionBackend")
     if upstream_attention:
@@ -262,7 +268,10 @@ do not fit in VRAM (24 GB GPUs); its report shows the memory plan.
 - **Set Attention Backend** on the model after the turbo LoRA switch{attention}. `auto` runs the fastest \
 exact kernel measured on this GPU; `sage`, `flash`, `kitchen_int8` or `sol` (sparse, faster above about \
 12k tokens) pick one. A kernel that cannot take a call falls back, and the node says so.
-- The text encoder stays on Load CLIP: ComfyUI loads the official NVFP4-AWQ encoder itself.
+- **Load Quantized Text Encoder** in place of Load CLIP: it loads the official NVFP4-AWQ encoder (AWQ's \
+per-channel input scales included). `nvfp4` requantize re-quantizes it at load to this GPU's fastest native \
+format where the GPU has no NVFP4 GEMM (before sm100); auto keeps NVFP4 and dequantizes each layer before \
+its matmul there.
 
 {turbo}"""
 

@@ -11,7 +11,8 @@ import template_workflows
 from template_workflows import EXAMPLES, build, template
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "example_workflows"
-REPLACED = {"UNETLoader": "LoadH3Quantized", "ModelAttentionBackend": "SetAttentionBackend"}
+REPLACED = {"UNETLoader": "LoadH3Quantized", "ModelAttentionBackend": "SetAttentionBackend",
+            "CLIPLoader": "QuantizedCLIPLoader"}
 NOT_QUEUED = {"MarkdownNote", "Note"}  # the front end sends no virtual node to the server
 
 
@@ -72,7 +73,7 @@ def test_api_file_runs_the_pack_nodes_where_the_example_puts_them(name):
     by_type = {}
     for node_id, node in api.items():
         by_type.setdefault(node["class_type"], []).append(node_id)
-    assert "UNETLoader" not in by_type and "ModelAttentionBackend" not in by_type
+    assert not {"UNETLoader", "ModelAttentionBackend", "CLIPLoader"} & set(by_type)
     (loader,) = by_type["LoadH3Quantized"]
     (unet,) = [n for n in all_nodes(template(EXAMPLES[name][0])).values() if n["type"] == "UNETLoader"]
     assert api[loader]["inputs"] == {"unet_name": unet["widgets_values"][0], **template_workflows.LOADER}
@@ -85,3 +86,11 @@ def test_api_file_runs_the_pack_nodes_where_the_example_puts_them(name):
     assert lora["class_type"] == "LoraLoaderModelOnly" and lora["inputs"]["model"] == [loader, 0]
     assert switch["inputs"]["on_false"] == [loader, 0]
     assert {api[k]["class_type"] for k, _ in links_from(api, attention)} >= {"BasicGuider"}
+    (encoder,) = by_type["QuantizedCLIPLoader"]
+    (clip,) = [n for n in all_nodes(template(EXAMPLES[name][0])).values() if n["type"] == "CLIPLoader"]
+    clip_name, clip_type, _device = clip["widgets_values"]
+    assert clip_name.endswith("_nvfp4_awq.safetensors") and clip_type == "minimax"
+    assert api[encoder]["inputs"] == {"clip_name": clip_name, "type": clip_type, **template_workflows.TEXT_ENCODER}
+    # its CLIP output (slot 0, not the report) feeds the prompt's encoding, as the template's CLIPLoader did
+    consumers = [api[k]["inputs"][input_name] for k, input_name in links_from(api, encoder)]
+    assert consumers and all(link == [encoder, 0] for link in consumers), consumers

@@ -5,6 +5,7 @@ tests/checkpoint_files.py; each workflow's latent is compared with UNETLoader
 on the bf16 file (same seed, 2 steps). For scale: a model with other random
 weights lands at a relative latent difference of about 0.7.
 """
+import json
 import re
 import subprocess
 import time
@@ -18,6 +19,7 @@ from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, writ
                               write_kitchen, write_markers, write_nvfp4_awq, write_quanto, write_quanto_reference)
 from comfy_harness import ComfyServer, PromptError
 from graphs import rel_l2, run_loader, wan_t2v_graph
+import template_workflows
 
 pytestmark = pytest.mark.integration
 
@@ -377,8 +379,10 @@ def clip_l(comfy):
     return plain, linears
 
 
-def encode(comfy, class_type, name):
-    graph = {"clip": {"class_type": class_type, "inputs": {"clip_name": name, "type": "stable_diffusion"}},
+def encode(comfy, class_type, name, inputs=None):
+    """`inputs`: the loader's inputs but clip_name (default: type stable_diffusion)."""
+    inputs = inputs or {"type": "stable_diffusion"}
+    graph = {"clip": {"class_type": class_type, "inputs": {**inputs, "clip_name": name}},
              "encode": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["clip", 0]}},
              "cond": {"class_type": "PreviewAny", "inputs": {"source": ["encode", 0]}}}
     if class_type == "QuantizedCLIPLoader":
@@ -386,10 +390,11 @@ def encode(comfy, class_type, name):
     return comfy.run(graph)["outputs"]
 
 
-def encoded_difference(comfy, clip_l, quantized_name):
-    """(report, max |difference| of the printed conditioning values) against CLIPLoader on the bf16 file."""
-    reference = encode(comfy, "CLIPLoader", clip_l[0].name)
-    outputs = encode(comfy, "QuantizedCLIPLoader", quantized_name)
+def encoded_difference(comfy, clip_l, quantized_name, inputs=None):
+    """(report, max |difference| of the printed conditioning values) against CLIPLoader on the bf16 file, both
+    with the loader inputs `inputs` (default: type stable_diffusion)."""
+    reference = encode(comfy, "CLIPLoader", clip_l[0].name, inputs and {"type": inputs["type"]})
+    outputs = encode(comfy, "QuantizedCLIPLoader", quantized_name, inputs)
     expected, got = _floats(reference["cond"]["text"][0]), _floats(outputs["cond"]["text"][0])
     assert expected.numel() > 20 and got.shape == expected.shape
     return outputs["report"]["text"][0], (got - expected).abs().max().item()
@@ -462,6 +467,31 @@ def test_quantized_clip_loader_nvfp4_awq_clip_l(comfy, clip_l):
     assert 0 < difference < 2e-2
 
 
+H3_EXAMPLES = [Path(__file__).resolve().parents[2] / "example_workflows" / "api" / f"{name}.json"
+               for name in template_workflows.EXAMPLES]
+
+
+@pytest.mark.host_feature("minimax_h3")
+def test_quantized_clip_loader_as_the_h3_examples_configure_it(comfy, clip_l):
+    """QuantizedCLIPLoader with the inputs the MiniMax-H3 examples give it (type minimax, nvfp4 auto) on an
+    NVFP4-AWQ file. The examples' own runs (test_examples_and_ui.py) swap the encoder: upstream builds the H3
+    encoder (Qwen3-VL-32B) with its fixed config from a 50-layer file, which has no tiny form. So the file is the
+    CLIP-L, which upstream's `minimax` type loads with the CLIP-L recipe, against CLIPLoader of that type."""
+    (inputs,) = {json.dumps({k: v for k, v in node["inputs"].items() if k != "clip_name"}, sort_keys=True)
+                 for path in H3_EXAMPLES for node in json.loads(path.read_text()).values()
+                 if node["class_type"] == "QuantizedCLIPLoader"}
+    inputs = json.loads(inputs)
+    assert inputs["type"] == "minimax", inputs
+    plain, linears = clip_l
+    awq = plain.parent / "clip_l_nvfp4_awq_minimax.safetensors"
+    write_nvfp4_awq(plain, awq, linears)
+    report, difference = encoded_difference(comfy, clip_l, awq.name, inputs)
+    assert report.splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers", report
+    assert f"formats: nvfp4 x{len(linears)}" in report.splitlines(), report
+    # as test_quantized_clip_loader_nvfp4_awq_clip_l (measured 0.0074)
+    assert 0 < difference < 2e-2
+
+
 _UPSTREAM_LINEAR = """
 import sys, json
 from comfy.cli_args import args
@@ -484,8 +514,6 @@ def test_awq_layer_matches_upstreams_linear(comfy, clip_l, tmp_path):
     """Upstream's own MixedPrecisionOps.Linear, loading the AWQ layers from the file, against the pack's layers
     built from it: the same output, bit for bit (both multiply the input by pre_quant_scale, then run the
     dequantized NVFP4 weight, as upstream does on a device without NVFP4 GEMMs)."""
-    import json as json_module
-
     import safetensors.torch
 
     from bigdit.loaders import LayerBuilder, inspect_checkpoint
@@ -499,7 +527,7 @@ def test_awq_layer_matches_upstreams_linear(comfy, clip_l, tmp_path):
     xs = {name: torch.randn(2, 5, n_in, generator=gen) for name, (_, n_in) in shapes.items()}
     safetensors.torch.save_file(xs, str(tmp_path / "x.safetensors"))
     subprocess.run([str(comfy.python), "-c", _UPSTREAM_LINEAR, str(awq), str(tmp_path / "x.safetensors"),
-                    str(tmp_path / "out.safetensors"), json_module.dumps(shapes)], cwd=comfy.comfyui, check=True)
+                    str(tmp_path / "out.safetensors"), json.dumps(shapes)], cwd=comfy.comfyui, check=True)
     upstream = safetensors.torch.load_file(str(tmp_path / "out.safetensors"))
     plan = inspect_checkpoint(awq)
     with plan.open() as source:

@@ -260,9 +260,10 @@ def test_wan_example_runs_on_the_tiny_model(comfy, tiny_wan, tiny_mixed, name, r
 # the tiny turbo LoRA's layers: attention and MLP of both blocks
 H3_LORA_LAYERS = ("blocks.0.attn.qkv_proj", "blocks.0.mlp.fc2", "blocks.1.attn.out_proj", "blocks.1.mlp.fc1")
 # What has no tiny form, swapped: the Qwen3-VL-32B encoder (a fixed 32B config) and what it feeds, and the
-# video (2.6B) and audio VAEs, whose configs are fixed. Everything else runs as the example has it.
-NO_TINY_FORM = {"CLIPLoader", "VAELoader", "VAEDecode", "VAEDecodeAudio", "CreateVideo", "SaveVideo", "SaveImage",
-                "LoadImage"}
+# video (2.6B) and audio VAEs, whose configs are fixed. Everything else runs as the example has it. (The
+# examples' QuantizedCLIPLoader on an NVFP4-AWQ file: test_quantized_clip_loader_as_the_h3_examples_configure_it.)
+NO_TINY_FORM = {"QuantizedCLIPLoader", "VAELoader", "VAEDecode", "VAEDecodeAudio", "CreateVideo", "SaveVideo",
+                "SaveImage", "LoadImage"}
 CONDITIONING = {"MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo", "CLIPTextEncode"}
 TINY_STEPS = 2  # each step of the INT8 model on CPU takes about a second
 # Relative L2 distance of the example's latents from the same graph on upstream's UNETLoader (the bf16 file,
