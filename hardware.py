@@ -3,6 +3,7 @@ and loaders/."""
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -28,3 +29,20 @@ def cuda_at_least(device, minimum: tuple[int, int]) -> bool:
     """Whether `device` is a CUDA device of compute capability `minimum` or later."""
     capability = cuda_capability(device)
     return capability is not None and capability >= minimum
+
+
+def time_ms(fn, device, calls: int) -> float:
+    """Milliseconds per call of `calls` back-to-back calls of `fn` on `device` (CUDA events on a GPU, where the
+    CPU runs ahead as in a model; the wall clock elsewhere)."""
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) * 1e3 / calls

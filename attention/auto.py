@@ -17,12 +17,12 @@ kernel that takes the call. Under torch.compile the measurement runs eagerly
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..dtypes import dtype_name
+from ..hardware import time_ms
 from ..pack_logging import pack_logger
 from . import registry
 from .base import Backend, Plan, Unsupported, dims
@@ -74,22 +74,6 @@ def shape_text(q, k, layout, mask) -> str:
     if (hk, sk) != (h, s):
         text += f", keys {hk}x{sk}"
     return text + (", masked" if mask is not None else "")
-
-
-def time_ms(fn, device: torch.device, calls: int) -> float:
-    """Milliseconds per call of `calls` back-to-back calls (the CPU runs ahead, as in a model)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def measure_times(runs: dict, device: torch.device) -> tuple[dict, dict]:

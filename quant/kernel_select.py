@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..hardware import time_ms
 from ..pack_logging import pack_logger
 
 log = pack_logger(__name__)
@@ -24,16 +25,11 @@ def rows_bucket(rows: int) -> int:
 
 
 def _time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Per-call time of `iters` back-to-back calls (the CPU runs ahead, as in a model)."""
-    fn()  # warm-up: kernel selection, workspace allocation
+    """Per-call time on the GPU of `iters` back-to-back calls, after two warm-up calls (kernel selection,
+    workspace allocation)."""
     fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    fn()
+    return time_ms(fn, "cuda", iters)
 
 
 class KernelChooser:
