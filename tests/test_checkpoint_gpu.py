@@ -2,7 +2,6 @@
 and NVFP4's execution path for this GPU (native on sm100+, else re-quantized or dequantized)."""
 import contextlib
 
-import comfy_kitchen
 import pytest
 import torch
 
@@ -63,6 +62,7 @@ def test_kitchen_4bit_files_on_cuda(plain_file, tmp_path, fmt):
         out = layer(x)
         # kitchen's CUDA W4A8 kernel takes ConvRot group 256 only: the layer (group 64) runs its eager backend
         backend = layer.method.kitchen_backend(x.device)
+        import comfy_kitchen  # here, not at import: collecting this module must not import kitchen
         assert backend == ("eager" if fmt == "asym_w4a8_int8" else None), name
         with comfy_kitchen.use_backend(backend) if backend else contextlib.nullcontext():
             host = torch.nn.functional.linear(x, written[name].to("cuda"), bias[f"{name}.bias"].cuda())

@@ -21,7 +21,9 @@ def report_of(history, node_id=chain_id(0)) -> str:
 def test_node_inputs_as_documented(comfy):
     info = comfy.object_info()["QuantizeModelINT8"]
     assert list(info["input"]["required"]) == ["model", "group_size", "ignored_layers"]
-    assert list(info["input"]["optional"]) == ["row_split", "requantize_fp8"]
+    assert list(info["input"]["optional"]) == ["row_split", "requantize_fp8", "quantization"]
+    assert combo_options(info["input"]["optional"]["quantization"]) == ["int8_convrot", "convrot_w4a4",
+                                                                       "asym_w4a8_int8"]
     assert info["input"]["optional"]["requantize_fp8"][0] == "BOOLEAN"
     assert info["input"]["optional"]["requantize_fp8"][1]["default"] is False
     assert combo_options(info["input"]["required"]["group_size"]) == ["256", "64", "16"]
