@@ -1,8 +1,8 @@
 """ComfyUI's node tables. Each module lists its nodes, V3 `io.ComfyNode` classes, in NODES; both hosts take V3
 classes through NODE_CLASS_MAPPINGS (they tell them from V1 ones by their base class)."""
-from . import attention_backend, checkpoint_loaders, offload, quantize_int8, save_quantized
+from . import attention_backend, loader_nodes, offload, quantize_int8, save_quantized
 
-_MODULES = (quantize_int8, attention_backend, offload, checkpoint_loaders, save_quantized)
+_MODULES = (quantize_int8, attention_backend, offload, loader_nodes, save_quantized)
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}

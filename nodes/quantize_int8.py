@@ -9,7 +9,7 @@ from ..quant.int8_convrot import CONVROT, GROUP_SIZES
 from ..quant.keep import describe_keep, keep_patterns
 from ..quant.registry import online_summaries, rotation_formats
 from . import categories, comfy_compat
-from .kitchen import require_kitchen
+from ..quant.kitchen_api import require_kitchen
 from .dynamic_vram import prepare_dynamic_vram
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers

@@ -18,7 +18,7 @@ from ..loaders.safetensors_writer import target_path, write_safetensors
 from ..loaders.saving import SaveError, save_contents
 from ..units import format_gib
 from . import categories
-from .checkpoint_compat import progress_counter
+from .comfy_host import progress_counter
 from .comfy_compat import DIFFUSION_PREFIX
 from .node_report import node_output
 

@@ -8,6 +8,7 @@
   dtype and bytes (`storage_shape`, `storage_dtype`, `nbytes`) but not the tensor,
   which page-locking the host copy in place needs (`state_dict()[""]` is that tensor
   in every layout today, but kitchen does not promise it is not a copy).
+`require_kitchen`: the one error where a node would build quantized layers without it.
 Everything else uses public names: `QuantizedTensor.params`, `.layout_cls`, `.nbytes`,
 `.storage_dtype`, `.state_dict()`, `comfy_kitchen.tensor.get_layout_class`.
 comfy-kitchen is imported only when called, so the pack starts without it.
@@ -64,3 +65,38 @@ def tensor_bytes(t: torch.Tensor) -> int:
         return t.nbytes + sum(value.numel() * value.element_size()
                               for value in layout_params(t).values() if isinstance(value, torch.Tensor))
     return t.numel() * t.element_size()
+
+
+NEEDS_KITCHEN = ("QuantizeModelINT8", "MixedCheckpointLoader (quantized files)",
+                 "LoadH3Quantized (a quantization other than none, or a quantized file)",
+                 "QuantizedCLIPLoader (quantized files)")
+
+
+class KitchenMissing(RuntimeError):
+    pass
+
+
+def kitchen_missing() -> str | None:
+    """Why comfy-kitchen cannot be imported, or None when it can.
+
+    Every method's forward runs on it (its activation, INT8 and block-format
+    kernels, with eager CPU references), so callers check this before building
+    quantized layers rather than fail at the first forward.
+    """
+    try:
+        import comfy_kitchen  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def require_kitchen(node: str) -> None:
+    """Where comfy-kitchen is missing the server still starts; a node that would build quantized layers
+    fails when it loads, naming the package and the nodes affected."""
+    why = kitchen_missing()
+    if why is not None:
+        raise KitchenMissing(
+            f"{node} needs the package comfy-kitchen, which cannot be imported ({why}). Every quantized layer of "
+            f"this pack runs on it, so without it these nodes refuse to build quantized models: "
+            f"{', '.join(NEEDS_KITCHEN)}. Install it into ComfyUI's Python environment (pip install comfy-kitchen; "
+            f"the pack's requirements.txt names the version).")

@@ -83,19 +83,5 @@ def get_method(name: str, **options):
     raise ValueError(f"unknown quantization method {name!r}; valid: {', '.join(available_methods())}")
 
 
-def kitchen_missing() -> str | None:
-    """Why comfy-kitchen cannot be imported, or None when it can.
-
-    Every method's forward runs on it (its activation, INT8 and block-format
-    kernels, with eager CPU references), so callers check this before building
-    quantized layers rather than fail at the first forward.
-    """
-    try:
-        import comfy_kitchen  # noqa: F401
-    except ImportError as exc:
-        return str(exc)
-    return None
-
-
 # The format modules register themselves on import; this order is the order formats are listed in.
 from . import int8_convrot, fp8, nvfp4, mxfp8, mxfp4, convrot_w4a4, w4a8_int8, quanto_int8, auto  # noqa: E402,F401

@@ -84,3 +84,12 @@ def test_the_layout_names_every_top_level_module_and_package():
     listed = {line.split()[0] for line in tree.splitlines() if line.strip()}
     units = {f"{rel.parts[0]}/" if len(rel.parts) > 1 else rel.name for rel, _ in pack_modules()}
     assert units <= listed
+
+
+def test_the_loader_nodes_call_the_core_load_pipeline_once():
+    """nodes/loading.py takes from the core only the load pipeline: the rest of a load (inspect, decide, build,
+    release) runs in loaders/load.py, which calls back only through its Host (tests/test_load_pipeline.py)."""
+    tree = ast.parse((PACK_ROOT / "nodes" / "loading.py").read_text())
+    core = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 2
+            for alias in node.names}
+    assert core == {"LoadOptions", "load"}

@@ -1,4 +1,5 @@
-"""nodes/options.py: the nodes' option values and old spellings, prefix rules, the online config, progress."""
+"""nodes/options.py: the nodes' option values and old spellings; loaders/load.py: prefix rules, the online config,
+progress."""
 import logging
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from bigdit.loaders import inspect_checkpoint
-from bigdit.nodes.options import (OFFLOAD_MODES, QUANTIZATIONS, online_config, online_method, parse_prefix_rules,
-                                    progress_total)
+from bigdit.loaders.load import online_config, online_method, parse_prefix_rules, progress_total
+from bigdit.nodes.options import OFFLOAD_MODES, QUANTIZATIONS
 from bigdit.quant.keep import keep_patterns
 
 

@@ -27,7 +27,7 @@ def rel_diff(a, b):
 
 def test_mxfp4_latent_close_to_bf16_and_report_names_emulated_path(comfy, tiny_wan2):
     info = comfy.object_info()
-    assert "LoadH3Quantized" in info, "LoadH3Quantized is not registered (nodes/checkpoint_loaders.py)"
+    assert "LoadH3Quantized" in info, "LoadH3Quantized is not registered (nodes/loader_nodes.py)"
     assert "mxfp4" in combo_options(info["LoadH3Quantized"]["input"]["required"]["quantization"])
 
     name, vae = tiny_wan2["unet_name"], tiny_wan2["vae_name"]

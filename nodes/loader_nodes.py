@@ -8,8 +8,8 @@ from .options import OFFLOAD_MODES, QUANTIZATIONS
 from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import describe_keep
 from ..quant.registry import online_summaries, rotation_formats
-from . import categories, checkpoint_compat as compat
-from .checkpoint_load import load_checkpoint
+from . import categories, comfy_host as compat
+from .loading import load_checkpoint
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
@@ -117,7 +117,7 @@ class LoadH3Quantized(io.ComfyNode):
     def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers=""):
         return load_checkpoint("LoadH3Quantized", "diffusion_models", unet_name,
                                quantization=QUANTIZATIONS.read(quantization, "LoadH3Quantized"), group_size=group_size,
-                               ignored_layers=ignored_layers, offload=offload, node_id=cls.hidden.unique_id)
+                               ignored_layers=ignored_layers, offload_input=offload, node_id=cls.hidden.unique_id)
 
 
 

@@ -1,4 +1,4 @@
-"""ComfyUI internals the checkpoint loaders touch, by feature detection.
+"""The host of loaders/load.py: ComfyUI's model construction, interrupt and progress, by feature detection.
 
 The loaders hand ComfyUI an operations class (`custom_operations`), which
 replaces the ops ComfyUI would pick, for every layer. Its Linear allocates no
@@ -22,11 +22,6 @@ import comfy.utils
 from ..loaders import CheckpointError, CheckpointPlan, LayerBuilder
 from ..quant.dispatch import apply_replacements
 from .comfy_compat import set_model_size
-
-
-def interrupt_check():
-    """A callable for long core work: raises ComfyUI's interrupt exception once the user pressed Cancel."""
-    return comfy.model_management.throw_exception_if_processing_interrupted
 
 
 def progress_counter(total: int):
@@ -106,6 +101,29 @@ def load_diffusion_model(plan: CheckpointPlan, builder: LayerBuilder, state_dict
     install_built_layers(patcher.model.diffusion_model, operations)
     set_model_size(patcher)  # it may have measured the model before the swap
     return patcher
+
+
+class ComfyHost:
+    """loaders.load's Host: a diffusion model, or with `clip_type` a text encoder of that type."""
+
+    def __init__(self, clip_type: str | None = None, embedding_directory=None):
+        self.clip_type, self.embedding_directory = clip_type, embedding_directory
+
+    def check(self) -> None:
+        comfy.model_management.throw_exception_if_processing_interrupted()
+
+    def progress(self, total: int):
+        return progress_counter(total)
+
+    def namespace(self, plan: CheckpointPlan) -> CheckpointPlan:
+        return diffusion_namespace(plan)
+
+    def build(self, plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict):
+        if self.clip_type is None:
+            patcher = load_diffusion_model(plan, builder, state_dict)
+            return patcher, patcher.model
+        clip = load_text_encoder(plan, builder, state_dict, self.clip_type, self.embedding_directory)
+        return clip, clip.cond_stage_model
 
 
 def clip_types() -> list[str]:

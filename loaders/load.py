@@ -1,0 +1,132 @@
+"""The one load pipeline of the loader nodes: a file to a built model and its report.
+
+`load` inspects the file whole, decides every layer, then has the host build the
+model through a LayerBuilder, and gives the file's map back. The host (ComfyUI,
+adapted in nodes/) is one object, `Host`: its methods are the only calls from
+here back into nodes/, and only `Host.build` leads on to the quantized layers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from ..quant import QuantConfig, get_method
+from ..quant.keep import keep_patterns
+from ..quant.kitchen_api import require_kitchen
+from ..quant.linear_method import LinearMethod
+from ..quant.report import QuantReport
+from ..units import format_gib
+from .build import LayerBuilder
+from .checkpoint import CheckpointPlan, inspect_checkpoint
+from .file_map import release_file_map
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What a loader node asks for: a diffusion model, or a text encoder; NVFP4's mode, the online
+    quantization and the layers it keeps, and the prefix rules of a text encoder."""
+    title: str
+    text_encoder: bool = False
+    nvfp4: str = "auto"
+    quantization: str = "none"
+    group_size: int = 256
+    ignored_layers: str = ""
+    rename_prefixes: str = ""
+
+
+class Host(Protocol):
+    """What loading needs of the host that builds the model."""
+
+    def check(self) -> None:
+        """Raises the host's interrupt once the user cancelled."""
+
+    def progress(self, total: int) -> Callable[[], None]:
+        """A step of the host's progress bar, about `total` steps in all."""
+
+    def namespace(self, plan: CheckpointPlan) -> CheckpointPlan:
+        """A diffusion model's plan in the model's own names (the host's prefix stripped)."""
+
+    def build(self, plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict) -> tuple[object, nn.Module]:
+        """(the host's model object, its module tree), each Linear built through `builder.build`."""
+
+
+def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> tuple[object, QuantReport]:
+    """(the host's model, the load's report) of the file at `path`; `builder.finish` ran inside host.build."""
+    method = None
+    if options.quantization != "none":
+        require_kitchen(options.title)
+        method = online_method(options.quantization, options.group_size, device)
+    plan = inspect_checkpoint(path, host.check)
+    if not options.text_encoder:
+        plan = host.namespace(plan)
+    if plan.layers:
+        require_kitchen(options.title)
+    rules = parse_prefix_rules(options.rename_prefixes)
+    if rules:
+        plan = plan.renamed(rules)
+    config = online_config(method, device, plan, options.ignored_layers)
+    with plan.open() as source:
+        builder = LayerBuilder(plan, source, device, online=config,
+                               nvfp4=options.nvfp4 if config is None else "requantize",
+                               title=options.title, progress=host.progress(progress_total(plan)))
+        builder.resolve_methods()
+        state_dict = plan.state_dict(source)
+        loaded, modules = host.build(plan, builder, state_dict)
+        del state_dict
+        copied = release_file_map(modules, source.file_map, os.path.getsize(path))
+    report = builder.report
+    if source.file_map.released_bytes:
+        report.notes.append(f"gave back the file's pages as its tensors were consumed "
+                            f"({format_gib(source.file_map.released_bytes)})")
+    if copied:
+        report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
+                            "mapped, so the file's map is released")
+    return loaded, report
+
+
+def online_method(name: str, group_size: int, device, **options):
+    """The registered method for a quantizing node's choice (get_method names the valid ones for any other),
+    or a clear error if its comfy-kitchen lacks what it needs."""
+    method = get_method(name, group_size=group_size, device=device, **options)
+    lacking = method.missing() if isinstance(method, LinearMethod) else None
+    if lacking is not None:
+        raise ValueError(f"quantization {name!r} needs {lacking}")
+    return method
+
+
+def module_names(plan: CheckpointPlan) -> set[str]:
+    """The module names of the file's tensors (quantized layers and plain keys)."""
+    return set(plan.layers) | {key.rpartition(".")[0] for key in plan.plain_keys}
+
+
+def online_config(method, device, plan: CheckpointPlan, ignored_layers: str) -> QuantConfig | None:
+    """The quantization a loader applies while loading `plan` with `method` (None: load as stored): the
+    architecture's keep patterns from the file's module names, then the user's."""
+    if method is None:
+        return None
+    return QuantConfig(method=method, compute_device=device,
+                       ignored=keep_patterns(module_names(plan), ignored_layers))
+
+
+def progress_total(plan: CheckpointPlan) -> int:
+    """About one step per Linear: the quantized layers and the plain matrices."""
+    plain = sum(1 for key in plan.plain_keys.values()
+                if key.endswith(".weight") and len(plan.header.tensors[key].shape) == 2)
+    return plain + len(plan.layers)
+
+
+def parse_prefix_rules(text: str) -> list[tuple[str, str]]:
+    """"old -> new" per line (new may be empty, to strip a prefix)."""
+    rules = []
+    for line in (text or "").splitlines():
+        if not line.strip():
+            continue
+        old, arrow, new = line.partition("->")
+        if not arrow or not old.strip():
+            raise ValueError(f"rename_prefixes: expected 'old -> new', got {line.strip()!r}")
+        rules.append((old.strip(), new.strip()))
+    return rules
