@@ -2,7 +2,7 @@
 
 Every layer is decided before the model exists: the checkpoint's quantized
 layers by the CheckpointPlan (markers, Quanto entries), and, when an online
-QuantConfig is given, each plain weight by `plan_online`, from the header's
+QuantConfig is given, each plain weight by `decide_online`, from the header's
 names, dtypes and shapes. A model loader then calls `LayerBuilder.build(name, ...)`
 for every Linear as its weights arrive, which executes that plan: the layer is
 built from the checkpoint's tensors, or its plain weight is quantized right
@@ -13,19 +13,18 @@ the file maps lazily is read once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from ..dtypes import torch_dtype
 from ..hardware import cuda_capability
-from ..quant.auto import fastest_native_methods
-from ..quant.dispatch import QuantConfig, decide, parameter_bytes
+from ..quant.decision import Layer, QuantConfig, decide
 from ..quant.linear import QuantLinear, quantized_layer
 from ..quant.descriptor import PRE_QUANT_SCALE
 from ..quant.linear_method import LinearMethod
-from ..quant.nvfp4 import NAME as NVFP4
+from ..quant.quantize_pass import parameter_bytes
 from ..quant.registry import available_methods, get_method
 from ..quant.report import LayerRecord, QuantReport
 from ..quant.selector import Selector
@@ -47,7 +46,7 @@ class OnlineLayer:
     reason: str
 
 
-def plan_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:
+def decide_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:
     """The decision for every plain matrix `<name>.weight` of the file, by module name, before any model exists."""
     dominant = plan.proxy_dtype()
     layers = {}
@@ -56,8 +55,8 @@ def plan_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLa
         if not key.endswith(".weight") or len(info.shape) != 2:
             continue
         name, dtype, (out_features, in_features) = key[:-len(".weight")], torch_dtype(info.dtype), info.shape
-        method, reason = decide(config, name, dtype, in_features, out_features, dominant)
-        layers[name] = OnlineLayer(dtype, info.shape, method, reason)
+        decision = decide(config, Layer(name, in_features, out_features, dtype), dominant)
+        layers[name] = OnlineLayer(dtype, info.shape, decision.method, decision.reason)
     return layers
 
 
@@ -76,7 +75,10 @@ class LayerBuilder:
         self._methods: dict[tuple, LinearMethod] = {}
         self._paths: dict[str, dict[str, int]] = {}
         self._online_counts: dict[str, int] = {}
-        self.online_plan = {} if online is None else plan_online(plan, online)
+        # the decisions' config: loading's device, and NVFP4's mode
+        self.config = replace(online or QuantConfig(method=None), compute_device=self.device,
+                              requantize_blocks=nvfp4 == "requantize")
+        self.online_plan = {} if online is None else decide_online(plan, self.config)
         largest = max((layer.dtype.itemsize * layer.shape[0] * layer.shape[1]
                        for layer in self.online_plan.values() if layer.method is not None), default=0)
         self.staging = PinnedStaging(self.device, largest)
@@ -135,10 +137,13 @@ class LayerBuilder:
             raise CheckpointError(self.plan.path, f"shape mismatch: {why_not}", [name])
         method = self._method(layer.format, layer.options)
         tensors = self.plan.layer_tensors(self.source, name)
-        reason = f"{layer.format} from the checkpoint"
-        target = None
-        if layer.spec.dequantized_elsewhere:
-            target, reason = self._block_format(layer.spec, in_features, out_features, reason)
+        decision = decide(self.config, Layer(name, in_features, out_features, compute_dtype, stored=layer.format),
+                          self._dominant)
+        reason, target = f"{layer.format} from the checkpoint", decision.method
+        if decision.path is not None:  # a block format: how it runs here
+            paths = self._paths.setdefault(layer.format, {})
+            paths[decision.path] = paths.get(decision.path, 0) + 1
+            reason = f"{layer.format} {'in' if target else 'from'} the checkpoint, {decision.brief}"
         if target is None:
             tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
             built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
@@ -156,23 +161,6 @@ class LayerBuilder:
                                                parameter_bytes(built)))
         return built
 
-    def _block_format(self, spec, in_features, out_features, reason):
-        """Formats native only on some GPUs (NVFP4, MXFP8: sm100+) are dequantized per call elsewhere,
-        unless NVFP4 is re-quantized now to this device's fastest native format: (that method or None, reason)."""
-        fmt = spec.name
-        paths = self._paths.setdefault(fmt, {})
-        if spec.native(self.device):
-            paths["native comfy-kitchen GEMM"] = paths.get("native comfy-kitchen GEMM", 0) + 1
-            return None, reason + ", native GEMM"
-        targets = fastest_native_methods(self.device, in_features, out_features)
-        if fmt == NVFP4 and self.nvfp4 == "requantize" and targets:
-            target = targets[0]
-            label = f"re-quantized at load to {target.describe()}"
-            paths[label] = paths.get(label, 0) + 1
-            return target, f"{NVFP4} in the checkpoint, {label}"
-        paths["dequantized before each matmul"] = paths.get("dequantized before each matmul", 0) + 1
-        return None, reason + ", dequantized per call"
-
     def _online(self, name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes):
         planned = self.online_plan.get(name)
         if (planned is not None and planned.dtype == weight.dtype and planned.shape == (out_features, in_features)
@@ -180,8 +168,9 @@ class LayerBuilder:
             method, reason = planned.method, planned.reason
         else:  # ComfyUI renamed, split or converted this key (diffusers files, HunyuanVideo): the header could not
             # say; or it computes in another dtype than the file's, the one auto must measure in
-            method, reason = decide(self.online, name, weight.dtype, in_features, out_features, self._dominant,
-                                    compute_dtype)
+            decision = decide(self.config, Layer(name, in_features, out_features, weight.dtype, compute_dtype),
+                              self._dominant)
+            method, reason = decision.method, decision.reason
         if method is None:
             self.report.records.append(LayerRecord(name, None, reason, plain_bytes, plain_bytes))
             return None

@@ -15,7 +15,7 @@ import comfy.model_management
 import comfy.utils
 
 from ..quant import QuantConfig, quantize_layers
-from ..quant.dispatch import walk_modules
+from ..quant.quantize_pass import walk_modules
 from ..quant.linear import QuantLinear
 
 DIFFUSION_PREFIX = "diffusion_model."
@@ -63,7 +63,7 @@ def _with_original_tensors(module: nn.Module, tensors: dict[str, dict]) -> nn.Mo
 
 def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dict[str, nn.Module]]:
     """The module tree below `prefix` as `patcher` defines it: (root, overrides), for
-    `quant.dispatch.walk_modules` and the memory plan, with paths relative to the root.
+    `quant.quantize_pass.walk_modules` and the memory plan, with paths relative to the root.
 
     ComfyUI applies the loaded patcher's object patches and weight patches (a
     LoRA) to the one module tree all clones share, and leaves them there until

@@ -20,7 +20,7 @@ import comfy.sd
 import comfy.utils
 
 from ..loaders import CheckpointError, CheckpointPlan, LayerBuilder
-from ..quant.dispatch import apply_replacements
+from ..quant.quantize_pass import apply_replacements
 from .comfy_compat import set_model_size
 
 

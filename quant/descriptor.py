@@ -126,6 +126,8 @@ class QuantFormat:
     unsaveable: str | None = None
     #: Off its native devices the weight is dequantized before each matmul (loaders report the path).
     dequantized_elsewhere: bool = False
+    #: Off its native devices, loading may re-quantize it to the device's fastest native format instead.
+    requantizable: bool = False
     #: The keys its markers may carry beside "format" (read_marker checks their values).
     marker_params: dict[str, MarkerParam] = {}
 

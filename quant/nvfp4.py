@@ -55,6 +55,7 @@ class Nvfp4Format(QuantFormat):
     marker = True
     kitchen_layouts = (LAYOUT,)
     dequantized_elsewhere = True
+    requantizable = True
     contract = Contract(
         required=frozenset({"weight", "weight_scale", "weight_scale_2"}),
         optional=frozenset({"input_scale", PRE_QUANT_SCALE}), shapes={PRE_QUANT_SCALE: "K"},

@@ -105,7 +105,7 @@ def test_the_builder_gives_back_each_weight_it_quantized(tmp_path):
     """LayerBuilder quantizing four 16 MiB bf16 weights (FP8, on the CPU) leaves none of their pages of the
     file with the process, and says how much it gave back; the layers equal those built from copies."""
     from bigdit.loaders import LayerBuilder
-    from bigdit.quant.dispatch import QuantConfig
+    from bigdit.quant.decision import QuantConfig
     from bigdit.quant.registry import get_method
 
     gen = torch.Generator().manual_seed(0)

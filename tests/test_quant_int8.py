@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, quantize_layers
-from bigdit.quant.dispatch import QuantizationError
+from bigdit.quant.quantize_pass import QuantizationError
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.kernel_select import KernelChooser
 from bigdit.quant.patterns import parse_patterns

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigdit.quant import fp8
-from bigdit.quant.dispatch import quantize_linear
+from bigdit.quant.quantize_pass import quantize_linear
 from bigdit.quant.registry import get_method
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # all three run on CPU

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers
-from bigdit.quant.dispatch import walk_modules
+from bigdit.quant.quantize_pass import walk_modules
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.linear_method import LinearMethod
 from bigdit.quant.witness import RunWitness

@@ -12,7 +12,7 @@ from bigdit.offload.plan import plan_placement
 from bigdit.offload.session import StreamSession
 from bigdit.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
 from bigdit.quant import QuantConfig, quantize_layers
-from bigdit.quant.dispatch import apply_replacements
+from bigdit.quant.quantize_pass import apply_replacements
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from offload_helpers import TracingStreamer, move_blocks_to_host, pinned_bytes
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from _pack import cuda_time_ms, default_out, environment, write_json
 
 from bigdit.quant import get_method
-from bigdit.quant.dispatch import quantize_linear
+from bigdit.quant.quantize_pass import quantize_linear
 
 SHAPES = {  # name: (K, N, input_act)
     "qkv_proj": (5376, 21504, None),

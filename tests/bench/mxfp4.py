@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from _pack import cuda_time_ms, default_out, environment, write_json
 
-from bigdit.quant.dispatch import quantize_linear
+from bigdit.quant.quantize_pass import quantize_linear
 from bigdit.quant.mxfp4 import Mxfp4Method, dequantize_mxfp4, execution_path, quantize_mxfp4
 
 SHAPES = {  # name: (K, N)

@@ -42,7 +42,7 @@ import nodes
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.nodes.dynamic_vram import prepare_dynamic_vram
 from bigdit.quant import QuantConfig, get_method
-from bigdit.quant.dispatch import apply_replacements, quantize_layers
+from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
 from bigdit.quant.linear import QuantLinear
 

@@ -137,7 +137,7 @@ pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdi
 from bigdit.nodes import comfy_compat
 from bigdit.nodes.dynamic_vram import prepare_dynamic_vram
 from bigdit.quant import QuantConfig, get_method
-from bigdit.quant.dispatch import apply_replacements, quantize_layers
+from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.linear import QuantLinear
 
 cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)

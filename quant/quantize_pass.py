@@ -1,4 +1,4 @@
-"""Per-layer dispatch: which method each Linear gets, and the layer-by-layer pass.
+"""The quantization pass: each module of a model decided (quant/decision.py), then quantized one at a time.
 
 The pass never mutates the model: it returns replacement modules, so a caller
 can install them on a clone (ComfyUI object patches) or in place, and a
@@ -7,7 +7,7 @@ failure half-way leaves the model exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -19,10 +19,9 @@ from ..units import format_gib
 from . import fp8, int8_convrot
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .linear import QuantLinear, quantized_layer
-from .linear_method import LinearMethod, default_device
-from .patterns import first_match
+from .decision import Layer, QuantConfig, decide
+from .linear_method import LinearMethod
 from .report import LayerRecord, QuantReport
-from .selector import Selector
 
 log = pack_logger(__name__)
 
@@ -32,34 +31,8 @@ class QuantizationError(RuntimeError):
 
 
 @dataclass
-class QuantConfig:
-    """What to quantize and how.
-
-    `method` is the default (a LinearMethod, or a Selector such as auto, which
-    picks one per layer shape); `rules` maps fnmatch patterns on module names to a
-    method (or None to keep the layer), first match wins; `ignored` patterns
-    keep layers as they are. fp32 weights in a lower-precision model are kept
-    unless `include_fp32`.
-    """
-    method: LinearMethod | Selector
-    rules: list[tuple[str, LinearMethod | None]] = field(default_factory=list)
-    ignored: tuple[str, ...] = ()
-    include_fp32: bool = False
-    compute_device: torch.device | None = None
-    keep: dict[str, str] = field(default_factory=dict)  # module name -> reason to keep it as is
-    # FP8 layers (fp8_format) are dequantized and quantized with `method`, instead of kept as they are.
-    requantize_fp8: bool = False
-    # Modules that stand in for the tree's at run time (ComfyUI object patches).
-    overrides: dict[str, nn.Module] = field(default_factory=dict)
-
-    def device(self) -> torch.device:
-        if self.compute_device is not None:
-            return self.compute_device
-        return default_device()
-
-
-@dataclass
-class LayerPlan:
+class ModuleDecision:
+    """The decision for one weight-bearing module of a model, with the module."""
     name: str
     module: nn.Module
     method: LinearMethod | None
@@ -168,90 +141,39 @@ def _linear_like(module: nn.Module) -> bool:
             and tuple(weight.shape) == (outs, ins))
 
 
-def choose_method(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
-                  dominant: torch.dtype | None, compute_dtype: torch.dtype | None = None
-                  ) -> tuple[LinearMethod | None, str]:
-    """The method for a full-precision Linear, or None and why it stays as it is.
-
-    `dtype` is the weight's as stored; `compute_dtype` the one its QuantLinear
-    would compute in (what a selector measures in), the stored one by default.
-    In order: ignored patterns, fp32 kept on purpose (in a model of another
-    dtype), the default method or the selector's choice (auto), the first
-    matching rule, then the method's own shape check.
-    """
-    pattern = first_match(name, config.ignored)
-    if pattern is not None:
-        return None, f"ignored (matches {pattern!r})"
-    if dtype == torch.float32 and dominant not in (None, torch.float32) and not config.include_fp32:
-        return None, "stored in fp32 on purpose"
-    method, reason = config.method, None
-    if isinstance(method, Selector):  # auto chooses per shape
-        method, reason = method.select(in_features, out_features, compute_dtype or dtype)
-        if method is None:
-            return None, reason
-    for rule_pattern, rule_method in config.rules:
-        if first_match(name, (rule_pattern,)):
-            method, reason = rule_method, None
-            break
-    if method is None:
-        return None, "kept by rule"
-    why_not = method.skip_reason(in_features, out_features)
-    if why_not is not None:
-        return None, why_not
-    return method, reason or method.describe()
-
-
-def decide(config: QuantConfig, name: str, dtype: torch.dtype, in_features: int, out_features: int,
-           dominant: torch.dtype, compute_dtype: torch.dtype | None = None) -> tuple[LinearMethod | None, str]:
-    """The one decision for a Linear from its name, weight dtype and shape (and the dtype it will compute in,
-    the stored one by default): kept on purpose (`config.keep`), already quantized, or `choose_method`'s.
-    plan_layers (a model's modules) and loading (a file's header, then the tensor ComfyUI hands over) call it."""
-    if name in config.keep:
-        return None, config.keep[name]
-    if dtype not in FLOAT_DTYPES:
-        return None, f"already quantized ({dtype_name(dtype)})"
-    return choose_method(config, name, dtype, in_features, out_features, dominant, compute_dtype)
-
-
-def plan_layers(model: nn.Module, config: QuantConfig) -> list[LayerPlan]:
+def decide_modules(model: nn.Module, config: QuantConfig) -> list[ModuleDecision]:
     """Decide, for every weight-bearing module, a method or a reason to keep it."""
     dominant = _dominant_dtype(model, config.overrides)
-    plans = []
+    decisions = []
     for name, module in iter_weight_modules(model, config.overrides):
         if name in config.keep:  # before the module checks: a kept module of any kind is recorded as kept
-            plans.append(LayerPlan(name, module, None, config.keep[name], linear=_linear_like(module)))
+            decisions.append(ModuleDecision(name, module, None, config.keep[name], linear=_linear_like(module)))
             continue
         fmt = fp8_format(module)
-        if fmt is not None:  # before the Linear check: upstream's mixed-precision Linear is no nn.Linear
-            plans.append(_fp8_plan(config, name, module, fmt, dominant) if config.requantize_fp8 else
-                         LayerPlan(name, module, None, "already quantized", existing_format=fmt, fp8=True))
+        if fmt is None and not isinstance(module, QuantLinear) and not _linear_like(module):
+            decisions.append(ModuleDecision(name, module, None, f"not Linear-like ({type(module).__name__})",
+                                            linear=False))
             continue
-        if isinstance(module, QuantLinear):
-            plans.append(LayerPlan(name, module, None, "already quantized", existing_format=module.method.name))
-            continue
-        if not _linear_like(module):
-            plans.append(LayerPlan(name, module, None, f"not Linear-like ({type(module).__name__})", linear=False))
-            continue
-        weight = module.weight
-        if _is_quantized_weight(weight):
-            plans.append(LayerPlan(name, module, None, "already quantized", existing_format=_format_of(weight)))
-            continue
-        method, reason = decide(config, name, weight.dtype, module.in_features, module.out_features, dominant)
-        plans.append(LayerPlan(name, module, method, reason))
-    return plans
+        layer = _layer(name, module, fmt, dominant)
+        decision = decide(config, layer, dominant)
+        redone = layer.fp8 and decision.method is not None
+        decisions.append(ModuleDecision(name, module, decision.method, decision.reason, True, layer.stored,
+                                        layer.fp8, layer.compute_dtype if redone else None))
+    return decisions
 
 
-def _fp8_plan(config: QuantConfig, name: str, module: nn.Module, fmt: str,
-              dominant: torch.dtype | None) -> LayerPlan:
-    """An FP8 layer (of format `fmt`) under requantize_fp8: `method` where the float rules would choose it,
-    else kept as it is."""
-    dtype = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
-    method, reason = choose_method(config, name, torch.float8_e4m3fn, module.in_features, module.out_features,
-                                   dominant, dtype)
-    if method is None:
-        return LayerPlan(name, module, None, reason, existing_format=fmt, fp8=True)
-    return LayerPlan(name, module, method, f"re-quantized from {fmt}: {reason}", existing_format=fmt, fp8=True,
-                     compute_dtype=dtype)
+def _layer(name: str, module: nn.Module, fp8: str | None, dominant: torch.dtype | None) -> Layer:
+    """What `decide` reads of a module: an FP8 layer (before the Linear check: upstream's mixed-precision
+    Linear is no nn.Linear), a QuantLinear, a Linear with someone's quantized weight, or a float Linear."""
+    ins, outs, weight = module.in_features, module.out_features, module.weight
+    if fp8 is not None:
+        compute = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
+        return Layer(name, ins, outs, weight.dtype, compute, stored=fp8, fp8=True)
+    if isinstance(module, QuantLinear):
+        return Layer(name, ins, outs, module.compute_dtype, stored=module.method.name)
+    if _is_quantized_weight(weight):
+        return Layer(name, ins, outs, weight.dtype, stored=_format_of(weight))
+    return Layer(name, ins, outs, weight.dtype)
 
 
 def quantize_linear(module: nn.Module, method: LinearMethod, device: torch.device,
@@ -279,7 +201,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
     Only one layer's weight is on the compute device at a time. Raises
     QuantizationError naming the layer if any layer fails; nothing is installed.
     """
-    plans = plan_layers(model, config)
+    plans = decide_modules(model, config)
     device = config.device()
     todo = [p for p in plans if p.method is not None]
     replacements: dict[str, nn.Module] = {}
@@ -306,7 +228,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
     return replacements, report
 
 
-def _fp8_notes(plans: list[LayerPlan], config: QuantConfig) -> list[str]:
+def _fp8_notes(plans: list[ModuleDecision], config: QuantConfig) -> list[str]:
     """What the pass did with the FP8 layers it found, in plain words."""
     fp8 = [p for p in plans if p.fp8]
     redone = [p for p in fp8 if p.method is not None]
