@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from ..quant.quanto_int8 import NAME, QuantoQint8Format
+from ..quant.registry import convention_format
 from .errors import CheckpointError, name_list
 from .layers import Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale, is_scalar
 from .safetensors_header import HeaderReader, SafetensorsHeader, parse_json, short_repr
@@ -27,7 +27,8 @@ FORMAT_KEY = "quantization_format"
 MAP_KEY = "quantization_map_base64"
 DATA_SUFFIX = ".weight._data"
 SCALE_SUFFIX = ".weight._scale"
-AUXILIARY_SCALES = QuantoQint8Format.contract.ignored   # input_scale, output_scale
+QUANTO = convention_format("quanto")
+AUXILIARY_SCALES = QUANTO.contract.ignored   # input_scale, output_scale
 
 
 def is_quanto(header: SafetensorsHeader) -> bool:
@@ -131,5 +132,5 @@ def _check_prefix(header: SafetensorsHeader, prefix: str, problems: Problems) ->
         if not is_scalar(info):
             problems.add(f"shape mismatch: Quanto {role} must be a scalar, found {list(info.shape)}", prefix)
             return None
-    return LayerFormat(prefix, NAME, {"weight": data_key, "weight_scale": scale_key},
+    return LayerFormat(prefix, QUANTO.name, {"weight": data_key, "weight_scale": scale_key},
                        tuple(data.shape), {}, "quanto map")

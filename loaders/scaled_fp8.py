@@ -15,12 +15,14 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import dtype_name
-from ..quant.fp8 import FP8, NAME as FP8_FORMAT
+from ..quant.registry import convention_format
 from .layers import (Check, LayerFormat, Problems, check_scales, checked, expect_dtype, float_scale,
                      is_scalar)
 from .safetensors_header import HeaderReader, SafetensorsHeader
 
 MARKER = "scaled_fp8"
+FP8_FORMAT = convention_format(MARKER).name
+FP8 = torch.float8_e4m3fn   # the FP8 layers' weights
 _ROLES = {"scale_weight": "weight_scale", "scale_input": "input_scale"}   # file suffix -> FP8 method role
 _NAMES = {"weight_scale": "scaled_fp8 scale_weight", "input_scale": "scaled_fp8 scale_input"}
 _WEIGHT_DTYPES = {"F8_E4M3": FP8, "F32": FP8, "F8_E5M2": torch.float8_e5m2}

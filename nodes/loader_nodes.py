@@ -5,9 +5,8 @@ import folder_paths
 from comfy_api.latest import io
 
 from .options import OFFLOAD_MODES, QUANTIZATIONS
-from ..quant.int8_convrot import GROUP_SIZES
 from ..quant.keep import describe_keep
-from ..quant.registry import online_summaries, rotation_formats
+from ..quant.registry import group_sizes, marker_format_list, online_summaries, rotation_formats
 from . import categories, comfy_host as compat
 from .loading import load_checkpoint
 
@@ -25,8 +24,8 @@ class MixedCheckpointLoader(io.ComfyNode):
             display_name="Load Quantized Diffusion Model (markers / Quanto)",
             category=categories.LOADERS,
             description=(
-                "Loads a diffusion model saved with quantized layers: ComfyUI per-layer markers (int8_tensorwise "
-                "with or without ConvRot, float8_e4m3fn, nvfp4, mxfp8, mixed in one file, markers as comfy_quant "
+                f"Loads a diffusion model saved with quantized layers: ComfyUI per-layer markers "
+                f"({marker_format_list(labels=True)}, mixed in one file, markers as comfy_quant "
                 "tensors or in the header), ComfyUI's scaled_fp8 files (*_fp8_scaled) or a self-describing Quanto "
                 "qint8 file; the format is detected. ComfyUI's own model detection "
                 "picks the architecture, so any model ComfyUI knows loads, on ComfyUI versions without these "
@@ -90,7 +89,7 @@ class LoadH3Quantized(io.ComfyNode):
                     tooltip="auto: keep the model resident when it fits, else stream the blocks that do not "
                             "fit. none: everything resident (fails if it cannot fit)."),
                 io.Combo.Input(
-                    "group_size", options=[str(g) for g in reversed(GROUP_SIZES)], default="256", optional=True,
+                    "group_size", options=[str(g) for g in group_sizes()], default="256", optional=True,
                     tooltip=f"ConvRot group size ({', '.join(rotation_formats())} and auto). 256 is fastest; 64 "
                             "or 16 also quantize layers whose input width is not a multiple of 256."),
                 io.String.Input(
@@ -131,7 +130,7 @@ class QuantizedCLIPLoader(io.ComfyNode):
             category=categories.LOADERS,
             description=(
                 "Loads a text encoder saved as self-describing Quanto qint8 (e.g. DeepBeepMeep's MiniMax-H3 "
-                "encoder) or with ComfyUI per-layer markers (int8_tensorwise, float8_e4m3fn, nvfp4, mxfp8), as "
+                f"encoder) or with ComfyUI per-layer markers ({marker_format_list()}), as "
                 "CLIPLoader loads a plain one. Quanto qint8 saves memory, not time: each layer's weight is "
                 "dequantized just before its matmul."
             ),

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .options import online_method
+from ..loaders.load import online_method
 from ..quant import QuantConfig
-from ..quant.int8_convrot import CONVROT, GROUP_SIZES
 from ..quant.keep import describe_keep, keep_patterns
-from ..quant.registry import online_summaries, rotation_formats
+from ..quant.registry import group_sizes, online_summaries, rotation_formats
 from . import categories, comfy_compat
 from ..quant.kitchen_api import require_kitchen
 from .dynamic_vram import prepare_dynamic_vram
@@ -31,7 +30,7 @@ class QuantizeModelINT8(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to quantize. It is cloned, never changed."),
                 io.Combo.Input(
-                    "group_size", options=[str(g) for g in reversed(GROUP_SIZES)], default="256",
+                    "group_size", options=[str(g) for g in group_sizes()], default="256",
                     tooltip="ConvRot Hadamard group size. 256 has fused CUDA kernels and is fastest; 64 or 16 "
                             "quantize more layers whose input width is not a multiple of 256, at some speed cost."),
                 io.String.Input(
@@ -49,7 +48,7 @@ class QuantizeModelINT8(io.ComfyNode):
                             "off keeps them as they are; on dequantizes each and quantizes it to the chosen "
                             "format (from the FP8 values, not the original weights). The report says which it did."),
                 io.Combo.Input(
-                    "quantization", options=list(rotation_formats()), default=CONVROT, optional=True,
+                    "quantization", options=list(rotation_formats()), default=rotation_formats()[0], optional=True,
                     tooltip=online_summaries(rotation_formats())),
             ],
             outputs=[
@@ -62,13 +61,13 @@ class QuantizeModelINT8(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False,
-                quantization=CONVROT):
+                quantization=None):
         unique_id = cls.hidden.unique_id
         require_kitchen("QuantizeModelINT8")
         names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
         device = comfy_compat.compute_device()
         config = QuantConfig(
-            method=online_method(quantization, int(group_size), device, row_split=row_split),
+            method=online_method(quantization or rotation_formats()[0], int(group_size), device, row_split=row_split),
             # the layers LoadH3Quantized keeps for this architecture, then the user's
             ignored=keep_patterns(names, ignored_layers),
             compute_device=device,

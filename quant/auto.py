@@ -18,30 +18,23 @@ import torch.nn.functional as F
 
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..hardware import cuda_capability
-from . import fp8, int8_convrot
 from .kernel_select import _time_ms
 from .linear import quantized_layer
 from .linear_method import LinearMethod, default_device
-from .registry import format_spec, get_method, register_selector
+from .registry import format_spec, formats, get_method, register_selector
 
-# Preference order by compute capability (first match from the top). The 4-bit formats are no candidates: on
-# speed alone auto would take W4A4 where its int4 GEMM is native (Turing to Ada) at about 17x INT8's layer
-# error; they run where the user names them.
-PREFERENCE = (
-    ((8, 9), (fp8.NAME, int8_convrot.CONVROT)),
-    ((7, 5), (int8_convrot.CONVROT,)),
-)
 DEFAULT_ROWS = 8192
 
 
 def preferred_formats(device: torch.device) -> tuple[str, ...]:
+    """The formats auto considers on `device`, preferred first, as each declares (`auto_rank`, `auto_from`,
+    `auto_on_cpu`). The 4-bit formats declare none: on speed alone auto would take W4A4 where its int4 GEMM
+    is native (Turing to Ada) at about 17x INT8's layer error; they run where the user names them."""
+    ranked = sorted((spec.auto_rank, name, spec) for name, spec in formats().items() if spec.auto_rank is not None)
     if device.type != "cuda":
-        return (int8_convrot.CONVROT,)  # no fast format on CPU; INT8 still halves memory
+        return tuple(name for _, name, spec in ranked if spec.auto_on_cpu)
     capability = cuda_capability(device)
-    for minimum, formats in PREFERENCE:
-        if capability >= minimum:
-            return formats
-    return ()
+    return tuple(name for _, name, spec in ranked if capability >= spec.auto_from)
 
 
 def fastest_native_methods(device: torch.device, in_features: int, out_features: int) -> list[LinearMethod]:

@@ -120,6 +120,10 @@ class QuantFormat:
     summary: str = ""
     #: Its method takes the nodes' group_size as its ConvRot rotation group (QuantizeModelINT8 offers it).
     rotation_group: bool = False
+    #: The rotation groups its method takes, which the nodes offer as group_size.
+    group_sizes: tuple[int, ...] = ()
+    #: How the nodes' descriptions name it among the marker formats (default: its name).
+    label: str = ""
     #: Option spellings of earlier versions, read as this name.
     aliases: tuple[str, ...] = ()
     #: Why its layers cannot be saved as a marker checkpoint, where they cannot.
@@ -128,6 +132,16 @@ class QuantFormat:
     dequantized_elsewhere: bool = False
     #: Off its native devices, loading may re-quantize it to the device's fastest native format instead.
     requantizable: bool = False
+    #: Older file conventions the loaders read as this format's layers ("scaled_fp8", "quanto").
+    conventions: tuple[str, ...] = ()
+    #: Its layers are FP8 per tensor or channel: the quantization pass keeps them, or re-quantizes them
+    #: under `requantize_fp8`.
+    fp8_layers: bool = False
+    #: auto's preference among the formats a GPU runs natively (lower first; None: never auto's), from the
+    #: compute capability `auto_from`, and on CPU where `auto_on_cpu`.
+    auto_rank: int | None = None
+    auto_from: tuple[int, int] = (99, 0)
+    auto_on_cpu: bool = False
     #: The keys its markers may carry beside "format" (read_marker checks their values).
     marker_params: dict[str, MarkerParam] = {}
 
@@ -159,6 +173,10 @@ class QuantFormat:
     def saved_marker(self, method: "LinearMethod") -> dict | None:
         """The marker a layer of `method` is saved with (None: no marker format stores it)."""
         return {"format": self.name} if self.marker else None
+
+    def weight_format(self, params: dict, storage_dtype: torch.dtype) -> str | None:
+        """The name the quantization pass reports for a comfy-kitchen weight of this format (None: its layout's)."""
+        return None
 
     def kitchen_marker(self, params: dict) -> dict:
         """The marker of a comfy-kitchen weight of this format, from its layout params."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import HALF_DTYPES
+from ..dtypes import HALF_DTYPES, dtype_name
 from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
 from . import compiled_ops
@@ -190,6 +190,9 @@ class Fp8Format(QuantFormat):
     summary = "FP8 per-channel weights, per-token activations (sm89+ native)"
     aliases = ("fp8_e4m3fn",)   # LoadH3Quantized's option before it took the markers' spelling
     kitchen_layouts = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout")   # ComfyUI registers both names
+    fp8_layers = True
+    conventions = ("scaled_fp8",)
+    auto_rank, auto_from = 0, (8, 9)   # its GEMMs outrun INT8 ConvRot's from sm89
     contract = Contract(required=frozenset({"weight", "weight_scale"}), optional=frozenset({"input_scale"}),
                         weight_dtypes=("F8_E4M3",), encodings={"weight_scale": "float", "input_scale": "float"},
                         stored_max=FP8_MAX)
@@ -200,3 +203,6 @@ class Fp8Format(QuantFormat):
 
     def native(self, device: torch.device) -> bool:
         return native_fp8_supported(device)
+
+    def weight_format(self, params: dict, storage_dtype: torch.dtype) -> str:
+        return dtype_name(storage_dtype)

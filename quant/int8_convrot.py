@@ -135,11 +135,6 @@ class Int8ConvRotMethod(LinearMethod):
         return out.reshape(*lead, n_out)
 
 
-def format_of_params(params: dict) -> str:
-    """The format name of a comfy-kitchen INT8 weight, from its layout params."""
-    return CONVROT if params.get("convrot", False) else TENSORWISE
-
-
 def _int8_marker(convrot: bool, group_size: int) -> dict:
     if convrot:
         return {"format": TENSORWISE, "convrot": True, "convrot_groupsize": int(group_size)}
@@ -153,6 +148,9 @@ class Int8ConvRotFormat(QuantFormat):
     online = True
     rotation_group = True
     summary = "INT8 weights and per-token activations with ConvRot rotation (native from sm75)"
+    auto_rank, auto_from = 1, (7, 5)
+    group_sizes = GROUP_SIZES
+    auto_on_cpu = True   # no fast format on CPU; INT8 still halves memory
 
     def method(self, group_size: int = 256, row_split: str = "auto", **_) -> LinearMethod:
         return Int8ConvRotMethod(group_size=group_size, row_split=row_split)
@@ -174,6 +172,7 @@ class Int8TensorwiseFormat(QuantFormat):
     "per_row" (checked against the stored scale)."""
     name = TENSORWISE
     marker = True
+    label = f"{TENSORWISE} with or without ConvRot"
     kitchen_layouts = (LAYOUT,)
     contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
                         encodings={"weight_scale": "float"}, stored_max=128.0)   # int8's -128
@@ -205,6 +204,9 @@ class Int8TensorwiseFormat(QuantFormat):
 
     def saved_marker(self, method) -> dict:
         return _int8_marker(method.convrot, method.group_size)
+
+    def weight_format(self, params: dict, storage_dtype: torch.dtype) -> str:
+        return CONVROT if params.get("convrot", False) else TENSORWISE
 
     def kitchen_marker(self, params: dict) -> dict:
         return _int8_marker(params.get("convrot", False), params.get("convrot_groupsize", 256))

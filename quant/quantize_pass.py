@@ -16,8 +16,8 @@ from torch import nn
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..pack_logging import pack_logger
 from ..units import format_gib
-from . import fp8, int8_convrot
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
+from .registry import format_spec, kitchen_format
 from .linear import QuantLinear, quantized_layer
 from .decision import Layer, QuantConfig, decide
 from .linear_method import LinearMethod
@@ -58,11 +58,9 @@ def _format_of(weight: torch.Tensor) -> str:
     """The format name of a weight someone else quantized."""
     if not is_quantized_tensor(weight):
         return dtype_name(weight.dtype)
-    if layout_name(weight).startswith("TensorCoreFP8"):
-        return dtype_name(storage_dtype(weight))
-    if layout_name(weight) == int8_convrot.LAYOUT:
-        return int8_convrot.format_of_params(layout_params(weight))
-    return layout_name(weight)
+    spec = kitchen_format(layout_name(weight))
+    named = None if spec is None else spec.weight_format(layout_params(weight), storage_dtype(weight))
+    return named or layout_name(weight)
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -72,12 +70,14 @@ def fp8_format(module: nn.Module) -> str | None:
     """The format of a layer quantized to FP8 before (the pack's FP8 layers, a ComfyUI Linear with an fp8
     weight dtype, scaled or not, or with upstream's FP8 QuantizedTensor weight), else None."""
     if isinstance(module, QuantLinear):
-        return module.method.name if module.method.name == fp8.NAME else None
+        spec = format_spec(module.method.name)
+        return module.method.name if spec is not None and spec.fp8_layers else None
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return None
     if is_quantized_tensor(weight):
-        return _format_of(weight) if layout_name(weight).startswith("TensorCoreFP8") else None
+        spec = kitchen_format(layout_name(weight))
+        return _format_of(weight) if spec is not None and spec.fp8_layers else None
     return _format_of(weight) if weight.dtype in FP8_DTYPES else None
 
 

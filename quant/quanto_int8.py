@@ -52,6 +52,7 @@ class QuantoQint8Format(QuantFormat):
     """Quanto's file contract itself (a quantization map, `weight._data` / `weight._scale`) is read by
     loaders/quanto.py; the roles below are the renamed tensors."""
     name = NAME
+    conventions = ("quanto",)
     unsaveable = "Quanto qint8 is weight-only with its own file contract, not a ComfyUI marker format"
     contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
                         encodings={"weight_scale": "float"}, scales_as_stored=True, stored_max=128.0,

@@ -46,9 +46,19 @@ def marker_formats() -> dict[str, QuantFormat]:
     return {name: spec for name, spec in _FORMATS.items() if spec.marker}
 
 
+def marker_format_list(labels: bool = False) -> str:
+    """The marker formats for the nodes' descriptions: "a, b, c" (with `labels`, as each format describes itself)."""
+    return ", ".join((spec.label or name) if labels else name for name, spec in marker_formats().items())
+
+
 def kitchen_format(layout: str) -> QuantFormat | None:
     """The format whose layers a comfy-kitchen layout holds, or None."""
     return next((spec for spec in _FORMATS.values() if layout in spec.kitchen_layouts), None)
+
+
+def convention_format(convention: str) -> QuantFormat:
+    """The format whose layers a file of an older convention (scaled_fp8, quanto) holds."""
+    return next(spec for spec in _FORMATS.values() if convention in spec.conventions)
 
 
 def online_formats() -> tuple[str, ...]:
@@ -58,6 +68,11 @@ def online_formats() -> tuple[str, ...]:
 def rotation_formats() -> tuple[str, ...]:
     """The online formats whose group_size is a ConvRot rotation group (QuantizeModelINT8's choices)."""
     return tuple(name for name, spec in _FORMATS.items() if spec.online and spec.rotation_group)
+
+
+def group_sizes() -> tuple[int, ...]:
+    """The nodes' group_size choices, largest first: the rotation groups the formats take."""
+    return tuple(sorted({size for spec in _FORMATS.values() for size in spec.group_sizes}, reverse=True))
 
 
 def online_summaries(names=None) -> str:
