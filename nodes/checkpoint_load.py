@@ -12,6 +12,7 @@ from ..units import format_gib
 from . import checkpoint_compat as compat
 from .comfy_compat import compute_device, quantized_layers
 from .dynamic_vram import prepare_dynamic_vram
+from .file_backed import back_with_file
 from .kitchen import require_kitchen
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
@@ -59,6 +60,9 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
     if copied:
         builder.report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                                     "mapped, so the file's map is released")
+    backed = back_with_file(loaded, file_name) if clip_type is None else None
+    if backed:
+        builder.report.notes.append(backed)
     short, full = "\n".join(builder.report.brief()), builder.report.render()
     if clip_type is None:
         # on the node: the layers' lines, then the plan, which each sampling's `last run:` line replaces
