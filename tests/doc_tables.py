@@ -38,8 +38,8 @@ HEADLINE = [
 
 def _memory(result):
     # NVML's used memory where the bench read it (upstream keeps dynamic-VRAM weights outside
-    # PyTorch's allocator), else PyTorch's peak
-    return result.get("device_used_peak_sampling_gib") or result["peak_gib"]
+    # PyTorch's allocator), else PyTorch's peak (None on CPU)
+    return result.get("device_used_peak_sampling_gib") or result.get("peak_gib")
 
 
 def _row(result, label):

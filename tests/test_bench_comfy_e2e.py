@@ -338,6 +338,10 @@ def test_formats_table_renders_each_format_from_the_run():
     assert 0.999 < float(cells[2]) < 1 and 0.02 < float(cells[3]) < 0.04
     assert lines[5] == "| W4A8 (`asym_w4a8_int8`) | error | — | — | — | — | — |"
     assert lines[6].startswith("| W4A4 (`convrot_w4a4`) | 7.50 |") and lines[6].endswith("| 2.500 | 1.60x | 11.0 |")
+    for r in payload["results"]:  # a CPU run measures no GPU memory
+        for key in ("peak_gib", "device_used_peak_sampling_gib"):
+            r.pop(key, None)
+    assert doc_tables.formats_table(payload).splitlines()[2].endswith("| 4.000 | 1.00x | — |")
     short = doc_tables.formats_table(payload, "wan14b", "short").splitlines()
     assert short[2].endswith("| not run | — | — | — | — | — |")
     assert short[3].startswith("| FP8 (`float8_e4m3fn`) | 14.00 |")
