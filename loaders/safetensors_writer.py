@@ -5,8 +5,11 @@ into one buffer). Here the header is computed from dtypes and shapes first, then
 each tensor's bytes are written in header order, so a caller can hand over the
 tensors a model already holds (or produce them one by one). Layout as the format
 defines it (see safetensors_header.py): 8-byte little-endian header length, the
-JSON header padded with spaces to a multiple of 8 (so every tensor's data is
-8-byte aligned when mapped), then the data, with no gaps.
+JSON header padded with spaces so that the data starts at a multiple of 64 bytes,
+then the data, with no gaps. A mapped tensor then starts on a cache line wherever
+the sizes before it are multiples of 64 (weights nearly always are), where CPU
+kernels take the same path as for memory torch allocated: at 40 bytes off, the
+same int8 model sampled a latent 4.5e-7 apart (tests/integration/test_file_backed.py).
 
 The file appears only when complete: bytes go to a temporary file in the same
 folder, which replaces the target at the end and is removed on any error or
@@ -31,6 +34,7 @@ from .safetensors_header import DTYPE_SIZES
 SUFFIX = ".safetensors"
 
 _METADATA_KEY = "__metadata__"
+DATA_ALIGNMENT = 64
 _COPY_CHUNK = 64 * 1024 * 1024  # bytes per write: bounds the extra memory a GPU tensor's host copy costs
 
 
@@ -69,7 +73,7 @@ def encode_header(tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[st
         header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % 8)
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGNMENT)
     return len(raw).to_bytes(8, "little") + raw
 
 
@@ -91,13 +95,15 @@ def _write_tensor(f, name: str, tensor: torch.Tensor) -> None:
 
 
 def write_safetensors(path, tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
-                      *, overwrite: bool = False, on_tensor: Callable[[str], None] | None = None) -> int:
+                      *, overwrite: bool = False, on_tensor: Callable[[str], None] | None = None,
+                      durable: bool = True) -> int:
     """Write `tensors` ((name, tensor) in file order) to `path`; returns the file's size in bytes.
 
     Each tensor is read only when its turn comes (a CUDA tensor is copied to the
     host in 64 MiB slices). `on_tensor(name)` runs after each tensor is written
     (progress; it may raise to stop). Refuses to replace an existing file unless
-    `overwrite`, and checks free disk space first. On any exception, interrupts
+    `overwrite`, and checks free disk space first. `durable` syncs the file to disk before it
+    appears (a scratch file that dies with the process skips that wait). On any exception, interrupts
     included, the temporary file is removed and `path` is left as it was.
     """
     if sys.byteorder != "little":
@@ -124,7 +130,8 @@ def write_safetensors(path, tensors: Sequence[tuple[str, torch.Tensor]], metadat
                 if on_tensor is not None:
                     on_tensor(name)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if not overwrite and os.path.exists(path):
             raise FileExistsError(f"{path} appeared while it was being written; nothing was replaced")
         os.replace(tmp, path)

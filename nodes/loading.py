@@ -8,6 +8,7 @@ from ..loaders.load import LoadOptions, load
 from .comfy_compat import compute_device, quantized_layers
 from .comfy_host import ComfyHost
 from .dynamic_vram import prepare_dynamic_vram
+from .file_backed import back_with_file
 from .lora_fold import install_lora_fold
 from .node_report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
@@ -24,6 +25,9 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
                           group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes)
     host = ComfyHost(clip_type, folder_paths.get_folder_paths("embeddings") if clip_type is not None else None)
     loaded, report = load(path, options, compute_device(), host)
+    backed = back_with_file(loaded, file_name) if clip_type is None else None
+    if backed:
+        report.notes.append(backed)
     short, full = "\n".join(report.brief()), report.render()
     if clip_type is None:
         # on the node: the layers' lines, then the plan, which each sampling's `last run:` line replaces

@@ -195,6 +195,9 @@ def write_quanto_reference(src, dst, prefixes, activations=None):
 
 # convert_to_quant 1.3.4 command lines for the formats it writes as ComfyUI markers. --simple skips its
 # learned rounding (minutes per layer on CPU); the file layout is the same.
+# No release writes an int4 format a host loads (all 27, 1.0.1 to 1.3.4, read): only 1.0.7 writes int4, as its
+# own "sdnq" marker (SD.Next's grouped layout, dropped in 1.1.0), which neither host nor the pack reads. So
+# the W4A4 / W4A8 fixtures come from comfy-kitchen's own quantizers (write_kitchen).
 CONVERTER_MODES = {
     "int8_row_convrot": ["--int8", "--scaling_mode", "row", "--convrot", "--convrot-group-size", "256"],
     "int8_row": ["--int8", "--scaling_mode", "row"],

@@ -1,8 +1,10 @@
-"""The README's headline table of end-to-end results, from the benchmark JSON in tests/bench/results/.
+"""The README's tables of end-to-end results, from the benchmark JSON in tests/bench/results/.
 
-    python tests/doc_tables.py          prints the Markdown table
+    python tests/doc_tables.py                    prints the headline table
+    python tests/doc_tables.py --formats FILE     prints issue 21's formats table of a comfy_e2e.py run of
+                                                  its FORMAT_CONFIGS (--model, --length: which of its runs)
 
-tests/test_docs.py checks that README.md holds exactly this table.
+tests/test_docs.py checks that README.md holds exactly the headline table.
 """
 import json
 from pathlib import Path
@@ -34,10 +36,14 @@ HEADLINE = [
 ]
 
 
-def _row(result, label):
+def _memory(result):
     # NVML's used memory where the bench read it (upstream keeps dynamic-VRAM weights outside
-    # PyTorch's allocator), else PyTorch's peak
-    memory = result.get("device_used_peak_sampling_gib") or result["peak_gib"]
+    # PyTorch's allocator), else PyTorch's peak (None on CPU)
+    return result.get("device_used_peak_sampling_gib") or result.get("peak_gib")
+
+
+def _row(result, label):
+    memory = _memory(result)
     card = f"{result['cap_gib']:g} GiB" if result["capped"] else "no cap"
     return (f"| {label} | {card} | {result['step_s']:.3f} | {result['vs_resident']:.2f}x | {memory:.1f} | "
             f"{result['cosine']:.4f} |")
@@ -54,5 +60,49 @@ def headline() -> str:
     return "\n".join(lines)
 
 
+# issue 21's formats table: (comfy_e2e.py configuration, row label); the label names the LoadH3Quantized choice
+FORMATS = [
+    ("comfy_resident", "bf16 (reference, ComfyUI UNETLoader)"),
+    ("pack_fp8", "FP8 (`float8_e4m3fn`)"),
+    ("pack_int8", "INT8 ConvRot (`int8_convrot`)"),
+    ("pack_w4a8", "W4A8 (`asym_w4a8_int8`)"),
+    ("pack_w4a4", "W4A4 (`convrot_w4a4`)"),
+]
+
+
+def _number(value, spec):
+    return "—" if value is None else format(value, spec)
+
+
+def formats_table(payload: dict, model: str | None = None, length: str = "long") -> str:
+    """The formats table of one comfy_e2e.py results payload, at `model` (default: the run's first) and
+    `length`. A row whose configuration did not run or failed says so instead of numbers."""
+    model = model or payload["settings"]["models"][0]
+    results = {r["config"]: r for r in payload["results"] if r["model"] == model and r["length"] == length}
+    lines = ["| format | weight GiB | latent cosine | rel L2 | s/step | vs resident | peak VRAM GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for config, label in FORMATS:
+        r = results.get(config)
+        if r is None or r["status"] != "ok":
+            lines.append(f"| {label} | {'not run' if r is None else r['status']} | — | — | — | — | — |")
+            continue
+        vs = _number(r.get("vs_resident"), ".2f")
+        lines.append(f"| {label} | {_number(r.get('weights_gib'), '.2f')} | {_number(r.get('cosine'), '.5f')} | "
+                     f"{_number(r.get('rel_l2'), '.4f')} | {r['step_s']:.3f} | {vs}{'x' if vs != '—' else ''} | "
+                     f"{_number(_memory(r), '.1f')} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(headline())
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", metavar="FILE", help="a comfy_e2e.py results JSON (name in tests/bench/results/ "
+                                                          "or a path): print its formats table")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--length", default="long")
+    args = parser.parse_args()
+    if args.formats:
+        path = RESULTS / args.formats if (RESULTS / args.formats).exists() else Path(args.formats)
+        print(formats_table(json.loads(path.read_text()), args.model, args.length))
+    else:
+        print(headline())

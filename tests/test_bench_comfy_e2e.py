@@ -274,3 +274,74 @@ def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
     assert out["total_ms"] == 14.5
     assert out["top"][0] == {"kernel": "nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", "kind": "gemm", "ms": 5.0}
     assert len(out["top"]) == 8
+
+
+def test_format_configs_name_each_loadh3quantized_choice(tmp_path):
+    from bigdit.nodes.options import QUANTIZATIONS
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    chosen = {name: configs[name].loader[1]["quantization"] for name in comfy_e2e.FORMAT_CONFIGS[1:]}
+    assert chosen == {"pack_fp8": "float8_e4m3fn", "pack_int8": "int8_convrot", "pack_w4a8": "asym_w4a8_int8",
+                      "pack_w4a4": "convrot_w4a4"}
+    assert set(chosen.values()) <= set(QUANTIZATIONS.values)  # the node's own strings, not old spellings
+    assert all(configs[n].capped and configs[n].loader[0] == "LoadH3Quantized" for n in chosen)
+    assert not set(chosen) - {"pack_int8"} & set(comfy_e2e.DEFAULT_CONFIGS)
+    comfyui = tmp_path / "comfyui"
+    comfyui.mkdir()
+    (comfyui / "main.py").write_text("")
+    opts = comfy_e2e.parse_args(["--comfyui", str(comfyui), "--configs", "formats,pack_auto", "--work", str(tmp_path)])
+    assert opts.configs == [*comfy_e2e.FORMAT_CONFIGS, "pack_auto"]
+
+
+def _server_report(step_s, model_bytes, device_peak):
+    """What BigditRunReport returns (tests/fixtures/bigdit_testnodes/bench.py), for comfy_e2e.measurements."""
+    return {"step_seconds": [step_s * 2, step_s, step_s], "calls_per_step": [1, 1, 1], "first_call": 110.0,
+            "timer_node": 105.0, "sample_start": 106.0, "sample_end": 120.0, "latent_shape": [1, 16, 2, 4, 4],
+            "comfy_total_vram": 24 * 2 ** 30, "emulated_vram": 24 * 2 ** 30, "peak_before_sampling": 2 ** 30,
+            "peak_sampling": 2 * 2 ** 30, "reserved_peak_sampling": 3 * 2 ** 30, "model_bytes": model_bytes,
+            "device_used_peak_sampling": device_peak}
+
+
+def _formats_payload():
+    """A comfy_e2e.py payload of a formats run, records made as run_one and add_comparison make them."""
+    entry = {"status": {"messages": [["execution_start", {"timestamp": 100_000}]]}}
+    gen = torch.Generator().manual_seed(0)
+    reference = torch.randn(1, 16, 2, 4, 4, generator=gen)
+    runs = {"comfy_resident": (4.0, 28 * 2 ** 30, 33 * 2 ** 30, 0.0),
+            "pack_fp8": (3.2, 14 * 2 ** 30, 18 * 2 ** 30, 0.03),
+            "pack_int8": (4.0, 14 * 2 ** 30, 18.5 * 2 ** 30, 0.015),
+            "pack_w4a4": (2.5, 7.5 * 2 ** 30, 11 * 2 ** 30, 0.1)}
+    results = []
+    for config, (step_s, weights, device_peak, noise) in runs.items():
+        rec = {"config": config, "family": "comfy" if config == "comfy_resident" else "pack", "model": "wan14b",
+               "length": "long", "capped": config != "comfy_resident", "status": "ok",
+               **comfy_e2e.measurements(_server_report(step_s, weights, device_peak), entry)}
+        rec.update(comfy_e2e.compare(reference + noise * torch.randn(reference.shape, generator=gen), reference))
+        rec["vs_resident"] = 4.0 / step_s
+        results.append(rec)
+    results.append({"config": "pack_w4a8", "model": "wan14b", "length": "long", "status": "error", "error": "x"})
+    results.append({**results[1], "length": "short"})  # another length: not in the long table
+    return {"bench": "comfy-e2e", "settings": {"models": ["wan14b"]}, "models": {}, "results": results}
+
+
+def test_formats_table_renders_each_format_from_the_run():
+    import doc_tables
+    payload = _formats_payload()
+    fp8 = next(r for r in payload["results"] if r["config"] == "pack_fp8")
+    assert fp8["weights_bytes"] == 14 * 2 ** 30 and fp8["weights_gib"] == 14.0
+    lines = doc_tables.formats_table(payload).splitlines()
+    assert lines[0] == "| format | weight GiB | latent cosine | rel L2 | s/step | vs resident | peak VRAM GiB |"
+    assert [line.split(" | ")[0] for line in lines[2:]] == [f"| {label}" for _, label in doc_tables.FORMATS]
+    assert [c for c, _ in doc_tables.FORMATS] == list(comfy_e2e.FORMAT_CONFIGS)
+    assert lines[2] == "| bf16 (reference, ComfyUI UNETLoader) | 28.00 | 1.00000 | 0.0000 | 4.000 | 1.00x | 33.0 |"
+    cells = lines[3].split(" | ")
+    assert cells[1] == "14.00" and cells[4:] == ["3.200", "1.25x", "18.0 |"]
+    assert 0.999 < float(cells[2]) < 1 and 0.02 < float(cells[3]) < 0.04
+    assert lines[5] == "| W4A8 (`asym_w4a8_int8`) | error | — | — | — | — | — |"
+    assert lines[6].startswith("| W4A4 (`convrot_w4a4`) | 7.50 |") and lines[6].endswith("| 2.500 | 1.60x | 11.0 |")
+    for r in payload["results"]:  # a CPU run measures no GPU memory
+        for key in ("peak_gib", "device_used_peak_sampling_gib"):
+            r.pop(key, None)
+    assert doc_tables.formats_table(payload).splitlines()[2].endswith("| 4.000 | 1.00x | — |")
+    short = doc_tables.formats_table(payload, "wan14b", "short").splitlines()
+    assert short[2].endswith("| not run | — | — | — | — | — |")
+    assert short[3].startswith("| FP8 (`float8_e4m3fn`) | 14.00 |")

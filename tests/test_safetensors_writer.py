@@ -57,7 +57,7 @@ def test_round_trip_through_safetensors_reader(tmp_path):
             assert same_bits(f.get_tensor(name), tensor.detach()), name
     # The pack's own strict header reader accepts it, with the data right behind the padded header.
     header = read_header(path)
-    assert header.data_start % 8 == 0
+    assert header.data_start % 64 == 0  # the data starts on a cache line
     assert [header.tensors[name].begin for name, _ in tensors] == sorted(header.tensors[n].begin for n, _ in tensors)
 
 
@@ -139,7 +139,7 @@ class _Subclass(torch.Tensor):
 def test_header_is_padded_and_offsets_are_contiguous():
     raw = encode_header([("a", torch.ones(3, dtype=torch.uint8)), ("b", torch.ones(2, 2))], {"k": "v"})
     length = int.from_bytes(raw[:8], "little")
-    assert len(raw) == 8 + length and len(raw) % 8 == 0
+    assert len(raw) == 8 + length and len(raw) % 64 == 0
     header = json.loads(raw[8:])
     assert header["a"] == {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}
     assert header["b"] == {"dtype": "F32", "shape": [2, 2], "data_offsets": [3, 19]}

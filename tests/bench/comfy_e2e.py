@@ -25,7 +25,7 @@ nodes in tests/fixtures/bigdit_testnodes/bench.py record inside the server):
 - host_rss_peak_gib: the server's peak resident set (loading included); host_rss_sampling_gib:
   the largest resident set after a model call; host_rss_gib,
   host_rss_anon_gib, host_rss_file_gib: after sampling, all, anonymous, mapped file pages;
-  weights_gib: the sampled model's weights as ComfyUI counts them (model_size), and
+  weights_bytes (and weights_gib): the sampled model's weights as ComfyUI counts them (model_size), and
   host_rss_peak_over_weights, host_rss_sampling_over_weights: the two resident sets over them
   (issue 19's targets: at most 1.25 and 1.1);
 - rel_l2 and cosine of the saved latent against comfy_resident's at the same
@@ -54,6 +54,11 @@ written beside the model), not in the default set (--configs ...,pack_auto,pack_
 pack_auto_12g and pack_auto_lora_12g on a 12 GiB card, where ComfyUI loads the model
 partially; issue 19: pack_auto_8g on an 8 GiB card, and comfy_fp8_marker_12g / comfy_fp8_marker_8g,
 ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurations behind each number.
+
+Issue 21's formats table (tests/doc_tables.py formats_table) is one run of FORMAT_CONFIGS, not in the
+default set (--configs formats): comfy_resident (bf16) and LoadH3Quantized with each format named, on the
+emulated card: pack_fp8 (float8_e4m3fn), pack_int8 (int8_convrot), pack_w4a8 (asym_w4a8_int8), pack_w4a4
+(convrot_w4a4).
 
 Models are random-weight, full size, generated on the GPU of the machine that
 runs this (tests/bench/e2e_models.py), one file at a time, deleted after their
@@ -203,9 +208,16 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("comfy_fp8_marker_8g", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers",
                cap_gib=8.0),
         Config("pack_auto_lora_12g", "pack", True, _pack_loader("auto"), (_lora(),), lora=True, cap_gib=12.0),
+        # issue 21's formats table: each online format named, on pack_int8's card (the full H3 in 4 bits on 24 GiB)
+        Config("pack_fp8", "pack", True, _pack_loader("float8_e4m3fn")),
+        Config("pack_w4a8", "pack", True, _pack_loader("asym_w4a8_int8")),
+        Config("pack_w4a4", "pack", True, _pack_loader("convrot_w4a4")),
     ]
     return {c.name: c for c in configs}
 
+
+# the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4
+FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_int8", "pack_w4a8", "pack_w4a4")
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")
@@ -356,6 +368,7 @@ def measurements(report: dict, entry: dict) -> dict:
             out[f"{key}_gib"] = report[key] / GIB
     # issue 19's host memory targets: peak (loading) <= 1.25 x the weights, sampling <= 1.1 x
     if report.get("model_bytes"):
+        out["weights_bytes"] = report["model_bytes"]
         out["weights_gib"] = report["model_bytes"] / GIB
         for key in ("host_rss_peak", "host_rss_sampling"):
             if report.get(key) is not None:
@@ -693,7 +706,8 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", default=None,
                         help="comma list of the model's lengths (long, short) or WIDTHxHEIGHTxFRAMES (long,short)")
     parser.add_argument("--configs", default=None, help=f"comma list (default {','.join(DEFAULT_CONFIGS)}; also "
-                        f"{','.join(c for c in make_configs('x') if c not in DEFAULT_CONFIGS)})")
+                        f"{','.join(c for c in make_configs('x') if c not in DEFAULT_CONFIGS)}; \"formats\": "
+                        f"{','.join(FORMAT_CONFIGS)})")
     parser.add_argument("--configs-at", action="append", default=[], metavar="LENGTH=CONFIGS",
                         help="the configurations at one length instead of --configs, e.g. short=comfy_resident,"
                              "pack_auto (repeatable)")
@@ -722,7 +736,7 @@ def parse_args(argv=None):
     known = make_configs(opts.fp8_attention_backend)
 
     def config_list(text):
-        names = text.split(",")
+        names = [n for item in text.split(",") for n in (FORMAT_CONFIGS if item == "formats" else (item,))]
         unknown = [n for n in names if n not in known]
         if unknown:
             parser.error(f"unknown configuration: {', '.join(unknown)} (known: {', '.join(known)})")

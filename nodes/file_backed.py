@@ -1,0 +1,97 @@
+"""A loaded model's paged weights backed by a file, as ComfyUI backs its own (upstream's dynamic VRAM).
+
+Under dynamic VRAM the host pages a layer's weight and bias through its cast path:
+the first time, it copies them into its own pinned memory, reading them from the
+model file (the file slices its loader attaches) rather than from the tensor. Its
+own models so hold one copy in RAM. The weights a loader quantized live in process
+memory, and the host's pinned copy would sit beside them (measured: 42 GiB of host
+memory for MiniMax-H3's 20 GiB of FP8 weights, against 23.5 GiB for ComfyUI's own
+FP8 file). `back_with_file` writes those tensors to a scratch file in ComfyUI's temp
+folder and loads them back with ComfyUI's own loader, so the host reads them from
+the file as it reads its own, and the process memory they held is given back.
+The file is unlinked once mapped (POSIX); elsewhere it goes with the model, or at
+ComfyUI's next start, which empties its temp folder.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import weakref
+
+import comfy.memory_management
+import comfy.utils
+import folder_paths
+import torch
+from torch import nn
+
+from ..loaders.host_memory import trim_heap
+from ..loaders.safetensors_writer import write_safetensors
+from ..quant.linear import QuantLinear
+from ..units import format_gib
+from .comfy_compat import is_dynamic
+
+
+def _from_file(tensor: torch.Tensor) -> bool:
+    # what the host's loader attaches to a tensor it reads from the file (comfy.utils.load_safetensors)
+    return hasattr(tensor.untyped_storage(), "_comfy_tensor_file_slice")
+
+
+def paged_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """The weight and bias of every layer the host pages (its cast layers and the pack's QuantLinear) that
+    sit in process memory, by state-dict key."""
+    found = {}
+    for path, module in model.named_modules():
+        if not (isinstance(module, QuantLinear) or hasattr(module, "comfy_cast_weights")):
+            continue
+        for name in ("weight", "bias"):
+            tensor = module._parameters.get(name)
+            if tensor is not None and tensor.device.type == "cpu" and tensor.numel() and not _from_file(tensor):
+                found[f"{path}.{name}" if path else name] = (module, name)
+    return found
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def back_with_file(patcher, label: str) -> str | None:
+    """Have the host page `patcher`'s weights from a scratch file (see the module's docstring); returns the
+    report's line, or None where the host does not page from files. Any failure leaves the model as it was
+    and says why."""
+    if not (is_dynamic(patcher) and getattr(comfy.memory_management, "aimdo_enabled", False)):
+        return None
+    tensors = paged_tensors(patcher.model)
+    if not tensors:
+        return None
+    start = time.perf_counter()
+    folder = folder_paths.get_temp_directory()
+    path = os.path.join(folder, f"bigdit-{secrets.token_hex(6)}-{os.path.basename(label)}")
+    if not path.endswith(".safetensors"):
+        path += ".safetensors"
+    entries = [(key, module._parameters[name].data) for key, (module, name) in tensors.items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in entries)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        write_safetensors(path, entries, durable=False)
+        del entries
+        loaded = comfy.utils.load_torch_file(path)
+        if not all(_from_file(loaded[key]) for key in tensors):
+            raise RuntimeError("ComfyUI's loader did not map the file")
+    except Exception as e:  # disk full, temp folder not writable...: the weights stay in RAM
+        _remove(path)
+        return (f"kept the {format_gib(nbytes)} of paged weights in RAM beside ComfyUI's pinned copy: "
+                f"no scratch file in {folder} ({type(e).__name__}: {e})")
+    with torch.no_grad():
+        for key, (module, name) in tensors.items():
+            module._parameters[name] = nn.Parameter(loaded[key], requires_grad=False)
+    del loaded
+    trim_heap()
+    _remove(path)  # POSIX: the map keeps the file's data until the model goes
+    if os.path.exists(path):
+        weakref.finalize(patcher.model, _remove, path)
+    return (f"put the {format_gib(nbytes)} of paged weights in a scratch file ComfyUI pages from, as from "
+            f"its own files: one copy in RAM ({time.perf_counter() - start:.1f} s)")

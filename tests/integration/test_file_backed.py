@@ -1,0 +1,146 @@
+"""Quantized weights ComfyUI pages from a file, as from its own files (issue 19, item 3; nodes/file_backed.py).
+
+Under upstream's dynamic VRAM the host copies a layer's weight into its own pinned memory, reading the
+model file, so a loader's quantized weights in process memory would be held twice. `back_with_file`
+writes them to a scratch file and loads them back with ComfyUI's own loader. Here, with upstream's real
+loader (comfy.utils.load_torch_file with comfy-aimdo's file map, switched on as main.py switches it on for
+a GPU) and its real `ModelPatcherDynamic`, retargeted to the CPU as tests/integration/
+test_constrained_load.py does, a tiny model quantized in place (int8_convrot, group 16):
+- every QuantLinear's weight and bias, and every plain cast layer's, end up mapped from the file, the
+  process memory they held is freed (no reference left), and the scratch file is unlinked;
+- 3 euler steps through ComfyUI's KSampler path give the same latent, bit for bit, as the same quantized
+  weights held in RAM (with the file's data 40 bytes off a cache line they did not: 4.5e-7 apart, CPU
+  kernels take another path; loaders/safetensors_writer.py aligns it);
+- with a temp folder that cannot be made, the model keeps its tensors and the report line says why.
+The pinned copies themselves (what the host does on a GPU) are measured by tests/bench/comfy_e2e.py
+(host_rss_peak_gib, host_rss_sampling_gib).
+"""
+import json
+import subprocess
+
+import pytest
+
+from comfy_harness import PACK_ROOT
+
+pytestmark = [pytest.mark.integration]
+
+PROBE = r"""
+import gc, importlib.util, json, os, sys, tempfile, types, weakref
+pack_root, unet, kind, text_dim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.memory_management, comfy.model_management, comfy.model_patcher, comfy.sd
+import folder_paths, nodes
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.nodes.file_backed import back_with_file, paged_tensors
+from bigdit.quant import QuantConfig, get_method
+from bigdit.quant.dispatch import apply_replacements, quantize_layers
+from bigdit.quant.keep import keep_patterns
+from bigdit.quant.linear import QuantLinear
+
+cpu = torch.device("cpu")
+
+
+def quantized():
+    patcher = comfy.sd.load_diffusion_model(unet)
+    diffusion = patcher.model.diffusion_model
+    for p in diffusion.parameters():  # in process memory, as a quantizing loader leaves them
+        p.data = p.data.clone()
+    config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=cpu,
+                         ignored=keep_patterns([n for n, _ in diffusion.named_modules()], None))
+    replacements, _ = quantize_layers(diffusion, config, title="test")
+    apply_replacements(diffusion, replacements)
+    dynamic = comfy.model_patcher.ModelPatcherDynamic(patcher.model, load_device=torch.device("cuda", 0),
+                                                      offload_device=cpu)
+    dynamic.load_device = cpu
+    dynamic.register_load_device(cpu)
+    return dynamic
+
+
+def latent():
+    if kind == "h3":
+        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+        return EmptyMiniMaxH3LatentAV.execute(width=64, height=64, length=5)[0]
+    return {"samples": torch.zeros(1, 16, 1, 8, 8)}
+
+
+def sample(patcher):
+    gen = torch.Generator().manual_seed(0)
+    cond = [[torch.randn(1, 8, text_dim, generator=gen), {}]]
+    out = nodes.common_ksampler(patcher, 0, 3, 1.0, "euler", "simple", cond, cond, latent())[0]["samples"]
+    return out.unbind() if out.is_nested else [out]
+
+
+def backed(patcher, temp):
+    folder_paths.set_temp_directory(temp)
+    comfy.memory_management.aimdo_enabled = True  # the host's loader maps files through comfy-aimdo
+    try:
+        return back_with_file(patcher, "tiny.safetensors")
+    finally:
+        comfy.memory_management.aimdo_enabled = False  # sampling here runs the CPU path
+
+
+out = {}
+reference = sample(quantized())
+patcher = quantized()
+model = patcher.model
+paged = paged_tensors(model)
+layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+out["quantized_layers"], out["paged"] = len(layers), len(paged)
+out["plain_paged"] = sum(not isinstance(m, QuantLinear) for m, _ in paged.values())
+held = [weakref.ref(m._parameters[n]) for m, n in paged.values()]
+temp = tempfile.mkdtemp()
+copies = {k: m._parameters[n].detach().clone() for k, (m, n) in paged.items()}
+out["line"] = backed(patcher, temp)
+out["same_values"] = all(torch.equal(m._parameters[n], copies[k]) for k, (m, n) in paged.items())
+out["aligned"] = all(m._parameters[n].data_ptr() % 64 == 0 for m, n in paged.values())
+gc.collect()
+out["freed"] = sum(r() is None for r in held)
+out["left_in_ram"] = len(paged_tensors(model))
+out["files_left"] = os.listdir(temp)
+out["from_file"] = all(hasattr(m._parameters[n].untyped_storage(), "_comfy_tensor_file_slice")
+                       for m, n in paged.values())
+got = sample(patcher)
+out["exact"] = all(torch.equal(g, r) for g, r in zip(got, reference))
+
+out["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
+
+failing = quantized()
+before = {k: m._parameters[n] for k, (m, n) in paged_tensors(failing.model).items()}
+blocker = os.path.join(temp, "not-a-folder")
+open(blocker, "w").close()
+out["failed_line"] = backed(failing, os.path.join(blocker, "temp"))
+out["unchanged"] = all(m._parameters[n] is before[k] for k, (m, n) in paged_tensors(failing.model).items()) \
+    and len(paged_tensors(failing.model)) == len(before)
+print(json.dumps(out))
+"""
+
+
+def check(comfy, model_path, kind, text_dim):
+    result = subprocess.run([str(comfy.host.python), "-c", PROBE, str(PACK_ROOT), str(model_path), kind,
+                             str(text_dim)], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["quantized_layers"] > 0 and out["plain_paged"] > 0, out
+    assert out["line"] and out["line"].startswith("put the "), out
+    assert out["from_file"] and out["left_in_ram"] == 0, out
+    assert out["freed"] == out["paged"], out  # the process memory they held is gone
+    assert out["files_left"] == [], out  # unlinked once mapped
+    assert out["same_values"] and out["aligned"], out  # byte for byte, each on a cache line (as torch allocates)
+    assert out["finite"] and out["exact"], out
+    assert out["failed_line"].startswith("kept the ") and "NotADirectoryError" in out["failed_line"], out
+    assert out["unchanged"], out
+
+
+@pytest.mark.host_feature("dynamic_vram")
+def test_wan_weights_paged_from_a_file(comfy, tiny_wan2):
+    check(comfy, tiny_wan2["path"], "wan", 4096)
+
+
+@pytest.mark.host_feature("dynamic_vram", "minimax_h3")
+def test_h3_weights_paged_from_a_file(comfy, tiny_h3):
+    check(comfy, tiny_h3["path"], "h3", tiny_h3["text_dim"])
