@@ -159,6 +159,69 @@ def test_router_runs_an_untraceable_kernel_as_one_opaque_op(chosen, monkeypatch)
     assert any("bigdit.attention" in op for op in ops) == opaque, ops  # the kernel is one node of the graph
 
 
+SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def graph_ops(explained) -> list[str]:
+    """The call_function targets of every traced graph, torch.cond's branch graphs included."""
+    return [str(node.target) for g in explained.graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+            for node in m.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.kitchen_feature("sol_attn")
+@pytest.mark.parametrize("schedule", [{}, {"dense_layers": "1"}, {"dense_steps": 2},
+                                      {"dense_steps": 2, "dense_layers": "0"}])
+def test_router_sol_and_its_schedule_compile_as_one_graph(schedule):
+    """Sol is one opaque op; its cross-attention calls fall back to the dense backend (warned while tracing, no
+    break); the dense steps are a branch inside the graph, so one graph serves every step, equal to eager."""
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, sol_min_tokens=0, **schedule)
+    options = {}
+    install(options, router)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 256, 2 * 128, generator=g) for _ in range(3))
+    text = torch.randn(1, 64, 2 * 128, generator=g)
+
+    def forward(options, x):  # three blocks of self- and cross-attention, as a DiT's forward
+        router.begin_forward()
+        for _ in range(3):
+            x = comfy_attention(options, x, k, v, 2) + comfy_attention(options, x, text, text, 2)
+        return x
+
+    steps = [dict(options, sigmas=SIGMAS[s:s + 1], sample_sigmas=SIGMAS) for s in range(4)]
+    eager = [forward(o, q) for o in steps]
+    calls = router.stats.take_run()["calls"]
+    assert calls["sol"] > 0 and calls["sdpa"] > 0
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward)(steps[0], q)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    ops = graph_ops(explained)
+    assert any("bigdit.sol_attention" in op for op in ops), ops
+    assert any("cond" in op for op in ops) == ("dense_steps" in schedule), ops
+
+    counters = compile_counters()
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
+    outs = [compiled(o, q) for o in steps * 2]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, eager * 2))
+
+
+@pytest.mark.kitchen_feature("sol_attn")
+@pytest.mark.parametrize("masked", [False, True])
+def test_sol_op_equals_kitchen_bit_for_bit(masked):
+    import comfy_kitchen as ck
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 256, 2, 128, generator=g) for _ in range(3))
+    key_bias = torch.zeros(1, 1, 1, 256)
+    key_bias[..., 200:] = float("-inf")
+    key_bias = key_bias if masked else None
+    sinks = [0, 4] if masked else [0, 0]  # masked keys 200-255 in sink blocks 3-4 (64 tokens each)
+    direct = ck.sol_attn(q, k, v, tau=1.0, scale=None, sink_blocks=sinks, sink_q=[0, 0], key_bias=key_bias)
+    args = (q, k, v, 1.0, None, sinks, [0, 0], key_bias)
+    assert torch.equal(torch.ops.bigdit.sol_attention(*args), direct)
+    torch.library.opcheck(torch.ops.bigdit.sol_attention.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
 class Blocks(nn.Module):
     def __init__(self, n=4, dim=64):
         super().__init__()
@@ -250,6 +313,31 @@ def test_fullgraph_router_optional_kernels_on_cuda(backend):
     compile_counters()
     out = torch.compile(comfy_attention, backend="inductor", fullgraph=True)(options, q, k, v, 8)
     assert rel(out, eager) < 1e-2  # the same kernel, compiled around
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("schedule", [{}, {"dense_steps": 1, "dense_layers": "1"}])
+def test_fullgraph_router_sol_on_cuda(schedule):
+    """Sol's CUDA kernel as one opaque op, its dense steps a branch of the graph: fullgraph=True compiles."""
+    router = Router("sol", dense_backend="sdpa", sol_tau=1.0, sol_min_tokens=0, **schedule)
+    options = {}
+    install(options, router)
+    q, k, v = (torch.randn(1, 4096, 8 * 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    sigmas = SIGMAS.cuda()
+
+    def forward(options, x):
+        router.begin_forward()
+        return comfy_attention(options, comfy_attention(options, x, k, v, 8), k, v, 8)
+
+    steps = [dict(options, sigmas=sigmas[s:s + 1], sample_sigmas=sigmas) for s in range(3)]
+    eager = [forward(o, q) for o in steps]
+    if "sol" not in router.stats.take_run()["calls"]:
+        pytest.skip("comfy-kitchen's Sol kernel does not run here")
+    compile_counters()
+    compiled = torch.compile(forward, backend="inductor", fullgraph=True)
+    for out, ref in zip([compiled(o, q) for o in steps], eager):
+        assert rel(out, ref) < 1e-2  # the same kernels, compiled around
 
 
 def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():
