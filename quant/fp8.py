@@ -78,7 +78,8 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
     """quantize_rows in as few memory passes as this machine allows, with the same result.
 
     The activation pass is what separates FP8's end-to-end speed from the raw
-    GEMM's. First choice: the one-pass Triton kernel (fp8_rows). Otherwise the
+    GEMM's. Eager only: under torch.compile `quantize_rows` is traced and fused.
+    First choice: the one-pass Triton kernel (fp8_rows). Otherwise the
     input activation runs eagerly, torch's row inf-norm and the per-row
     scales follow, and one compiled elementwise kernel casts; without a
     compiler, eager torch.
@@ -89,7 +90,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
         width = x.shape[1] // (2 if input_act == "swiglu" else 1)
         if fp8_rows.available(x, width):
             try:
-                return compiled_ops.fp8_quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
+                return fp8_rows.quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
             except Exception as exc:  # a Triton that imports but cannot compile for this GPU
                 _triton_failed = True
                 log.warning("FP8: the Triton activation quantizer failed (%s); using torch.compile or eager "
