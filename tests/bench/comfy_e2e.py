@@ -217,7 +217,7 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
 
 
 # the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4
-FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_int8", "pack_w4a8", "pack_w4a4")
+FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_auto", "pack_int8", "pack_w4a8", "pack_w4a4")
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")
