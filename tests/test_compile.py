@@ -466,3 +466,9 @@ def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():
         info["TorchCompileModel"] = {"input": {"required": {"model": ["MODEL", {}],
                                                             "backend": [["inductor", "cudagraphs"], {}]}}}
         assert comfy_e2e.unoffered_choice(graph, info) is None
+    sage = comfy_e2e.sampling_graph(configs["pack_auto_sage_compiled"], e2e_models.TINY_WAN, "m.safetensors",
+                                    e2e_models.TINY_WAN.length("long"), 3, 0, "p")
+    # SetAttentionBackend first, then ComfyUI's compile of the model it patched, then the sampler
+    assert sage["m0"]["class_type"] == "SetAttentionBackend" and sage["m0"]["inputs"]["backend"] == "sage"
+    assert sage["m1"] == {"class_type": "TorchCompileModel", "inputs": {"backend": "inductor", "model": ["m0", 0]}}
+    assert sage["timer"]["inputs"]["model"] == ["m1", 0]

@@ -197,6 +197,7 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # the compiled step (issue 12's non-GEMM lever), each against its uncompiled twin
         Config("pack_auto_compiled", "pack", True, _pack_loader("auto"), (_compile(),)),
         Config("comfy_fp8_fast_compiled", "comfy", True, _unet("fp8_e4m3fn_fast"), (_compile(),)),
+        Config("pack_auto_sage_compiled", "pack", True, _pack_loader("auto"), (_attention("sage"), _compile())),
         # a LoRA's cost (issue 13): against pack_auto on the same card; on 12 GiB part of the model stays in
         # RAM, so ComfyUI loads it partially and the pack folds the LoRA into the offloaded layers
         Config("pack_auto_lora", "pack", True, _pack_loader("auto"), (_lora(),), lora=True),
