@@ -105,6 +105,10 @@ class Router:
             if why:
                 self.stats.add("scheduled_dense", why)
                 chain = chain[1:]
+            elif self.schedule.dense_steps and torch.compiler.is_compiling():
+                dense_step = self.schedule.dense_step(options)
+                if dense_step is not None:
+                    return self._by_step(dense_step, chain, q, k, v, layout, mask, scale, options)
         # SDPA takes every call, so the chain ends at the first SDPA
         names = [b.name for b in chain]
         chain = chain[:names.index("sdpa") + 1]
@@ -129,16 +133,42 @@ class Router:
         plan = reference.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
         return self._ran(plan.label, plan.run(), declined)
 
+    def _by_step(self, dense_step, chain, q, k, v, layout, mask, scale, options):
+        """Under torch.compile, where the step is data: both routes are traced and `torch.cond` runs the one
+        `dense_step` (a bool tensor) picks; where both routes end at the same kernel, that kernel alone."""
+        routes = [self._route(c, q, k, v, layout, mask, scale, options) for c in (chain[1:], chain)]
+        (dense, _), (sparse, _) = routes
+        for plan, declined in routes:
+            for name, reason in declined:
+                self._warn(name, reason, plan.label)
+        if dense.label == sparse.label:
+            return sparse.run()
+        # the branches must agree in strides: each output as a contiguous tensor in the call's layout
+        return torch.cond(dense_step, lambda: dense.run().contiguous(), lambda: sparse.run().contiguous(), ())
+
+    @staticmethod
+    def _route(chain, q, k, v, layout, mask, scale, options):
+        """(the plan of the first backend of `chain` that takes the call, [(declined backend, why)])."""
+        declined = []
+        for backend in chain:
+            try:
+                return backend.plan(q, k, v, layout=layout, mask=mask, scale=scale,
+                                    transformer_options=options), declined
+            except Unsupported as e:
+                declined.append((backend.name, str(e)))
+        raise Unsupported("; ".join(f"{name}: {why}" for name, why in declined))
+
     def _ran(self, label, out, declined):
         for name, reason in declined:
-            self._fallback(name, reason, label)
+            self.stats.add("fallbacks", f"{name} -> {label}: {reason}")
+            self._warn(name, reason, label)
         self.stats.add("calls", label)
         return out
 
-    @torch.compiler.disable  # rare, and it warns: runs eagerly, one graph break where a backend declines
-    def _fallback(self, name: str, reason: str, ran: str) -> None:
-        self.stats.add("fallbacks", f"{name} -> {ran}: {reason}")
+    @torch.compiler.assume_constant_result  # under torch.compile it runs once, while tracing: no graph break
+    def _warn(self, name: str, reason: str, ran: str) -> bool:
         if (name, reason) not in self._warned:
             self._warned.add((name, reason))
             log.warning("attention: %s cannot take this call (%s); running %s instead. "
                         "Warned once per reason.", name, reason, ran)
+        return True

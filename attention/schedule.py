@@ -15,12 +15,17 @@ for each (query shape, key shape): the n-th self-attention call of a forward
 is block n, and cross-attention calls count on their own. The counter is
 reset by `begin_forward()`, which the node calls from a DIFFUSION_MODEL
 wrapper at the start of every forward.
+
+Under torch.compile the block is known while tracing (a constant of the
+graph) but the step is data: `dense_step` gives it as a boolean tensor that
+the router branches on inside the graph (torch.cond), so one graph serves
+every step.
 """
 from __future__ import annotations
 
-import bisect
 import re
 
+import torch
 from torch import nn
 
 from ..pack_logging import pack_logger
@@ -43,11 +48,13 @@ class BlockRanges:
             else:
                 merged.append([a, b])
         self.ranges = tuple((a, b) for a, b in merged)
-        self._starts = [a for a, _ in self.ranges]
 
     def __contains__(self, block: int) -> bool:
-        i = bisect.bisect_right(self._starts, block) - 1
-        return i >= 0 and block <= self.ranges[i][1]
+        # a scan, not bisect: dynamo cannot trace the C bisect, and a typed list is a few ranges
+        for a, b in self.ranges:
+            if block <= b:
+                return block >= a
+        return False
 
     def __bool__(self) -> bool:
         return bool(self.ranges)
@@ -135,16 +142,35 @@ class DenseSchedule:
 
     def dense_reason(self, options: dict, key) -> str | None:
         """'step' or 'layer' when this call is scheduled dense, else None.
-        `key` identifies the call's shapes for block counting."""
+        `key` identifies the call's shapes for block counting. Under
+        torch.compile the step is not read here (see `dense_step`)."""
         if self.dense_layers and self.block(options, key) in self.dense_layers:
             return "layer"
-        if self.dense_steps:
+        if self.dense_steps and not torch.compiler.is_compiling():
             step = self.step(options)
             if step is None:
-                if not self._warned:
-                    self._warned = True
-                    log.warning("attention: no sampling step in transformer_options "
-                                "(sigmas/sample_sigmas); dense_steps is not applied to these calls")
+                self._no_step()
             elif step < self.dense_steps:
                 return "step"
         return None
+
+    def dense_step(self, options: dict) -> torch.Tensor | None:
+        """Whether this call's step is one of the dense steps, as a 0-d bool tensor on the sigmas' device
+        (None without step information): `step`'s arithmetic in tensor ops (float64, as Python's floats),
+        so that under torch.compile the step is read with no host sync and no graph break."""
+        sigmas, schedule = options.get("sigmas"), options.get("sample_sigmas")
+        if sigmas is None or schedule is None:
+            self._no_step()
+            return None
+        sigma = sigmas.flatten()[0].double()
+        tol = 1e-4 * sigma.abs() + 1e-9
+        passed = (schedule.flatten().to(sigma.device, torch.float64) >= sigma - tol).sum()
+        return (passed - 1).clamp(min=0) < self.dense_steps
+
+    @torch.compiler.assume_constant_result  # under torch.compile it runs once, while tracing: no graph break
+    def _no_step(self) -> bool:
+        if not self._warned:
+            self._warned = True
+            log.warning("attention: no sampling step in transformer_options "
+                        "(sigmas/sample_sigmas); dense_steps is not applied to these calls")
+        return True

@@ -10,13 +10,12 @@ reference computes the same routing densely (O(T^2) memory).
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from importlib.metadata import version as _version
 
 import torch
 
+from . import compiled_ops
 from .base import FLOAT_DTYPES, Backend, Constraints, Impl, Plan, Unsupported, convert, dims
 from .kernels import kitchen
 from .registry import register_backend
@@ -36,9 +35,9 @@ def sol_min_tokens() -> int:
 EAGER_MAX_SCORE_BYTES = 4 * 2**30
 
 
-@functools.lru_cache(maxsize=None)
-def _accepted_params(fn) -> frozenset:
-    return frozenset(inspect.signature(fn).parameters)
+@torch.compiler.assume_constant_result  # kitchen's registry lookups cannot be traced; run once per trace
+def _compiled_kernel(device: torch.device) -> bool:
+    return kitchen().sol_attn_is_available(device)
 
 
 def h3_sinks(options: dict, tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -103,7 +102,7 @@ class Sol(Impl):
             raise Unsupported(f"comfy-kitchen {_version('comfy-kitchen')} has no sol_attn "
                               "(a newer comfy-kitchen has it, 0.2.40 does)")
         b, h, t, _ = dims(q, layout)
-        if q.device.type == "cuda" and not ck.sol_attn_is_available(q.device):
+        if q.device.type == "cuda" and not _compiled_kernel(q.device):
             raise Unsupported("comfy-kitchen has no compiled sol_attn kernel for this GPU (needs sm80+)")
         if q.device.type == "cpu" and b * h * t * t * 4 > EAGER_MAX_SCORE_BYTES:
             raise Unsupported("too long for comfy-kitchen's O(T^2) eager reference on CPU")
@@ -113,18 +112,14 @@ class Sol(Impl):
         key_bias = None
         if mask is not None:
             key_bias, sink_blocks = key_bias_sinks(mask, t, sink_blocks)
-        kwargs = {"tau": self.tau, "scale": scale, "sink_blocks": list(sink_blocks),
-                  "sink_q": list(sink_q), "key_bias": key_bias}
-        # pass only what this comfy-kitchen's sol_attn accepts
-        accepted = _accepted_params(ck.sol_attn)
-        kwargs = {name: value for name, value in kwargs.items() if name in accepted}
 
         def run():
             qs, ks, vs = (convert(x, layout, "BSHD") for x in (q, k, v))
             if q.device.type == "cuda" and q.dtype == torch.float32:
                 # the kernel takes bf16/fp16 and quantizes to int8 anyway; bf16 keeps fp32's range
                 qs, ks, vs = (x.to(torch.bfloat16) for x in (qs, ks, vs))
-            out = ck.sol_attn(qs, ks, vs, **kwargs).to(q.dtype)
+            out = compiled_ops.sol_attention(qs, ks, vs, tau=self.tau, scale=scale, sink_blocks=sink_blocks,
+                                             sink_q=sink_q, key_bias=key_bias).to(q.dtype)
             return convert(out, "BSHD", layout)
 
         return Plan(self.label, run)

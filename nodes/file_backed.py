@@ -19,7 +19,6 @@ import secrets
 import time
 import weakref
 
-import comfy.memory_management
 import comfy.utils
 import folder_paths
 import torch
@@ -30,6 +29,11 @@ from ..loaders.safetensors_writer import write_safetensors
 from ..quant.linear import QuantLinear
 from ..units import format_gib
 from .comfy_compat import is_dynamic
+
+try:  # upstream's dynamic VRAM: whether its loader maps files through comfy-aimdo
+    import comfy.memory_management as comfy_memory
+except ImportError:
+    comfy_memory = None
 
 
 def _from_file(tensor: torch.Tensor) -> bool:
@@ -62,7 +66,7 @@ def back_with_file(patcher, label: str) -> str | None:
     """Have the host page `patcher`'s weights from a scratch file (see the module's docstring); returns the
     report's line, or None where the host does not page from files. Any failure leaves the model as it was
     and says why."""
-    if not (is_dynamic(patcher) and getattr(comfy.memory_management, "aimdo_enabled", False)):
+    if not (is_dynamic(patcher) and getattr(comfy_memory, "aimdo_enabled", False)):
         return None
     tensors = paged_tensors(patcher.model)
     if not tensors:

@@ -4,7 +4,7 @@
     python tests/doc_tables.py --formats FILE     prints issue 21's formats table of a comfy_e2e.py run of
                                                   its FORMAT_CONFIGS (--model, --length: which of its runs)
 
-tests/test_docs.py checks that README.md holds exactly the headline table.
+tests/test_docs.py checks that README.md holds exactly the headline table and FORMATS_RUN's formats table.
 """
 import json
 from pathlib import Path
@@ -13,24 +13,25 @@ RESULTS = Path(__file__).resolve().parent / "bench" / "results"
 
 # (model and host, JSON file, [(config, what the row says)]); each row is the file's "long" run of that config
 HEADLINE = [
-    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75", "comfy-e2e-nvidia-h200-2026-12-01.json", [
+    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75",
+     "comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json", [
+         ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
+         ("comfy_fp8_fast", "ComfyUI UNETLoader `fp8_e4m3fn_fast`"),
+         ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
+         ("pack_auto", "LoadH3Quantized `auto` (FP8)"),
+         ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
+         ("pack_auto_8g", "LoadH3Quantized `auto`, streaming"),
+     ]),
+    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75, sparse", "comfy-e2e-nvidia-h200-2026-12-01.json", [
         ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
-        ("comfy_fp8_fast", "ComfyUI UNETLoader `fp8_e4m3fn_fast`"),
-        ("pack_auto", "LoadH3Quantized `auto` (FP8)"),
         ("pack_auto_sol", "LoadH3Quantized `auto` + SetAttentionBackend `sol`"),
     ]),
-    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.33.0", "comfy-e2e-nvidia-h200-comfyui-0.33.0-2026-12-01.json", [
-        ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
-        ("comfy_fp8_marker", "ComfyUI UNETLoader, its own FP8 file"),
-        ("pack_auto", "LoadH3Quantized `auto` (FP8)"),
-    ]),
     ("MiniMax-H3 pruned, 32,690 tokens, ComfyUI 0.33.0, dynamic VRAM",
-     "comfy-e2e-h3pruned-dynamic-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
+     "comfy-e2e-h3pruned-filebacked-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
          ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
          ("comfy_fp8_marker_12g", "ComfyUI UNETLoader, its own FP8 file"),
          ("pack_auto_12g", "LoadH3Quantized `auto` (FP8)"),
-         ("comfy_fp8_marker_8g", "ComfyUI UNETLoader, its own FP8 file"),
-         ("pack_auto_8g", "LoadH3Quantized `auto` (FP8)"),
+         ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
          ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
      ]),
 ]
@@ -60,10 +61,13 @@ def headline() -> str:
     return "\n".join(lines)
 
 
-# issue 21's formats table: (comfy_e2e.py configuration, row label); the label names the LoadH3Quantized choice
+# issue 21's formats table, in the README from this run: (comfy_e2e.py configuration, row label); the label
+# names the LoadH3Quantized choice
+FORMATS_RUN = "comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json"
 FORMATS = [
     ("comfy_resident", "bf16 (reference, ComfyUI UNETLoader)"),
     ("pack_fp8", "FP8 (`float8_e4m3fn`)"),
+    ("pack_auto", "`auto` (FP8 per layer where it is faster)"),
     ("pack_int8", "INT8 ConvRot (`int8_convrot`)"),
     ("pack_w4a8", "W4A8 (`asym_w4a8_int8`)"),
     ("pack_w4a4", "W4A4 (`convrot_w4a4`)"),
@@ -76,13 +80,16 @@ def _number(value, spec):
 
 def formats_table(payload: dict, model: str | None = None, length: str = "long") -> str:
     """The formats table of one comfy_e2e.py results payload, at `model` (default: the run's first) and
-    `length`. A row whose configuration did not run or failed says so instead of numbers."""
+    `length`. A format the run left out has no row; the reference's row, or a row whose configuration failed
+    or was skipped, says so instead of numbers."""
     model = model or payload["settings"]["models"][0]
     results = {r["config"]: r for r in payload["results"] if r["model"] == model and r["length"] == length}
     lines = ["| format | weight GiB | latent cosine | rel L2 | s/step | vs resident | peak VRAM GiB |",
              "|---|---|---|---|---|---|---|"]
     for config, label in FORMATS:
         r = results.get(config)
+        if r is None and config != FORMATS[0][0]:
+            continue
         if r is None or r["status"] != "ok":
             lines.append(f"| {label} | {'not run' if r is None else r['status']} | — | — | — | — | — |")
             continue

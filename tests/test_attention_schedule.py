@@ -49,6 +49,17 @@ def test_step_from_sigmas(sigma, step):
     assert schedule.step(options) == step
 
 
+@pytest.mark.parametrize("sigma", [1.0, 0.75, 0.6, 0.25, 0.7500001, 0.74999, 0.0, 2.0])
+@pytest.mark.parametrize("dense_steps", [1, 2, 4])
+def test_dense_step_tensor_agrees_with_step(sigma, dense_steps):
+    """The step as torch.compile reads it (tensor arithmetic, no host sync) decides as the eager one does."""
+    schedule = DenseSchedule(dense_steps=dense_steps)
+    options = {"sigmas": torch.tensor([sigma, sigma]), "sample_sigmas": SIGMAS}
+    dense = schedule.dense_step(options)
+    assert dense.dtype == torch.bool and dense.dim() == 0
+    assert bool(dense) == (schedule.step(options) < dense_steps)
+
+
 def qkv(t=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(1, 2, t, 128, generator=g) for _ in range(3))

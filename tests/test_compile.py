@@ -65,6 +65,89 @@ def test_compiled_quantized_layers_equal_eager(fmt):
     assert counters["stats"]["unique_graphs"] == 1  # the witness and the kernel chooser guard nothing per call
 
 
+class NormLinear(nn.Module):
+    """A norm producing a QuantLinear's input, as a DiT block's norm and modulation produce its projections'."""
+
+    def __init__(self, fmt, dim=128, out=96):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(dim, dtype=torch.bfloat16)
+        self.linear = nn.Linear(dim, out, dtype=torch.bfloat16)
+        replacements, _ = quantize_layers(self, QuantConfig(method=get_method(fmt)))
+        apply_replacements(self, replacements)
+
+    def forward(self, x, act=None):
+        y = self.norm(x)
+        return self.linear(torch.cat([y, y * 0.5], -1) if act == "swiglu" else y, input_act=act)
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps dynamo's graphs and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+@pytest.mark.parametrize("act", [None, "swiglu"])
+@pytest.mark.parametrize("claimed_native", [False, True])
+def test_fp8_activation_quantization_is_traced_and_only_the_gemm_is_opaque(act, claimed_native, monkeypatch):
+    """Under torch.compile the activation's amax, scale, clamp and fp8 cast are graph ops (inductor fuses them
+    into the norm), and the GEMM alone is an opaque op; also where FP8 is native (claimed here on CPU, the GEMM
+    then computed by the fp32 path), where eager runs the one-pass Triton quantizer instead."""
+    from bigdit.quant import fp8
+    if claimed_native:
+        emulated = fp8.scaled_gemm
+        monkeypatch.setattr(fp8, "native_fp8_supported", lambda device: True)
+        monkeypatch.setattr(fp8, "scaled_gemm", lambda *args: emulated(*args[:-1], False))
+        monkeypatch.setattr(fp8, "_fast_quantize_rows", fp8.quantize_rows)  # its result, bit for bit
+    model = NormLinear("float8_e4m3fn").eval()
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x, act)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(x, act)
+        assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+        recorder = GraphRecorder()
+        counters = compile_counters()
+        compiled = torch.compile(model, backend=recorder, fullgraph=True)
+        outs = [compiled(x, act) for _ in range(2)]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(torch.equal(out, eager) for out in outs)
+    (graph,) = recorder.graphs
+    nodes = list(graph.graph.nodes)
+    ops = [str(n.target) for n in nodes if n.op == "call_function"]
+    assert not any("fp8_quantize_rows" in op for op in ops), ops
+    (gemm,) = [n for n in nodes if "bigdit.fp8_gemm" in str(n.target)]
+    xq, x_scale = gemm.args[:2]
+    # the GEMM's fp8 input and its scales are computed in the graph, from the norm's output
+    assert xq.op != "placeholder" and xq.meta["example_value"].dtype == torch.float8_e4m3fn
+    assert x_scale.op != "placeholder" and x_scale.meta["example_value"].dtype == torch.float32
+    assert any("vector_norm" in op for op in ops) and any("layer_norm" in op for op in ops), ops
+    assert gemm.args[-1] is claimed_native
+
+
+def test_fp8_gemm_op_equals_the_eager_gemm_bit_for_bit():
+    from bigdit.quant import fp8
+    torch.manual_seed(3)
+    weight = fp8.Fp8Method().quantize_weight(torch.randn(48, 64, dtype=torch.bfloat16))
+    xq, x_scale = fp8.quantize_rows(torch.randn(20, 64, dtype=torch.bfloat16))
+    w_scale = weight["weight_scale"].reshape(1, 48)
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    args = (xq, x_scale, weight["weight"], w_scale, bias, torch.bfloat16, torch.bfloat16, False)
+    direct = fp8.scaled_gemm(*args)
+    # the fp32 path's definition, as before the GEMM was a function of its own
+    expected = F.linear(xq.float() * x_scale, weight["weight"].float() * w_scale.reshape(-1, 1),
+                        bias.float()).to(torch.bfloat16)
+    assert torch.equal(direct, expected)
+    assert torch.equal(torch.ops.bigdit.fp8_gemm(*args), direct)
+    # test_schema compares inputs with ops fp8 lacks on CPU; the fake is what the compiler plans with
+    torch.library.opcheck(torch.ops.bigdit.fp8_gemm.default, args, test_utils=("test_faketensor",))
+
+
 @pytest.mark.parametrize("convrot,group,act", [(True, 64, None), (True, 256, "gelu_tanh"), (False, 256, "swiglu")])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_linear_op_equals_kitchen_bit_for_bit(convrot, group, act, bias):
@@ -159,6 +242,69 @@ def test_router_runs_an_untraceable_kernel_as_one_opaque_op(chosen, monkeypatch)
     assert any("bigdit.attention" in op for op in ops) == opaque, ops  # the kernel is one node of the graph
 
 
+SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def graph_ops(explained) -> list[str]:
+    """The call_function targets of every traced graph, torch.cond's branch graphs included."""
+    return [str(node.target) for g in explained.graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+            for node in m.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.kitchen_feature("sol_attn")
+@pytest.mark.parametrize("schedule", [{}, {"dense_layers": "1"}, {"dense_steps": 2},
+                                      {"dense_steps": 2, "dense_layers": "0"}])
+def test_router_sol_and_its_schedule_compile_as_one_graph(schedule):
+    """Sol is one opaque op; its cross-attention calls fall back to the dense backend (warned while tracing, no
+    break); the dense steps are a branch inside the graph, so one graph serves every step, equal to eager."""
+    router = Router("sol", dense_backend="sdpa", sol_tau=2.0, sol_min_tokens=0, **schedule)
+    options = {}
+    install(options, router)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 256, 2 * 128, generator=g) for _ in range(3))
+    text = torch.randn(1, 64, 2 * 128, generator=g)
+
+    def forward(options, x):  # three blocks of self- and cross-attention, as a DiT's forward
+        router.begin_forward()
+        for _ in range(3):
+            x = comfy_attention(options, x, k, v, 2) + comfy_attention(options, x, text, text, 2)
+        return x
+
+    steps = [dict(options, sigmas=SIGMAS[s:s + 1], sample_sigmas=SIGMAS) for s in range(4)]
+    eager = [forward(o, q) for o in steps]
+    calls = router.stats.take_run()["calls"]
+    assert calls["sol"] > 0 and calls["sdpa"] > 0
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward)(steps[0], q)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    ops = graph_ops(explained)
+    assert any("bigdit.sol_attention" in op for op in ops), ops
+    assert any("cond" in op for op in ops) == ("dense_steps" in schedule), ops
+
+    counters = compile_counters()
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
+    outs = [compiled(o, q) for o in steps * 2]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, eager * 2))
+
+
+@pytest.mark.kitchen_feature("sol_attn")
+@pytest.mark.parametrize("masked", [False, True])
+def test_sol_op_equals_kitchen_bit_for_bit(masked):
+    import comfy_kitchen as ck
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 256, 2, 128, generator=g) for _ in range(3))
+    key_bias = torch.zeros(1, 1, 1, 256)
+    key_bias[..., 200:] = float("-inf")
+    key_bias = key_bias if masked else None
+    sinks = [0, 4] if masked else [0, 0]  # masked keys 200-255 in sink blocks 3-4 (64 tokens each)
+    direct = ck.sol_attn(q, k, v, tau=1.0, scale=None, sink_blocks=sinks, sink_q=[0, 0], key_bias=key_bias)
+    args = (q, k, v, 1.0, None, sinks, [0, 0], key_bias)
+    assert torch.equal(torch.ops.bigdit.sol_attention(*args), direct)
+    torch.library.opcheck(torch.ops.bigdit.sol_attention.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
 class Blocks(nn.Module):
     def __init__(self, n=4, dim=64):
         super().__init__()
@@ -224,6 +370,29 @@ def test_fullgraph_inductor_quantized_layer_on_cuda(fmt, act):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("act", [None, "swiglu"])
+def test_inductor_fuses_fp8_activation_quantization_into_the_norm_on_cuda(act):
+    """The norm and the activation's quantization are one Triton kernel (its rsqrt and its fp8 store), the Triton
+    quantizer does not run, and the GEMM is the opaque bigdit::fp8_gemm (torch._scaled_mm inside)."""
+    from torch._inductor.utils import run_and_get_code
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm89+")
+    model = NormLinear("float8_e4m3fn", dim=1024, out=2048).cuda().eval()
+    x = torch.randn(2, 700, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x, act)
+        compile_counters()
+        out, code = run_and_get_code(torch.compile(model, backend="inductor", fullgraph=True), x, act)
+    source = "\n".join(code)
+    assert "fp8_quantize_rows" not in source and "bigdit.fp8_gemm" in source
+    kernels = source.split("async_compile.triton(")[1:]
+    assert any("rsqrt" in k and "float8e4nv" in k for k in kernels), "norm and fp8 quantization not fused"
+    # the same GEMM; a row's scale may differ in its last bit (inductor's reciprocal against Triton's kernel)
+    assert rel(out, eager) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fullgraph_router_sdpa_on_cuda():
     options = {}
     install(options, Router("sdpa"))
@@ -252,6 +421,31 @@ def test_fullgraph_router_optional_kernels_on_cuda(backend):
     assert rel(out, eager) < 1e-2  # the same kernel, compiled around
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("schedule", [{}, {"dense_steps": 1, "dense_layers": "1"}])
+def test_fullgraph_router_sol_on_cuda(schedule):
+    """Sol's CUDA kernel as one opaque op, its dense steps a branch of the graph: fullgraph=True compiles."""
+    router = Router("sol", dense_backend="sdpa", sol_tau=1.0, sol_min_tokens=0, **schedule)
+    options = {}
+    install(options, router)
+    q, k, v = (torch.randn(1, 4096, 8 * 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    sigmas = SIGMAS.cuda()
+
+    def forward(options, x):
+        router.begin_forward()
+        return comfy_attention(options, comfy_attention(options, x, k, v, 8), k, v, 8)
+
+    steps = [dict(options, sigmas=sigmas[s:s + 1], sample_sigmas=sigmas) for s in range(3)]
+    eager = [forward(o, q) for o in steps]
+    if "sol" not in router.stats.take_run()["calls"]:
+        pytest.skip("comfy-kitchen's Sol kernel does not run here")
+    compile_counters()
+    compiled = torch.compile(forward, backend="inductor", fullgraph=True)
+    for out, ref in zip([compiled(o, q) for o in steps], eager):
+        assert rel(out, ref) < 1e-2  # the same kernels, compiled around
+
+
 def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():
     import sys
     from pathlib import Path
@@ -272,3 +466,9 @@ def test_bench_compiled_configs_put_comfys_torch_compile_before_the_sampler():
         info["TorchCompileModel"] = {"input": {"required": {"model": ["MODEL", {}],
                                                             "backend": [["inductor", "cudagraphs"], {}]}}}
         assert comfy_e2e.unoffered_choice(graph, info) is None
+    sage = comfy_e2e.sampling_graph(configs["pack_auto_sage_compiled"], e2e_models.TINY_WAN, "m.safetensors",
+                                    e2e_models.TINY_WAN.length("long"), 3, 0, "p")
+    # SetAttentionBackend first, then ComfyUI's compile of the model it patched, then the sampler
+    assert sage["m0"]["class_type"] == "SetAttentionBackend" and sage["m0"]["inputs"]["backend"] == "sage"
+    assert sage["m1"] == {"class_type": "TorchCompileModel", "inputs": {"backend": "inductor", "model": ["m0", 0]}}
+    assert sage["timer"]["inputs"]["model"] == ["m1", 0]

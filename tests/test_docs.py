@@ -59,11 +59,20 @@ def test_readme_headline_is_the_table_from_the_benchmark_json():
     assert text.split(marker, 1)[1].startswith(doc_tables.headline() + "\n")
 
 
+def test_readme_formats_table_is_the_table_from_its_run():
+    marker = "<!-- formats: tests/doc_tables.py --formats writes this table -->\n"
+    text = README.read_text()
+    run = json.loads((doc_tables.RESULTS / doc_tables.FORMATS_RUN).read_text())
+    assert doc_tables.FORMATS_RUN in text.split(marker, 1)[0].rstrip().rsplit("\n\n", 1)[1]  # the caption names it
+    assert text.split(marker, 1)[1].startswith(doc_tables.formats_table(run) + "\n")
+
+
 def test_headline_rows_read_the_runs_they_name():
     table = doc_tables.headline()
     assert "| ComfyUI UNETLoader bf16 (reference) | no cap | 3.096 | 1.00x | 29.9 | 1.0000 |" in table
-    # 0.33.0's bench reads the GPU's used memory (NVML), which is what its rows show
-    assert "| LoadH3Quantized `auto` (FP8) | 24 GiB | 3.399 | 1.15x | 19.3 | 0.9994 |" in table
+    # the bench reads the GPU's used memory (NVML; dynamic VRAM's pages are outside PyTorch's peak, 4.9 GiB here)
+    assert ("| LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2) | 24 GiB | 4.010 | 1.79x | "
+            "24.3 | 0.9998 |") in table
 
 
 def test_compatibility_matrix_lists_the_features_of_compat_matrix():

@@ -197,6 +197,7 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # the compiled step (issue 12's non-GEMM lever), each against its uncompiled twin
         Config("pack_auto_compiled", "pack", True, _pack_loader("auto"), (_compile(),)),
         Config("comfy_fp8_fast_compiled", "comfy", True, _unet("fp8_e4m3fn_fast"), (_compile(),)),
+        Config("pack_auto_sage_compiled", "pack", True, _pack_loader("auto"), (_attention("sage"), _compile())),
         # a LoRA's cost (issue 13): against pack_auto on the same card; on 12 GiB part of the model stays in
         # RAM, so ComfyUI loads it partially and the pack folds the LoRA into the offloaded layers
         Config("pack_auto_lora", "pack", True, _pack_loader("auto"), (_lora(),), lora=True),
@@ -217,7 +218,7 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
 
 
 # the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4
-FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_int8", "pack_w4a8", "pack_w4a4")
+FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_auto", "pack_int8", "pack_w4a8", "pack_w4a4")
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")
