@@ -38,7 +38,7 @@ import folder_paths, nodes
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.nodes.file_backed import back_with_file, paged_tensors
 from bigdit.quant import QuantConfig, get_method
-from bigdit.quant.dispatch import apply_replacements, quantize_layers
+from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
 from bigdit.quant.linear import QuantLinear
 
