@@ -25,7 +25,7 @@ from ..dtypes import dtype_name
 from ..hardware import time_ms
 from ..pack_logging import pack_logger
 from . import registry
-from .base import Backend, Plan, Unsupported, dims
+from .base import Backend, KernelCall, Unsupported, dims
 from .kernels import Sdpa, SdpaCudnn, SdpaFlash, _sdpa
 from .registry import register_backend
 
@@ -142,7 +142,7 @@ class Auto(Backend):
         self._used.clear()
         return lines
 
-    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> Plan:
+    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
         dims(q, layout)
         options = transformer_options or {}
         key = shape_key(q, k, v, layout, mask)
@@ -175,10 +175,10 @@ class Auto(Backend):
         decision = self._measure(key, accepted, shape, q, k, v, layout, mask, scale, options)
         return self._ran(key, decision, accepted[decision.label][1])
 
-    def _ran(self, key, decision: Decision, plan: Plan) -> Plan:
+    def _ran(self, key, decision: Decision, plan: KernelCall) -> KernelCall:
         if not torch.compiler.is_compiling():
             self._used[key] = decision
-        return Plan(f"auto:{plan.label}", plan.run)
+        return KernelCall(f"auto:{plan.label}", plan.run)
 
     @torch.compiler.disable
     def _measure(self, key, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:

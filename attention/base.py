@@ -130,7 +130,7 @@ def _cc(cap) -> str:
 
 
 @dataclass(frozen=True)
-class Plan:
+class KernelCall:
     """A kernel that accepted a call: `run()` computes it."""
 
     label: str
@@ -152,12 +152,12 @@ class Impl:
         """Why the kernel cannot be used at all (missing package), or None."""
         return None
 
-    def plan(self, q, k, v, *, layout, mask, scale, options) -> Plan:
+    def plan(self, q, k, v, *, layout, mask, scale, options) -> KernelCall:
         self.constraints.check(q, k, v, layout, mask)
         why = self.unavailable()
         if why:
             raise Unavailable(why)
-        return Plan(self.label, lambda: self.run(q, k, v, layout, mask, scale))
+        return KernelCall(self.label, lambda: self.run(q, k, v, layout, mask, scale))
 
     def run(self, q, k, v, layout, mask, scale) -> torch.Tensor:
         """`_run`; while torch.compile traces, through one opaque op (compiled_ops.py) unless `traceable`."""
@@ -192,7 +192,7 @@ class Backend:
     def impls_for(self, device: torch.device) -> list[Impl]:
         return self._impls
 
-    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> Plan:
+    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
         dims(q, layout)  # validates the layout
         reasons, missing = [], []
         for impl in self.impls_for(q.device):
@@ -206,7 +206,7 @@ class Backend:
             if missing and self._note_substitutes and (plan.label, tuple(missing)) not in self._noted:
                 self._note(plan.label, tuple(missing))
             label = self.name if plan.label == self.name else f"{self.name}:{plan.label}"
-            return Plan(label, plan.run)
+            return KernelCall(label, plan.run)
         unique = list(dict.fromkeys(r for _, r in reasons))
         raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
 

@@ -16,7 +16,7 @@ from importlib.metadata import version as _version
 import torch
 
 from . import compiled_ops
-from .base import FLOAT_DTYPES, Backend, Constraints, Impl, Plan, Unsupported, convert, dims
+from .base import FLOAT_DTYPES, Backend, Constraints, Impl, KernelCall, Unsupported, convert, dims
 from .kernels import kitchen
 from .registry import register_backend
 
@@ -122,7 +122,7 @@ class Sol(Impl):
                                              sink_q=sink_q, key_bias=key_bias).to(q.dtype)
             return convert(out, "BSHD", layout)
 
-        return Plan(self.label, run)
+        return KernelCall(self.label, run)
 
 
 @register_backend("sol", dense=False, aliases=("sol_attn",))

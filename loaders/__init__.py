@@ -1,6 +1,6 @@
 """Checkpoint inspection and layer-by-layer building; pure torch, no ComfyUI, never a pickle."""
 from .build import LayerBuilder
-from .checkpoint import CheckpointPlan, TensorSource, inspect_checkpoint
+from .checkpoint import CheckpointContents, TensorSource, inspect_checkpoint
 from .errors import CheckpointError
 
-__all__ = ["CheckpointError", "CheckpointPlan", "LayerBuilder", "TensorSource", "inspect_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointContents", "LayerBuilder", "TensorSource", "inspect_checkpoint"]

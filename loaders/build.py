@@ -1,10 +1,10 @@
 """Builds a model's Linear layers one at a time while the model is being loaded.
 
 Every layer is decided before the model exists: the checkpoint's quantized
-layers by the CheckpointPlan (markers, Quanto entries), and, when an online
+layers by the CheckpointContents (markers, Quanto entries), and, when an online
 QuantConfig is given, each plain weight by `decide_online`, from the header's
 names, dtypes and shapes. A model loader then calls `LayerBuilder.build(name, ...)`
-for every Linear as its weights arrive, which executes that plan: the layer is
+for every Linear as its weights arrive, which carries out those decisions: the layer is
 built from the checkpoint's tensors, or its plain weight is quantized right
 there, or None tells the loader to keep the plain layer. Only one layer's
 full-precision weight is on the compute device at a time, and a plain weight
@@ -29,7 +29,7 @@ from ..quant.registry import available_methods, get_method
 from ..quant.report import LayerRecord, QuantReport
 from ..quant.selector import Selector
 from ..units import format_gib
-from .checkpoint import CheckpointPlan, TensorSource
+from .checkpoint import CheckpointContents, TensorSource
 from .errors import CheckpointError
 from .host_memory import trim_heap
 from .staging import PinnedStaging
@@ -46,12 +46,12 @@ class OnlineLayer:
     reason: str
 
 
-def decide_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, OnlineLayer]:
+def decide_online(contents: CheckpointContents, config: QuantConfig) -> dict[str, OnlineLayer]:
     """The decision for every plain matrix `<name>.weight` of the file, by module name, before any model exists."""
-    dominant = plan.proxy_dtype()
+    dominant = contents.proxy_dtype()
     layers = {}
-    for key, file_key in plan.plain_keys.items():
-        info = plan.header.tensors[file_key]
+    for key, file_key in contents.plain_keys.items():
+        info = contents.header.tensors[file_key]
         if not key.endswith(".weight") or len(info.shape) != 2:
             continue
         name, dtype, (out_features, in_features) = key[:-len(".weight")], torch_dtype(info.dtype), info.shape
@@ -61,24 +61,24 @@ def decide_online(plan: CheckpointPlan, config: QuantConfig) -> dict[str, Online
 
 
 class LayerBuilder:
-    def __init__(self, plan: CheckpointPlan, source: TensorSource, device: torch.device, *,
+    def __init__(self, contents: CheckpointContents, source: TensorSource, device: torch.device, *,
                  online: QuantConfig | None = None, nvfp4: str = "auto", title: str = "load",
                  progress: Callable[[], None] | None = None):
         if nvfp4 not in NVFP4_MODES:
             raise ValueError(f"nvfp4 must be one of {NVFP4_MODES}, got {nvfp4!r}")
-        self.plan, self.source, self.device = plan, source, torch.device(device)
+        self.contents, self.source, self.device = contents, source, torch.device(device)
         self.online, self.nvfp4, self.progress = online, nvfp4, progress
         self.report = QuantReport(title=title)
-        self.report.notes.extend(plan.describe())
+        self.report.notes.extend(contents.describe())
         self.consumed: set[str] = set()
-        self._dominant = plan.proxy_dtype()
+        self._dominant = contents.proxy_dtype()
         self._methods: dict[tuple, LinearMethod] = {}
         self._paths: dict[str, dict[str, int]] = {}
         self._online_counts: dict[str, int] = {}
         # the decisions' config: loading's device, and NVFP4's mode
         self.config = replace(online or QuantConfig(method=None), compute_device=self.device,
                               requantize_blocks=nvfp4 == "requantize")
-        self.online_plan = {} if online is None else decide_online(plan, self.config)
+        self.online_plan = {} if online is None else decide_online(contents, self.config)
         largest = max((layer.dtype.itemsize * layer.shape[0] * layer.shape[1]
                        for layer in self.online_plan.values() if layer.method is not None), default=0)
         self.staging = PinnedStaging(self.device, largest)
@@ -87,18 +87,18 @@ class LayerBuilder:
     # -- before building -------------------------------------------------------
     def resolve_methods(self) -> None:
         """Every format the checkpoint uses must have a method here; checked before any model exists."""
-        missing = [name for name, layer in self.plan.layers.items()
+        missing = [name for name, layer in self.contents.layers.items()
                    if layer.format not in available_methods()]  # a file's format names its method
         if missing:
-            formats = sorted({self.plan.layers[n].format for n in missing})
-            raise CheckpointError(self.plan.path, f"format(s) {', '.join(formats)} not available in this build", missing)
+            formats = sorted({self.contents.layers[n].format for n in missing})
+            raise CheckpointError(self.contents.path, f"format(s) {', '.join(formats)} not available in this build", missing)
         lacking: dict[str, list[str]] = {}
-        for name, layer in self.plan.layers.items():
+        for name, layer in self.contents.layers.items():
             reason = self._method(layer.format, layer.options).missing()
             if reason is not None:
                 lacking.setdefault(f"{layer.format} layers need {reason}", []).append(name)
         for problem, layers in lacking.items():
-            raise CheckpointError(self.plan.path, problem, layers)
+            raise CheckpointError(self.contents.path, problem, layers)
 
     def _method(self, fmt: str, options: dict) -> LinearMethod:
         key = (fmt, tuple(sorted(options.items())))
@@ -115,9 +115,9 @@ class LayerBuilder:
         file_bias = bias
         if bias is not None:
             bias = bias.to(device=home, dtype=compute_dtype, copy=True)
-        if name in self.plan.layers:
+        if name in self.contents.layers:
             built = self._from_checkpoint(name, in_features, out_features, bias, compute_dtype, home, plain_bytes)
-            self.source.file_map.release(*(self.source(key) for key in self.plan.layers[name].tensors.values()))
+            self.source.file_map.release(*(self.source(key) for key in self.contents.layers[name].tensors.values()))
         elif self.online is not None and weight is not None:
             built = self._online(name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes)
         else:
@@ -131,12 +131,12 @@ class LayerBuilder:
         return built
 
     def _from_checkpoint(self, name, in_features, out_features, bias, compute_dtype, home, plain_bytes):
-        layer = self.plan.layers[name]
+        layer = self.contents.layers[name]
         why_not = layer.mismatch(in_features, out_features)
         if why_not is not None:
-            raise CheckpointError(self.plan.path, f"shape mismatch: {why_not}", [name])
+            raise CheckpointError(self.contents.path, f"shape mismatch: {why_not}", [name])
         method = self._method(layer.format, layer.options)
-        tensors = self.plan.layer_tensors(self.source, name)
+        tensors = self.contents.layer_tensors(self.source, name)
         decision = decide(self.config, Layer(name, in_features, out_features, compute_dtype, stored=layer.format),
                           self._dominant)
         reason, target = f"{layer.format} from the checkpoint", decision.method
@@ -197,7 +197,7 @@ class LayerBuilder:
     # -- after building ----------------------------------------------------------
     def finish(self) -> QuantReport:
         """The report, once every Linear was built; raises if a quantized layer found no Linear."""
-        self.plan.require_consumed(self.consumed)
+        self.contents.require_consumed(self.consumed)
         if self._online_counts:
             self.report.notes.append("quantized while loading: " + ", ".join(
                 f"{label} x{n}" for label, n in self._online_counts.items()))

@@ -1,4 +1,4 @@
-"""One entry point: a safetensors file -> CheckpointPlan (tensor access, per-layer formats, report).
+"""One entry point: a safetensors file -> CheckpointContents (tensor access, per-layer formats, report).
 
 Auto-detects ComfyUI per-layer markers (both forms), ComfyUI's scaled_fp8 files
 and self-describing Quanto qint8 files; anything else is a plain checkpoint. Everything is validated
@@ -68,7 +68,7 @@ class TensorSource:
 
 
 @dataclass
-class CheckpointPlan:
+class CheckpointContents:
     path: str
     header: SafetensorsHeader
     kind: str                               # "ComfyUI per-layer markers", "ComfyUI scaled_fp8", "Quanto qint8", "plain"
@@ -104,8 +104,8 @@ class CheckpointPlan:
             sd[f"{name}.weight"] = proxy.expand(layer.logical_shape())
         return sd
 
-    def renamed(self, rules: list[tuple[str, str]], only_matching: bool = False) -> "CheckpointPlan":
-        """The plan with key prefixes replaced (first matching rule wins).
+    def renamed(self, rules: list[tuple[str, str]], only_matching: bool = False) -> "CheckpointContents":
+        """The contents with key prefixes replaced (first matching rule wins).
 
         With `only_matching`, keys no rule matches are dropped, as a model loader
         that strips a prefix drops the rest; dropping a quantized layer that way is
@@ -192,7 +192,7 @@ def _refuse_stray_scales(header: SafetensorsHeader, plain: dict[str, str]) -> No
                                            "quantized layer's marker or weight is missing", stray)
 
 
-def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
+def inspect_checkpoint(path, check: Check = None) -> CheckpointContents:
     """Read and validate `path`; raises CheckpointError naming the file and layers.
 
     The work is linear in the number of tensors; `check` is called now and then,
@@ -232,4 +232,4 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointPlan:
     sources = Counter(layer.source for layer in layers.values())
     if marked:
         notes.append("markers read from " + ", ".join(f"{src} x{n}" for src, n in sorted(sources.items())))
-    return CheckpointPlan(path, header, kind, layers, plain, notes)
+    return CheckpointContents(path, header, kind, layers, plain, notes)

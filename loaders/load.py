@@ -21,7 +21,7 @@ from ..quant.linear_method import LinearMethod
 from ..quant.report import QuantReport
 from ..units import format_gib
 from .build import LayerBuilder
-from .checkpoint import CheckpointPlan, inspect_checkpoint
+from .checkpoint import CheckpointContents, inspect_checkpoint
 from .file_map import release_file_map
 
 
@@ -47,10 +47,10 @@ class Host(Protocol):
     def progress(self, total: int) -> Callable[[], None]:
         """A step of the host's progress bar, about `total` steps in all."""
 
-    def namespace(self, plan: CheckpointPlan) -> CheckpointPlan:
-        """A diffusion model's plan in the model's own names (the host's prefix stripped)."""
+    def namespace(self, contents: CheckpointContents) -> CheckpointContents:
+        """A diffusion model's contents in the model's own names (the host's prefix stripped)."""
 
-    def build(self, plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict) -> tuple[object, nn.Module]:
+    def build(self, contents: CheckpointContents, builder: LayerBuilder, state_dict: dict) -> tuple[object, nn.Module]:
         """(the host's model object, its module tree), each Linear built through `builder.build`."""
 
 
@@ -60,22 +60,22 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
     if options.quantization != "none":
         require_kitchen(options.title)
         method = online_method(options.quantization, options.group_size, device)
-    plan = inspect_checkpoint(path, host.check)
+    contents = inspect_checkpoint(path, host.check)
     if not options.text_encoder:
-        plan = host.namespace(plan)
-    if plan.layers:
+        contents = host.namespace(contents)
+    if contents.layers:
         require_kitchen(options.title)
     rules = parse_prefix_rules(options.rename_prefixes)
     if rules:
-        plan = plan.renamed(rules)
-    config = online_config(method, device, plan, options.ignored_layers)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, device, online=config,
+        contents = contents.renamed(rules)
+    config = online_config(method, device, contents, options.ignored_layers)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, device, online=config,
                                nvfp4=options.nvfp4 if config is None else "requantize",
-                               title=options.title, progress=host.progress(progress_total(plan)))
+                               title=options.title, progress=host.progress(progress_total(contents)))
         builder.resolve_methods()
-        state_dict = plan.state_dict(source)
-        loaded, modules = host.build(plan, builder, state_dict)
+        state_dict = contents.state_dict(source)
+        loaded, modules = host.build(contents, builder, state_dict)
         del state_dict
         copied = release_file_map(modules, source.file_map, os.path.getsize(path))
     report = builder.report
@@ -98,25 +98,25 @@ def online_method(name: str, group_size: int, device, **options):
     return method
 
 
-def module_names(plan: CheckpointPlan) -> set[str]:
+def module_names(contents: CheckpointContents) -> set[str]:
     """The module names of the file's tensors (quantized layers and plain keys)."""
-    return set(plan.layers) | {key.rpartition(".")[0] for key in plan.plain_keys}
+    return set(contents.layers) | {key.rpartition(".")[0] for key in contents.plain_keys}
 
 
-def online_config(method, device, plan: CheckpointPlan, ignored_layers: str) -> QuantConfig | None:
-    """The quantization a loader applies while loading `plan` with `method` (None: load as stored): the
+def online_config(method, device, contents: CheckpointContents, ignored_layers: str) -> QuantConfig | None:
+    """The quantization a loader applies while loading `contents` with `method` (None: load as stored): the
     architecture's keep patterns from the file's module names, then the user's."""
     if method is None:
         return None
     return QuantConfig(method=method, compute_device=device,
-                       ignored=keep_patterns(module_names(plan), ignored_layers))
+                       ignored=keep_patterns(module_names(contents), ignored_layers))
 
 
-def progress_total(plan: CheckpointPlan) -> int:
+def progress_total(contents: CheckpointContents) -> int:
     """About one step per Linear: the quantized layers and the plain matrices."""
-    plain = sum(1 for key in plan.plain_keys.values()
-                if key.endswith(".weight") and len(plan.header.tensors[key].shape) == 2)
-    return plain + len(plan.layers)
+    plain = sum(1 for key in contents.plain_keys.values()
+                if key.endswith(".weight") and len(contents.header.tensors[key].shape) == 2)
+    return plain + len(contents.layers)
 
 
 def parse_prefix_rules(text: str) -> list[tuple[str, str]]:

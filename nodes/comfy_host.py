@@ -19,7 +19,7 @@ import comfy.ops
 import comfy.sd
 import comfy.utils
 
-from ..loaders import CheckpointError, CheckpointPlan, LayerBuilder
+from ..loaders import CheckpointError, CheckpointContents, LayerBuilder
 from ..quant.quantize_pass import apply_replacements
 from .comfy_compat import set_model_size
 
@@ -80,23 +80,23 @@ def install_built_layers(root: torch.nn.Module, operations) -> int:
     return len(built)
 
 
-def diffusion_namespace(plan: CheckpointPlan) -> CheckpointPlan:
-    """The plan in the diffusion model's own names, stripping the prefix ComfyUI strips
+def diffusion_namespace(contents: CheckpointContents) -> CheckpointContents:
+    """The contents in the diffusion model's own names, stripping the prefix ComfyUI strips
     (e.g. "model.diffusion_model." in full checkpoints) and dropping what it drops."""
-    keys = list(plan.plain_keys) + [f"{name}.weight" for name in plan.layers]
+    keys = list(contents.plain_keys) + [f"{name}.weight" for name in contents.layers]
     prefix = comfy.model_detection.unet_prefix_from_state_dict(dict.fromkeys(keys))
     if not any(key.startswith(prefix) for key in keys):
-        return plan
-    return plan.renamed([(prefix, "")], only_matching=True)
+        return contents
+    return contents.renamed([(prefix, "")], only_matching=True)
 
 
-def load_diffusion_model(plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict):
+def load_diffusion_model(contents: CheckpointContents, builder: LayerBuilder, state_dict: dict):
     """A ModelPatcher for the diffusion model, built through `builder`. Raises CheckpointError
     if ComfyUI does not recognize the architecture or a quantized layer found no Linear."""
     operations = building_operations(builder)
     patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": operations})
     if patcher is None:
-        raise CheckpointError(plan.path, "ComfyUI could not detect the model type of this diffusion model")
+        raise CheckpointError(contents.path, "ComfyUI could not detect the model type of this diffusion model")
     builder.finish()
     install_built_layers(patcher.model.diffusion_model, operations)
     set_model_size(patcher)  # it may have measured the model before the swap
@@ -115,14 +115,14 @@ class ComfyHost:
     def progress(self, total: int):
         return progress_counter(total)
 
-    def namespace(self, plan: CheckpointPlan) -> CheckpointPlan:
-        return diffusion_namespace(plan)
+    def namespace(self, contents: CheckpointContents) -> CheckpointContents:
+        return diffusion_namespace(contents)
 
-    def build(self, plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict):
+    def build(self, contents: CheckpointContents, builder: LayerBuilder, state_dict: dict):
         if self.clip_type is None:
-            patcher = load_diffusion_model(plan, builder, state_dict)
+            patcher = load_diffusion_model(contents, builder, state_dict)
             return patcher, patcher.model
-        clip = load_text_encoder(plan, builder, state_dict, self.clip_type, self.embedding_directory)
+        clip = load_text_encoder(contents, builder, state_dict, self.clip_type, self.embedding_directory)
         return clip, clip.cond_stage_model
 
 
@@ -131,7 +131,7 @@ def clip_types() -> list[str]:
     return [t.name.lower() for t in comfy.sd.CLIPType]
 
 
-def load_text_encoder(plan: CheckpointPlan, builder: LayerBuilder, state_dict: dict, clip_type: str,
+def load_text_encoder(contents: CheckpointContents, builder: LayerBuilder, state_dict: dict, clip_type: str,
                       embedding_directory):
     """A CLIP object whose text encoder was built through `builder` (same guarantees as above)."""
     operations = building_operations(builder)
