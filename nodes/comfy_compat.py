@@ -124,10 +124,15 @@ def quantize_on_clone(model, config: QuantConfig, title: str):
     return patched, report, replacements
 
 
+def view_modules(patcher, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of the diffusion model as `patcher` defines it (module_view), parents first."""
+    root, overrides = module_view(patcher)
+    return walk_modules(root, overrides, remove_duplicate)
+
+
 def quantized_layers(patcher) -> dict[str, nn.Module]:
     """The QuantLinear layers of a diffusion model a loader built (what its report counts as quantized)."""
-    root, overrides = module_view(patcher)
-    return {name: m for name, m in walk_modules(root, overrides) if isinstance(m, QuantLinear)}
+    return {name: m for name, m in view_modules(patcher) if isinstance(m, QuantLinear)}
 
 
 def weight_patched_quant_tensors(patcher) -> Iterator[tuple[str, QuantLinear, str]]:

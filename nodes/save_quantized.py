@@ -19,7 +19,7 @@ from ..loaders.saving import SaveError, save_contents
 from ..units import format_gib
 from . import categories
 from .comfy_host import progress_counter
-from .comfy_compat import DIFFUSION_PREFIX
+from .comfy_compat import DIFFUSION_PREFIX, view_modules
 from .node_report import node_output
 
 
@@ -50,24 +50,6 @@ def _unload_clones(patcher) -> None:
             loaded_models[i].model_unload()
             loaded_models.pop(i)
     comfy.model_management.soft_empty_cache()
-
-
-def model_modules(patcher):
-    """(name, module) of the diffusion model as `patcher` runs it, parents first: its object patches in
-    place of the tree's modules, the originals where a clone's patches are applied in the tree."""
-    def resolve(name, module):
-        key = DIFFUSION_PREFIX + name
-        if key in patcher.object_patches:
-            return patcher.object_patches[key]
-        return patcher.object_patches_backup.get(key, module)
-
-    stack = [("", patcher.get_model_object("diffusion_model"))]
-    while stack:
-        name, module = stack.pop()
-        yield name, module
-        children = [(f"{name}.{child}" if name else child, sub) for child, sub in module._modules.items()
-                    if sub is not None]
-        stack.extend((child, resolve(child, sub)) for child, sub in reversed(children))
 
 
 def pending_weight_patches(patcher) -> list[str]:
@@ -115,7 +97,7 @@ class SaveQuantizedModel(io.ComfyNode):
                             f"saved file would not contain; save the model before patching it", patched)
         if _weights_written_in(model):
             _unload_clones(model)
-        contents = save_contents(model_modules(model))
+        contents = save_contents(view_modules(model, remove_duplicate=False))  # every state_dict name
         if not contents.layers:
             raise SaveError("the model has no quantized layers; quantize it first (Quantize Model INT8 or a "
                             "quantizing loader), or use ComfyUI's own model saving for a plain model")

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ..quant.kitchen_api import tensor_bytes
+from ..quant.quantize_pass import walk_modules
 from ..units import GIB, MIB, format_gib
 
 # cuBLAS keeps a workspace per handle and stream, cuDNN attention a little more.
@@ -65,21 +66,14 @@ def size_text(n_bytes: float) -> str:
 
 # ---- weights ---------------------------------------------------------------
 
-def module_bytes(module: nn.Module, overrides: Mapping[str, nn.Module] | None = None, prefix: str = "") -> int:
+def module_bytes(module: nn.Module, overrides: Mapping[str, nn.Module] | None = None) -> int:
     """True bytes of a module's parameters and buffers.
 
     `overrides` maps dotted paths (relative to `module`, as ComfyUI object
     patches name them) to modules that stand in for the tree's at run time.
     """
-    overrides = overrides or {}
-    total = sum(tensor_bytes(t) for t in module._parameters.values() if t is not None)
-    total += sum(tensor_bytes(t) for t in module._buffers.values() if t is not None)
-    for name, child in module._modules.items():
-        path = prefix + name
-        child = overrides.get(path, child)
-        if child is not None:
-            total += module_bytes(child, overrides, path + ".")
-    return total
+    return sum(tensor_bytes(t) for _, m in walk_modules(module, overrides, remove_duplicate=False)
+               for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -103,16 +103,16 @@ def _dominant_dtype(model: nn.Module, overrides: dict[str, nn.Module]) -> torch.
     return counts.most_common(1)[0][0] if counts else None
 
 
-def walk_modules(model: nn.Module, overrides: dict[str, nn.Module] | None = None
-                 ) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) like `named_modules`, where an override stands in for the module at its name,
-    children included: the tree as it will run, not as it is now."""
+def walk_modules(model: nn.Module, overrides: Mapping[str, nn.Module] | None = None,
+                 remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) like `named_modules`, parents first, where an override stands in for the module at its
+    name, children included: the tree as it will run, not as it is now. The one walker of object patches."""
     overrides = overrides or {}
     seen: set[int] = set()
 
     def visit(name: str, module: nn.Module):
         module = overrides.get(name, module)
-        if module is None or id(module) in seen:
+        if module is None or (remove_duplicate and id(module) in seen):
             return
         seen.add(id(module))
         yield name, module
