@@ -21,6 +21,7 @@ import torch
 from ..dtypes import torch_dtype
 from ..hardware import cuda_capability
 from ..quant.decision import Layer, QuantConfig, decide
+from ..quant.fit import FitLayer, fit_layers
 from ..quant.linear import QuantLinear, quantized_layer
 from ..quant.descriptor import PRE_QUANT_SCALE
 from ..quant.linear_method import LinearMethod
@@ -79,10 +80,25 @@ class LayerBuilder:
         self.config = replace(online or QuantConfig(method=None), compute_device=self.device,
                               requantize_blocks=nvfp4 == "requantize")
         self.online_plan = {} if online is None else decide_online(contents, self.config)
+        self._fitted: set[str] = set()
+        if online is not None and online.fit_bytes:
+            self._fit(online)
         largest = max((layer.dtype.itemsize * layer.shape[0] * layer.shape[1]
                        for layer in self.online_plan.values() if layer.method is not None), default=0)
         self.staging = PinnedStaging(self.device, largest)
         self._quantize_seconds = 0.0
+
+    def _fit(self, online: QuantConfig) -> None:
+        """Move the largest quantized layers to a fit format until the Linear weights take at most
+        `online.fit_bytes` (quant/fit.py); the report says what moved."""
+        layers = {name: FitLayer(layer.shape[1], layer.shape[0], layer.dtype.itemsize * layer.shape[0] *
+                                 layer.shape[1], layer.method) for name, layer in self.online_plan.items()}
+        fit = fit_layers(layers, online.fit_bytes, list(online.fit_targets))
+        for name, method in fit.moved.items():
+            self.online_plan[name] = replace(self.online_plan[name], method=method,
+                                             reason=f"moved to fit: {method.describe()}")
+        self._fitted = set(fit.moved)
+        self.report.notes.append(fit.note())
 
     # -- before building -------------------------------------------------------
     def resolve_methods(self) -> None:
@@ -163,7 +179,9 @@ class LayerBuilder:
 
     def _online(self, name, weight, in_features, out_features, bias, compute_dtype, home, plain_bytes):
         planned = self.online_plan.get(name)
-        if (planned is not None and planned.dtype == weight.dtype and planned.shape == (out_features, in_features)
+        if planned is not None and name in self._fitted and planned.shape == (out_features, in_features):
+            method, reason = planned.method, planned.reason  # moved to fit: auto's choice in any dtype was 8-bit
+        elif (planned is not None and planned.dtype == weight.dtype and planned.shape == (out_features, in_features)
                 and (planned.dtype == compute_dtype or not isinstance(self.online.method, Selector))):
             method, reason = planned.method, planned.reason
         else:  # ComfyUI renamed, split or converted this key (diffusers files, HunyuanVideo): the header could not

@@ -7,6 +7,7 @@ here back into nodes/, and only `Host.build` leads on to the quantized layers.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -18,6 +19,7 @@ from ..quant import QuantConfig, get_method
 from ..quant.keep import keep_patterns
 from ..quant.kitchen_api import require_kitchen
 from ..quant.linear_method import LinearMethod
+from ..quant.registry import fit_formats
 from ..quant.report import QuantReport
 from ..units import format_gib
 from .build import LayerBuilder
@@ -28,7 +30,8 @@ from .file_map import release_file_map
 @dataclass(frozen=True)
 class LoadOptions:
     """What a loader node asks for: a diffusion model, or a text encoder; NVFP4's mode, the online
-    quantization and the layers it keeps, and the prefix rules of a text encoder."""
+    quantization, the layers it keeps and the GiB its Linear weights may take (0: any), and the prefix rules
+    of a text encoder."""
     title: str
     text_encoder: bool = False
     nvfp4: str = "auto"
@@ -36,6 +39,7 @@ class LoadOptions:
     group_size: int = 256
     ignored_layers: str = ""
     rename_prefixes: str = ""
+    fit_gib: float = 0.0
 
 
 class Host(Protocol):
@@ -56,6 +60,10 @@ class Host(Protocol):
 
 def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> tuple[object, QuantReport]:
     """(the host's model, the load's report) of the file at `path`; `builder.finish` ran inside host.build."""
+    if not (math.isfinite(options.fit_gib) and options.fit_gib >= 0):
+        raise ValueError(f"fit_gib must be a finite number of GiB, 0 or more; got {options.fit_gib}")
+    if options.fit_gib > 0 and options.quantization == "none":
+        raise ValueError("fit_gib moves quantized layers to 4-bit: it needs a quantization, and it is 'none'")
     method = None
     if options.quantization != "none":
         require_kitchen(options.title)
@@ -69,6 +77,10 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
     if rules:
         contents = contents.renamed(rules)
     config = online_config(method, device, contents, options.ignored_layers)
+    if config is not None and options.fit_gib > 0:
+        config.fit_bytes = int(options.fit_gib * 2 ** 30)
+        config.fit_targets = tuple(get_method(name, group_size=options.group_size, device=device)
+                                   for name in fit_formats())
     with contents.open() as source:
         builder = LayerBuilder(contents, source, device, online=config,
                                nvfp4=options.nvfp4 if config is None else "requantize",

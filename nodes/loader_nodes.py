@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from .options import OFFLOAD_MODES, QUANTIZATIONS
 from ..quant.keep import describe_keep
-from ..quant.registry import group_sizes, marker_format_list, online_summaries, rotation_formats
+from ..quant.registry import fit_formats, group_sizes, marker_format_list, online_summaries, rotation_formats
 from . import categories, comfy_host as compat
 from .loading import load_checkpoint
 
@@ -56,8 +56,6 @@ class MixedCheckpointLoader(io.ComfyNode):
                                node_id=cls.hidden.unique_id)
 
 
-
-
 class LoadH3Quantized(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -96,6 +94,11 @@ class LoadH3Quantized(io.ComfyNode):
                     "ignored_layers", default="", multiline=True, optional=True,
                     tooltip="More layers to keep in full precision: fnmatch patterns on module names, comma "
                             f"or newline separated. Always kept ({describe_keep()})."),
+                io.Float.Input(
+                    "fit_gib", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
+                    tooltip="The most GiB the quantized Linear layers may take (0: no limit). Where the chosen "
+                            f"quantization needs more, the largest layers move to {' then '.join(fit_formats())}, "
+                            "largest first, until they fit: 4-bit, less exact; the report lists what moved."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The quantized diffusion model."),
@@ -113,12 +116,11 @@ class LoadH3Quantized(io.ComfyNode):
         return QUANTIZATIONS.problem(quantization) or OFFLOAD_MODES.problem(offload) or True
 
     @classmethod
-    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers=""):
+    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers="", fit_gib=0.0):
         return load_checkpoint("LoadH3Quantized", "diffusion_models", unet_name,
                                quantization=QUANTIZATIONS.read(quantization, "LoadH3Quantized"), group_size=group_size,
-                               ignored_layers=ignored_layers, offload_input=offload, node_id=cls.hidden.unique_id)
-
-
+                               ignored_layers=ignored_layers, fit_gib=fit_gib, offload_input=offload,
+                               node_id=cls.hidden.unique_id)
 
 
 class QuantizedCLIPLoader(io.ComfyNode):

@@ -16,13 +16,15 @@ from .offload import install_offload
 
 def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None, nvfp4: str = "auto",
                     quantization: str = "none", group_size: str = "256", ignored_layers: str = "",
-                    rename_prefixes: str = "", offload_input: str | None = None, node_id=None) -> dict:
+                    rename_prefixes: str = "", fit_gib: float = 0.0, offload_input: str | None = None,
+                    node_id=None) -> dict:
     """The one load path of the three loaders: a diffusion model, or with `clip_type` a text encoder
     (loaders.load.load). `offload_input` is the node's offload mode ("none" a mode too); without the input
     (None) no offload is installed, as on a text encoder."""
     path = folder_paths.get_full_path_or_raise(folder, file_name)
     options = LoadOptions(title, text_encoder=clip_type is not None, nvfp4=nvfp4, quantization=quantization,
-                          group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes)
+                          group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes,
+                          fit_gib=float(fit_gib))
     host = ComfyHost(clip_type, folder_paths.get_folder_paths("embeddings") if clip_type is not None else None)
     loaded, report = load(path, options, compute_device(), host)
     backed = back_with_file(loaded, file_name) if clip_type is None else None

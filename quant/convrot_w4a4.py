@@ -64,6 +64,7 @@ class ConvRotW4A4Format(QuantFormat):
     marker = True
     online = True
     rotation_group = True
+    fit_rank = 1  # the smaller and less accurate one
     summary = ("4-bit weights and activations with ConvRot, a quarter of bf16's weight memory (comfy-kitchen's "
                "int4 tensor-core GEMM, native on RTX 20 to 40; INT8 GEMMs on Hopper and Blackwell)")
     kitchen_layouts = (LAYOUT,)

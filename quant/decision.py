@@ -40,6 +40,10 @@ class QuantConfig:
     requantize_blocks: bool = False
     # Modules that stand in for the tree's at run time (ComfyUI object patches).
     overrides: dict[str, nn.Module] = field(default_factory=dict)
+    # Loading: the most bytes the Linear layers' weights may take, reached by moving the largest quantized
+    # layers to `fit_targets` (quant/fit.py); 0: no limit.
+    fit_bytes: int = 0
+    fit_targets: tuple[LinearMethod, ...] = ()
 
     def device(self) -> torch.device:
         if self.compute_device is not None:

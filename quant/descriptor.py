@@ -142,6 +142,9 @@ class QuantFormat:
     auto_rank: int | None = None
     auto_from: tuple[int, int] = (99, 0)
     auto_on_cpu: bool = False
+    #: Where a load is asked to fit its weights into fewer bytes (`fit_gib`), the formats layers move to, in
+    #: this order (lower first; None: never moved to).
+    fit_rank: int | None = None
     #: The keys its markers may carry beside "format" (read_marker checks their values).
     marker_params: dict[str, MarkerParam] = {}
 

@@ -80,6 +80,12 @@ def online_summaries(names=None) -> str:
     return " ".join(f"{name}: {_FORMATS[name].summary}." for name in (names or online_formats()))
 
 
+def fit_formats() -> tuple[str, ...]:
+    """The formats a load moves layers to when asked to fit its weights into fewer bytes, first choice first."""
+    ranked = sorted((spec.fit_rank, name) for name, spec in _FORMATS.items() if spec.fit_rank is not None)
+    return tuple(name for _, name in ranked)
+
+
 def format_aliases() -> dict[str, str]:
     """Option spellings of earlier versions -> today's name."""
     return {alias: name for name, spec in _FORMATS.items() for alias in spec.aliases}

@@ -95,6 +95,7 @@ class W4A8Int8Format(QuantFormat):
     marker = True
     online = True
     rotation_group = True
+    fit_rank = 0  # the more accurate 4-bit format (INT8 activations)
     summary = ("4-bit weights in groups of 16 (a 16-level codebook, fp8 group scales) decoded to INT8, INT8 "
                "activations with ConvRot: about 0.56 bytes per weight (comfy-kitchen's INT8 GEMM, sm80+)")
     kitchen_layouts = (LAYOUT,)
