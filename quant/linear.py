@@ -14,6 +14,7 @@ from torch import nn
 
 from ..dtypes import FLOAT_DTYPES
 from .descriptor import PRE_QUANT_SCALE
+from .kitchen_api import apply_input_act
 from .witness import count_run
 
 
@@ -129,7 +130,6 @@ class QuantLinear(nn.Module):
         if pre_scale is not None:
             # a smoothing scale (AWQ) multiplies the input before all else, as in upstream ComfyUI's Linear:
             # under a LoRA too, which patches the stored weight
-            from .kitchen_api import apply_input_act
             x = apply_input_act(x, input_act) * pre_scale.to(x.device, x.dtype)
             input_act = None
         weight_patches, bias_patches = self._patches("weight"), self._patches("bias")
@@ -146,7 +146,6 @@ class QuantLinear(nn.Module):
                          bias_patches: list) -> torch.Tensor:
         """ComfyUI's per-call weight patches (LoRA under partial loading or dynamic VRAM) act on the
         dequantized weight."""
-        from .kitchen_api import apply_input_act
         weight = self.method.dequantize(self, x.device).to(x.dtype)
         for patch in weight_patches:
             weight = patch(weight)
