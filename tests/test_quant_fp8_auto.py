@@ -117,7 +117,6 @@ class ScriptedClock:
 
 
 def test_auto_measures_once_and_keeps_bf16_where_nothing_is_faster(monkeypatch):
-    from bigdit.quant import auto
     monkeypatch.setattr(auto, "_MEASURED", {})
     monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
     fast = ScriptedClock(2.0, 1.0)
@@ -137,7 +136,6 @@ def test_auto_measures_once_and_keeps_bf16_where_nothing_is_faster(monkeypatch):
 def test_auto_measures_in_the_dtype_the_layer_computes_in(monkeypatch):
     """ComfyUI may compute a bf16 file in fp16: each compute dtype is its own measurement, whose inputs,
     reference weight and quantized layer are all in that dtype, and whose reason names it."""
-    from bigdit.quant import auto
     measured = {}
     monkeypatch.setattr(auto, "_MEASURED", measured)
     monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
@@ -165,7 +163,6 @@ def test_auto_measures_in_the_dtype_the_layer_computes_in(monkeypatch):
 
 
 def test_auto_through_the_dispatcher_measures_in_the_models_dtype(monkeypatch):
-    from bigdit.quant import auto
     monkeypatch.setattr(auto, "_MEASURED", {})
     monkeypatch.setenv("BIGDIT_AUTO_ROWS", "32")
     clock = ScriptedClock(2.0, 1.0)
