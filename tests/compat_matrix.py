@@ -64,6 +64,8 @@ FEATURES = [
     ("Dynamic VRAM (upstream's ModelPatcherDynamic)", ["test_dynamic_vram::"]),
     ("Quantized layers bigger than the host's budget (dynamic VRAM, partial load)", ["test_constrained_load::"]),
     ("Host memory: quantizing while loading holds one copy of the model", ["test_host_memory::"]),
+    ("Dynamic VRAM: the pack's paged weights in a file ComfyUI pages from", ["test_file_backed::"]),
+    ("4-bit to fit: LoadH3Quantized fit_gib", ["test_fit_workflow::"]),
     ("LoRA after quantization", ["test_lora_workflows::test_lora_after_quantization_matches_lora_on_float_model"]),
     ("LoRA before quantization", ["test_lora_workflows::test_lora_before_quantization_keeps_patched_layers"]),
     ("Partial loading and unloading with LoRA", ["test_lora_workflows::test_partial_loading_and_unloading_with_lora"]),
