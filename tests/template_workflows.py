@@ -30,7 +30,7 @@ TEMPLATES_PACKAGE = "comfyui-workflow-templates-json 0.1.123"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SUBGRAPH_INPUT = -10  # the id links from a subgraph's inputs originate at
 
-LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256", "ignored_layers": ""}
+LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256", "ignored_layers": "", "fit_gib": 0.0}
 ATTENTION = {"dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0, "dense_layers": ""}
 TEXT_ENCODER = {"rename_prefixes": "", "nvfp4": "auto"}
 
