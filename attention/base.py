@@ -152,6 +152,11 @@ class Impl:
         """Why the kernel cannot be used at all (missing package), or None."""
         return None
 
+    def preload(self) -> None:
+        """Import now what deciding a call imports (its package, its build's constraints)."""
+        self.unavailable()
+        self.constraints  # noqa: B018 - a property that may read the package's build config
+
     def plan(self, q, k, v, *, layout, mask, scale, options) -> KernelCall:
         self.constraints.check(q, k, v, layout, mask)
         why = self.unavailable()
@@ -210,12 +215,19 @@ class Backend:
         unique = list(dict.fromkeys(r for _, r in reasons))
         raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
 
-    @torch.compiler.disable  # once per reason; runs eagerly
-    def _note(self, ran: str, missing: tuple) -> None:
+    def preload(self) -> None:
+        """Look for each kernel's package now, eagerly: an import while torch.compile traces the first call
+        would break its graph (and have dynamo compile that call's frames again)."""
+        for impl in self._impls:
+            impl.preload()
+
+    @torch.compiler.assume_constant_result  # under torch.compile it runs once, while tracing: no graph break
+    def _note(self, ran: str, missing: tuple) -> bool:
         if (ran, missing) not in self._noted:
             self._noted.add((ran, missing))
             log.warning("attention: %s runs %s: %s. Said once.", self.name, ran,
                         "; ".join(f"{label} is unavailable ({why})" for label, why in missing))
+        return True
 
     def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> torch.Tensor:
         return self.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()

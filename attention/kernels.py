@@ -156,6 +156,9 @@ class KitchenInt8(Impl):
     constraints = Constraints(max_head_dim=256)
     max_error = 0.05  # INT8 q, k, v and probabilities: `auto` weighs it only where a probe stays within this
 
+    def unavailable(self):
+        return load("comfy_kitchen", None, "comfy-kitchen")[1]
+
     def plan(self, q, k, v, *, layout, mask, scale, options):
         self.constraints.check(q, k, v, layout, mask)
         ck = kitchen()

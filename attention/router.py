@@ -69,6 +69,8 @@ class Router:
         self.backend = registry.create(backend, sol_tau=sol_tau, sol_min_tokens=sol_min_tokens)
         self.dense = registry.create(registry.parse(dense_backend, dense=True))
         self.reference = registry.create("sdpa")
+        for backend in (self.backend, self.dense, self.reference):
+            backend.preload()
         self.sol_tau = float(sol_tau)
         self.schedule = DenseSchedule(dense_steps, parse_layers(dense_layers))
         self.stats = AttentionStats()

@@ -16,7 +16,7 @@ from importlib.metadata import version as _version
 import torch
 
 from . import compiled_ops
-from .base import FLOAT_DTYPES, Backend, Constraints, Impl, KernelCall, Unsupported, convert, dims
+from .base import FLOAT_DTYPES, Backend, Constraints, Impl, KernelCall, Unsupported, convert, dims, load
 from .kernels import kitchen
 from .registry import register_backend
 
@@ -92,6 +92,9 @@ class Sol(Impl):
     def __init__(self, tau: float = 1.0, min_tokens: int = MIN_TOKENS):
         self.tau = float(tau)
         self.min_tokens = int(min_tokens)
+
+    def unavailable(self):
+        return load("comfy_kitchen", None, "comfy-kitchen")[1]
 
     def plan(self, q, k, v, *, layout, mask, scale, options):
         self.constraints.check(q, k, v, layout, mask)

@@ -7,12 +7,6 @@ a logger call breaks the graph), so each such kernel is a
 shape and dtype: the compiled graph calls it as one node, and the dispatch
 runs inside it at run time, as in eager mode.
 
-FP8's GEMM is one too (`bigdit::fp8_gemm`: torch._scaled_mm where FP8 is native,
-the same arithmetic in fp32 elsewhere), while its activation quantization is
-traced as plain torch ops under compile, so that inductor fuses it into the
-op producing the activation (a norm, a modulation) instead of running the
-Triton quantizer as a separate pass.
-
 Eager calls (not compiling) go straight to the kernel, as before this module
 existed: the same code, the same numbers, without the custom op's dispatch
 overhead (tens of microseconds a call, paid once per layer per step).
@@ -48,26 +42,28 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return call(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
 
 
-def _fp8_gemm(xq, x_scale, weight, w_scale, bias, out_dtype, compute_dtype, native):
-    from . import fp8
-    return fp8.scaled_gemm(xq, x_scale, weight, w_scale, bias, out_dtype, compute_dtype, native)
+def _triton_quantize_rows(x, swiglu, inv_fp8_max, fp8_max, min_scale):
+    from . import fp8_rows
+    return fp8_rows.quantize_rows(x, swiglu, inv_fp8_max, fp8_max, min_scale)
 
 
-@torch.library.custom_op("bigdit::fp8_gemm", mutates_args=())
-def _fp8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 native: bool) -> torch.Tensor:
-    return _fp8_gemm(xq, x_scale, weight, w_scale, bias, out_dtype, compute_dtype, native)
+@torch.library.custom_op("bigdit::fp8_quantize_rows", mutates_args=())
+def _fp8_quantize_rows_op(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max: float,
+                          min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _triton_quantize_rows(x, swiglu, inv_fp8_max, fp8_max, min_scale)
 
 
-@_fp8_gemm_op.register_fake
-def _(xq, x_scale, weight, w_scale, bias, out_dtype, compute_dtype, native):
-    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+@_fp8_quantize_rows_op.register_fake
+def _(x, swiglu, inv_fp8_max, fp8_max, min_scale):
+    rows, width = x.shape[0], x.shape[1] // (2 if swiglu else 1)
+    return (x.new_empty((rows, width), dtype=torch.float8_e4m3fn),
+            x.new_empty((rows, 1), dtype=torch.float32))
 
 
-def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype, compute_dtype: torch.dtype,
-             native: bool) -> torch.Tensor:
-    """fp8.scaled_gemm (FP8 rows times FP8 weights, scaled); one graph node under torch.compile."""
-    call = _fp8_gemm_op if torch.compiler.is_compiling() else _fp8_gemm
-    return call(xq, x_scale, weight, w_scale, bias, out_dtype, compute_dtype, native)
+def fp8_quantize_rows(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max: float,
+                      min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_rows.quantize_rows (the one-pass Triton activation quantizer); one graph node under torch.compile."""
+    call = _fp8_quantize_rows_op if torch.compiler.is_compiling() else _triton_quantize_rows
+    return call(x, swiglu, inv_fp8_max, fp8_max, min_scale)
+
+

@@ -78,8 +78,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
     """quantize_rows in as few memory passes as this machine allows, with the same result.
 
     The activation pass is what separates FP8's end-to-end speed from the raw
-    GEMM's. Eager only: under torch.compile `quantize_rows` is traced and fused.
-    First choice: the one-pass Triton kernel (fp8_rows). Otherwise the
+    GEMM's. First choice: the one-pass Triton kernel (fp8_rows). Otherwise the
     input activation runs eagerly, torch's row inf-norm and the per-row
     scales follow, and one compiled elementwise kernel casts; without a
     compiler, eager torch.
@@ -90,7 +89,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
         width = x.shape[1] // (2 if input_act == "swiglu" else 1)
         if fp8_rows.available(x, width):
             try:
-                return fp8_rows.quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
+                return compiled_ops.fp8_quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
             except Exception as exc:  # a Triton that imports but cannot compile for this GPU
                 _triton_failed = True
                 log.warning("FP8: the Triton activation quantizer failed (%s); using torch.compile or eager "
@@ -156,33 +155,25 @@ class Fp8Method(LinearMethod):
             # Static activation scale from the checkpoint.
             xq = _cast_rows(_input_act(x2d, input_act), torch.reciprocal(input_scale.float()).reshape(1, 1))
             x_scale = input_scale.float().reshape(1, 1).expand(xq.shape[0], 1).contiguous()
-        elif native and not torch.compiler.is_compiling():
+        elif native:
             xq, x_scale = _fast_quantize_rows(x2d, input_act)
         else:
-            # under torch.compile plain torch ops, which inductor fuses into the op that produced x
             xq, x_scale = quantize_rows(x2d, input_act)
         w_scale = self._row_scales(t["weight_scale"], n_out)
-        out = compiled_ops.fp8_gemm(xq, x_scale, weight, w_scale, bias, out_dtype, layer.compute_dtype, native)
+        if native:
+            # Row-wise scaled GEMMs write 16-bit outputs (fp32 only on some torch versions); an fp32
+            # input gets the 16-bit result widened. cuBLASLt fuses a bias only into 16-bit outputs.
+            gemm_dtype = out_dtype if out_dtype != torch.float32 else _sixteen_bit(layer.compute_dtype)
+            fused_bias = bias is not None and gemm_dtype == out_dtype
+            out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
+                                   bias=bias.to(out_dtype) if fused_bias else None,
+                                   out_dtype=gemm_dtype, use_fast_accum=True).to(out_dtype)
+            if bias is not None and not fused_bias:
+                out += bias.to(out_dtype)
+        else:
+            out = F.linear(xq.float() * x_scale, weight.float() * w_scale.reshape(-1, 1),
+                           None if bias is None else bias.float()).to(out_dtype)
         return out.reshape(*lead, n_out)
-
-
-def scaled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None, out_dtype: torch.dtype, compute_dtype: torch.dtype,
-                native: bool) -> torch.Tensor:
-    """xq [M, K] fp8 with x_scale [M, 1] times weight [N, K] fp8 with w_scale [1, N], plus bias, in out_dtype."""
-    if not native:
-        return F.linear(xq.float() * x_scale, weight.float() * w_scale.reshape(-1, 1),
-                        None if bias is None else bias.float()).to(out_dtype)
-    # Row-wise scaled GEMMs write 16-bit outputs (fp32 only on some torch versions); an fp32
-    # input gets the 16-bit result widened. cuBLASLt fuses a bias only into 16-bit outputs.
-    gemm_dtype = out_dtype if out_dtype != torch.float32 else _sixteen_bit(compute_dtype)
-    fused_bias = bias is not None and gemm_dtype == out_dtype
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
-                           bias=bias.to(out_dtype) if fused_bias else None,
-                           out_dtype=gemm_dtype, use_fast_accum=True).to(out_dtype)
-    if bias is not None and not fused_bias:
-        out += bias.to(out_dtype)
-    return out
 
 
 def _sixteen_bit(dtype: torch.dtype) -> torch.dtype:

@@ -61,7 +61,8 @@ class KernelChooser:
         candidates = {n: fn for n, fn in candidates.items() if measured is None or n in measured}
         names = list(candidates)
         if len(names) == 1 or device.type != "cuda":
-            self.choices[key] = names[0]
+            if not torch.compiler.is_compiling():  # a write while tracing is a guard: the next call recompiles
+                self.choices[key] = names[0]
             return names[0]
         cached = self.choices.get(key)
         if cached is not None:

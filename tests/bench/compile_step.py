@@ -2,9 +2,9 @@
 
 Each block is LayerNorm -> Linear (dim -> hidden) -> GELU -> Linear (hidden -> dim), residual, its Linears
 quantized by the pack (or left in bf16). Per format: the eager step, the first compiled call (compilation
-included), the compiled step, graph breaks, and the compiled output's relative L2 from eager. With FP8 the
-activation quantization is traced into the graph (fused with the norm and the GELU) and only the GEMM is an
-opaque op; eager runs the one-pass Triton quantizer.
+included), the compiled step, graph breaks, and the compiled output's relative L2 from eager. The quantized
+layers' kernels (FP8's one-pass Triton quantizer and GEMM, kitchen's INT8 GEMM) are opaque ops under compile;
+inductor fuses what lies between them.
 
     python tests/bench/compile_step.py [--formats bf16 float8_e4m3fn int8_convrot] [--tokens 8192] [--out FILE]
 """
