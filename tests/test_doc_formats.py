@@ -1,4 +1,5 @@
-"""The nodes' help pages (web/docs) name exactly the registry's formats where they list formats, in its order."""
+"""The nodes' help pages (web/docs) name exactly the registry's formats where they list formats, in its order
+(SaveQuantizedModel's layout table: every format a saved file can hold)."""
 import re
 from pathlib import Path
 
@@ -54,3 +55,10 @@ def test_quantize_node_lists_the_rotation_formats():
 def test_marker_loaders_list_the_marker_formats():
     for page in ("MixedCheckpointLoader.md", "QuantizedCLIPLoader.md"):
         assert named_formats(marker_passage(page)) == list(marker_formats()), page
+
+
+def test_save_page_gives_the_layout_of_every_format_a_file_can_hold():
+    first_cells = [line.strip().strip("|").split("|")[0] for line in (DOCS / "SaveQuantizedModel.md").read_text()
+                   .splitlines() if line.strip().startswith("| ") and "`" in line.split("|")[1]]
+    listed = [name for cell in first_cells for name in named_formats(cell)]
+    assert listed == [name for name, spec in formats().items() if spec.unsaveable is None]
