@@ -160,7 +160,7 @@ class Auto(Backend):
                 accepted[impl.label] = (impl, impl.plan(q, k, v, layout=layout, mask=mask, scale=scale,
                                                         options=options))
             except Unsupported as e:
-                reasons.append((impl.label, str(e)))
+                reasons.append((impl.label, e.args[0]))
         if not accepted:
             unique = list(dict.fromkeys(r for _, r in reasons))
             raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))

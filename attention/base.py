@@ -204,9 +204,9 @@ class Backend:
             try:
                 plan = impl.plan(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
             except Unsupported as e:
-                reasons.append((impl.label, str(e)))
+                reasons.append((impl.label, e.args[0]))
                 if isinstance(e, Unavailable):
-                    missing.append((impl.label, str(e)))
+                    missing.append((impl.label, e.args[0]))
                 continue
             if missing and self._note_substitutes and (plan.label, tuple(missing)) not in self._noted:
                 self._note(plan.label, tuple(missing))

@@ -121,7 +121,7 @@ class Router:
             try:
                 plan = backend.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
             except Unsupported as e:
-                declined.append((backend.name, str(e)))
+                declined.append((backend.name, e.args[0]))
                 continue
             try:
                 out = plan.run()
@@ -157,7 +157,7 @@ class Router:
                 return backend.plan(q, k, v, layout=layout, mask=mask, scale=scale,
                                     transformer_options=options), declined
             except Unsupported as e:
-                declined.append((backend.name, str(e)))
+                declined.append((backend.name, e.args[0]))
         raise Unsupported("; ".join(f"{name}: {why}" for name, why in declined))
 
     def _ran(self, label, out, declined):
