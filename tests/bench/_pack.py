@@ -20,6 +20,8 @@ if "bigdit" not in sys.modules:
     _pkg.__path__ = [str(PACK_ROOT)]
     sys.modules["bigdit"] = _pkg
 
+from bigdit.hardware import time_ms  # noqa: E402 - the pack's own timer, once the pack is importable
+
 
 def slug(gpu_name: str) -> str:
     """A GPU's name as results files spell it: "NVIDIA H200" -> "nvidia-h200"."""
@@ -57,14 +59,5 @@ def cuda_time_ms(fn, warmup: int = 2, iters: int = 10, repeats: int = 3) -> floa
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / iters)
-    per_call.sort()
+    per_call = sorted(time_ms(fn, "cuda", iters) for _ in range(repeats))
     return per_call[len(per_call) // 2]
