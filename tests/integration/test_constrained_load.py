@@ -24,6 +24,7 @@ import subprocess
 import pytest
 
 from comfy_harness import PACK_ROOT
+from cpu_sampling import CPU_SAMPLING
 
 pytestmark = [pytest.mark.integration]
 
@@ -45,8 +46,8 @@ from bigdit.quant import QuantConfig, get_method
 from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
 from bigdit.quant.linear import QuantLinear
+exec(sys.argv[5])  # tests/cpu_sampling.py: on_cpu_dynamic, latent, sample
 
-cpu = torch.device("cpu")
 dynamic = hasattr(comfy.model_patcher, "ModelPatcherDynamic")
 
 
@@ -61,27 +62,10 @@ def quantized():
     return patcher, replacements
 
 
-def latent():
-    if kind == "h3":
-        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
-        return EmptyMiniMaxH3LatentAV.execute(width=64, height=64, length=5)[0]
-    return {"samples": torch.zeros(1, 16, 1, 8, 8)}
-
-
-def sample(patcher):
-    # ComfyUI's own KSampler path (load_models_gpu loads the patcher as it is), 3 euler steps
-    gen = torch.Generator().manual_seed(0)
-    cond = [[torch.randn(1, 8, text_dim, generator=gen), {}]]
-    return nodes.common_ksampler(patcher, 0, 3, 1.0, "euler", "simple", cond, cond, latent())[0]["samples"]
-
-
 def constrained(patcher, budget):
     # `patcher` loaded by the host's own loading within `budget` bytes
-    if dynamic:  # a patcher made for a GPU, retargeted as upstream's device selector nodes retarget one
-        patcher = comfy.model_patcher.ModelPatcherDynamic(patcher.model, load_device=torch.device("cuda", 0),
-                                                          offload_device=cpu)
-        patcher.load_device = cpu
-        patcher.register_load_device(cpu)
+    if dynamic:
+        patcher = on_cpu_dynamic(patcher.model)
         prepare_dynamic_vram(patcher)
         return patcher
     # 0.3.75's load_models_gpu loads a CPU model fully: its partial load as it runs it on a small card,
@@ -109,7 +93,6 @@ else:
 out["layers"], out["loaded_whole"] = len(layers), len(whole)
 out["still_quantized"] = all(isinstance(patcher.get_model_object(f"diffusion_model.{name}"), QuantLinear)
                              for name in layers)
-full, got = full.unbind() if full.is_nested else [full], got.unbind() if got.is_nested else [got]
 out["err"] = max(((g - f).norm() / f.norm()).item() for g, f in zip(got, full))
 out["exact"] = all(torch.equal(g, f) for g, f in zip(got, full))
 out["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
@@ -119,7 +102,7 @@ print(json.dumps(out))
 
 def check(comfy, model_path, kind, text_dim):
     result = subprocess.run([str(comfy.host.python), "-c", PROBE, str(PACK_ROOT), str(model_path), kind,
-                             str(text_dim)], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+                             str(text_dim), CPU_SAMPLING], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["class"] == ("ModelPatcherDynamic" if out["dynamic"] else "ModelPatcher")

@@ -21,6 +21,7 @@ import subprocess
 import pytest
 
 from comfy_harness import PACK_ROOT
+from cpu_sampling import CPU_SAMPLING
 
 pytestmark = [pytest.mark.integration]
 
@@ -41,8 +42,7 @@ from bigdit.quant import QuantConfig, get_method
 from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
 from bigdit.quant.linear import QuantLinear
-
-cpu = torch.device("cpu")
+exec(sys.argv[5])  # tests/cpu_sampling.py: on_cpu_dynamic, latent, sample
 
 
 def quantized():
@@ -54,25 +54,7 @@ def quantized():
                          ignored=keep_patterns([n for n, _ in diffusion.named_modules()], None))
     replacements, _ = quantize_layers(diffusion, config, title="test")
     apply_replacements(diffusion, replacements)
-    dynamic = comfy.model_patcher.ModelPatcherDynamic(patcher.model, load_device=torch.device("cuda", 0),
-                                                      offload_device=cpu)
-    dynamic.load_device = cpu
-    dynamic.register_load_device(cpu)
-    return dynamic
-
-
-def latent():
-    if kind == "h3":
-        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
-        return EmptyMiniMaxH3LatentAV.execute(width=64, height=64, length=5)[0]
-    return {"samples": torch.zeros(1, 16, 1, 8, 8)}
-
-
-def sample(patcher):
-    gen = torch.Generator().manual_seed(0)
-    cond = [[torch.randn(1, 8, text_dim, generator=gen), {}]]
-    out = nodes.common_ksampler(patcher, 0, 3, 1.0, "euler", "simple", cond, cond, latent())[0]["samples"]
-    return out.unbind() if out.is_nested else [out]
+    return on_cpu_dynamic(patcher.model)
 
 
 def backed(patcher, temp):
@@ -122,7 +104,7 @@ print(json.dumps(out))
 
 def check(comfy, model_path, kind, text_dim):
     result = subprocess.run([str(comfy.host.python), "-c", PROBE, str(PACK_ROOT), str(model_path), kind,
-                             str(text_dim)], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+                             str(text_dim), CPU_SAMPLING], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["quantized_layers"] > 0 and out["plain_paged"] > 0, out
