@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..loaders.host_memory import trim_heap
-from ..loaders.safetensors_writer import write_safetensors
+from ..loaders.safetensors_writer import data_bytes, write_safetensors
 from ..quant.linear import QuantLinear
 from ..units import format_gib
 from .comfy_compat import is_dynamic
@@ -77,7 +77,7 @@ def back_with_file(patcher, label: str) -> str | None:
     if not path.endswith(".safetensors"):
         path += ".safetensors"
     entries = [(key, module._parameters[name].data) for key, (module, name) in tensors.items()]
-    nbytes = sum(t.numel() * t.element_size() for _, t in entries)
+    nbytes = data_bytes(entries)
     try:
         os.makedirs(folder, exist_ok=True)
         write_safetensors(path, entries, durable=False)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..units import format_gib
+from .kitchen_api import tensor_bytes
 from .linear_method import LinearMethod
 
 _PROBE_ROWS = (16, 32)
@@ -33,7 +34,7 @@ def quantized_bytes(method: LinearMethod, in_features: int, out_features: int) -
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(map(tensor_bytes, tensors.values()))
 
 
 def _measure(method: LinearMethod, in_features: int, out_features: int) -> int:
