@@ -130,7 +130,7 @@ class LayerBuilder:
         plain_bytes = (in_features + (bias is not None)) * out_features * compute_dtype.itemsize
         file_bias = bias
         if bias is not None:
-            bias = bias.to(device=home, dtype=compute_dtype, copy=True)
+            bias = bias.to(device=home, dtype=compute_dtype, copy=self.source.mark is None)
         if name in self.contents.layers:
             built = self._from_checkpoint(name, in_features, out_features, bias, compute_dtype, home, plain_bytes)
             self.source.file_map.release(*(self.source(key) for key in self.contents.layers[name].tensors.values()))
@@ -160,8 +160,8 @@ class LayerBuilder:
             paths = self._paths.setdefault(layer.format, {})
             paths[decision.path] = paths.get(decision.path, 0) + 1
             reason = f"{layer.format} {'in' if target else 'from'} the checkpoint, {decision.brief}"
-        if target is None:
-            tensors = {k: v.to(device=home, copy=True) for k, v in tensors.items()}
+        if target is None:  # kept as stored: copied out of the map, unless the host pages them from the file
+            tensors = {k: v.to(device=home, copy=self.source.mark is None) for k, v in tensors.items()}
             built = QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
         else:
             on_device = {k: v.to(self.device) for k, v in tensors.items()}

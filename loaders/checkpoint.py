@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -27,16 +28,21 @@ from ..quant.registry import formats
 
 
 
+MarkFileSlice = Callable[[torch.Tensor, int], None]
+
+
 class TensorSource:
     """Lazy tensor access to one safetensors file, zero-copy: it maps the file once, privately, as
     safetensors does (torch's file storage), and hands out each tensor as a slice of the map, by the
     checked header. `file_map.release(tensor)` gives back the pages of a tensor once it was consumed.
+    With `mark` (a host that pages weights from their file), each tensor's storage is marked with its byte
+    offset in the file; views of it keep the mark, a tensor computed from it has none.
 
     Tensors handed out stay valid after `close()` (each holds the map).
     """
 
-    def __init__(self, path: str, header: SafetensorsHeader):
-        self.path, self.header = path, header
+    def __init__(self, path: str, header: SafetensorsHeader, mark: MarkFileSlice | None = None):
+        self.path, self.header, self.mark = path, header, mark
         try:
             self._storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=header.file_size)
         except (OSError, RuntimeError) as exc:  # gone, unreadable, or shorter than when it was inspected
@@ -55,6 +61,8 @@ class TensorSource:
             return torch.empty(info.shape, dtype=dtype)
         start = self.header.data_start + info.begin
         raw = torch.empty(0, dtype=torch.uint8).set_(self._storage[start:start + info.nbytes])
+        if self.mark is not None:
+            self.mark(raw, start)
         return raw.view(dtype).reshape(info.shape)
 
     def close(self) -> None:
@@ -76,8 +84,8 @@ class CheckpointContents:
     plain_keys: dict[str, str]              # loader-side key -> file key, tensors handed over as stored
     notes: list[str] = field(default_factory=list)
 
-    def open(self) -> TensorSource:
-        return TensorSource(self.path, self.header)
+    def open(self, mark: MarkFileSlice | None = None) -> TensorSource:
+        return TensorSource(self.path, self.header, mark)
 
     def layer_tensors(self, source: TensorSource, name: str) -> dict[str, torch.Tensor]:
         """The quantized layer's tensors, by role, as its LinearMethod stores them."""

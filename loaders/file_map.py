@@ -14,7 +14,9 @@ neighbour's pages are never touched (loaders/host_memory.py).
 A loader may also keep tensors that map the file as the model's own (upstream's
 dynamic VRAM loads with `assign=True`). The map then lives as long as one of them
 does; where they are less than half of the file, `release_file_map` copies them into
-process memory, giving back each one's pages, so the map can go.
+process memory, giving back each one's pages, so the map can go. Where the host pages
+weights from their file itself (upstream's dynamic VRAM), it reads them there, so they
+stay in the map with their pages given back.
 """
 from __future__ import annotations
 
@@ -50,14 +52,20 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def release_file_map(module: nn.Module, file_map: FileMap, file_bytes: int) -> int:
+def release_file_map(module: nn.Module, file_map: FileMap, file_bytes: int, paged_from_file: bool = False) -> int:
     """Copy the parameters and buffers of `module` that lie in `file_map` into process memory, giving back
-    their pages, if they are less than half of `file_bytes`; returns the bytes copied."""
+    their pages, if they are less than half of `file_bytes`; returns the bytes copied.
+
+    With `paged_from_file` (the host reads them from the file, by the marks TensorSource gave them), nothing
+    is copied, which would lose the marks: their pages are given back, and the map stays as their storage."""
     seen, mapped = set(), []
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) not in seen and tensor.numel() and file_map.holds(tensor):
             seen.add(id(tensor))
             mapped.append(tensor)
+    if paged_from_file:
+        file_map.release(*(t.data for t in mapped))
+        return 0
     kept = sum(_nbytes(t) for t in mapped)
     if not mapped or 2 * kept >= file_bytes:
         return 0  # nothing mapped, or the model mostly is the file: the map costs nothing extra

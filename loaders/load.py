@@ -23,7 +23,7 @@ from ..quant.registry import fit_formats
 from ..quant.report import QuantReport
 from ..units import format_gib
 from .build import LayerBuilder
-from .checkpoint import CheckpointContents, inspect_checkpoint
+from .checkpoint import CheckpointContents, MarkFileSlice, inspect_checkpoint
 from .file_map import release_file_map
 
 
@@ -57,6 +57,10 @@ class Host(Protocol):
     def build(self, contents: CheckpointContents, builder: LayerBuilder, state_dict: dict) -> tuple[object, nn.Module]:
         """(the host's model object, its module tree), each Linear built through `builder.build`."""
 
+    def file_slices(self, path: str) -> MarkFileSlice | None:
+        """Where the host pages weights from their file (upstream's dynamic VRAM), what marks a tensor of the
+        file's map with its offset, so the host reads the tensors kept as stored from the file; else None."""
+
 
 def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> tuple[object, QuantReport]:
     """(the host's model, the load's report) of the file at `path`; `builder.finish` ran inside host.build."""
@@ -81,7 +85,8 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
         config.fit_bytes = int(options.fit_gib * 2 ** 30)
         config.fit_targets = tuple(get_method(name, group_size=options.group_size, device=device)
                                    for name in fit_formats())
-    with contents.open() as source:
+    mark = host.file_slices(path)
+    with contents.open(mark) as source:
         builder = LayerBuilder(contents, source, device, online=config,
                                nvfp4=options.nvfp4 if config is None else "requantize",
                                title=options.title, progress=host.progress(progress_total(contents)))
@@ -89,7 +94,7 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
         state_dict = contents.state_dict(source)
         loaded, modules = host.build(contents, builder, state_dict)
         del state_dict
-        copied = release_file_map(modules, source.file_map, os.path.getsize(path))
+        copied = release_file_map(modules, source.file_map, os.path.getsize(path), paged_from_file=mark is not None)
     report = builder.report
     if source.file_map.released_bytes:
         report.notes.append(f"gave back the file's pages as its tensors were consumed "

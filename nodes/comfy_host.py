@@ -22,6 +22,7 @@ import comfy.utils
 from ..loaders import CheckpointError, CheckpointContents, LayerBuilder
 from ..quant.quantize_pass import apply_replacements
 from .comfy_compat import set_model_size
+from .file_backed import file_slice_marker
 
 
 def progress_counter(total: int):
@@ -117,6 +118,9 @@ class ComfyHost:
 
     def namespace(self, contents: CheckpointContents) -> CheckpointContents:
         return diffusion_namespace(contents)
+
+    def file_slices(self, path: str):
+        return file_slice_marker(path)
 
     def build(self, contents: CheckpointContents, builder: LayerBuilder, state_dict: dict):
         if self.clip_type is None:

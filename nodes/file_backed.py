@@ -11,11 +11,17 @@ folder and loads them back with ComfyUI's own loader, so the host reads them fro
 the file as it reads its own, and the process memory they held is given back.
 The file is unlinked once mapped (POSIX); elsewhere it goes with the model, or at
 ComfyUI's next start, which empties its temp folder.
+
+The tensors a loader keeps as the file stores them (pre-quantized layers, plain
+weights) need no scratch file: `file_slice_marker` marks them, as they are read
+from the model file, the way ComfyUI's loader marks its own, so the host pages them
+from the model file itself.
 """
 from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 import weakref
 
@@ -36,6 +42,26 @@ except ImportError:
     comfy_memory = None
 
 
+def pages_from_files() -> bool:
+    """Whether ComfyUI's loader maps files for its dynamic VRAM to page from (comfy-aimdo is on)."""
+    return bool(getattr(comfy_memory, "aimdo_enabled", False)) and hasattr(comfy_memory, "TensorFileSlice")
+
+
+def file_slice_marker(path: str):
+    """Where ComfyUI pages from files, a function marking a tensor of `path`'s map, at a byte offset, as its
+    loader marks the tensors it maps (comfy.utils.load_safetensors); else None. The file stays open while
+    one of them lives."""
+    if not pages_from_files():
+        return None
+    handle, lock = open(path, "rb"), threading.Lock()
+
+    def mark(tensor: torch.Tensor, offset: int) -> None:
+        storage = tensor.untyped_storage()
+        storage._comfy_tensor_file_slice = comfy_memory.TensorFileSlice(handle, lock, offset, storage.nbytes())
+
+    return mark
+
+
 def _from_file(tensor: torch.Tensor) -> bool:
     # what the host's loader attaches to a tensor it reads from the file (comfy.utils.load_safetensors)
     return hasattr(tensor.untyped_storage(), "_comfy_tensor_file_slice")
@@ -43,14 +69,14 @@ def _from_file(tensor: torch.Tensor) -> bool:
 
 def paged_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """The weight and bias of every layer the host pages (its cast layers and the pack's QuantLinear) that
-    sit in process memory, by state-dict key."""
+    sit in host memory, by state-dict key."""
     found = {}
     for path, module in model.named_modules():
         if not (isinstance(module, QuantLinear) or hasattr(module, "comfy_cast_weights")):
             continue
         for name in ("weight", "bias"):
             tensor = module._parameters.get(name)
-            if tensor is not None and tensor.device.type == "cpu" and tensor.numel() and not _from_file(tensor):
+            if tensor is not None and tensor.device.type == "cpu" and tensor.numel():
                 found[f"{path}.{name}" if path else name] = (module, name)
     return found
 
@@ -66,11 +92,16 @@ def back_with_file(patcher, label: str) -> str | None:
     """Have the host page `patcher`'s weights from a scratch file (see the module's docstring); returns the
     report's line, or None where the host does not page from files. Any failure leaves the model as it was
     and says why."""
-    if not (is_dynamic(patcher) and getattr(comfy_memory, "aimdo_enabled", False)):
+    if not (is_dynamic(patcher) and pages_from_files()):
         return None
-    tensors = paged_tensors(patcher.model)
+    paged = paged_tensors(patcher.model)
+    tensors = {key: found for key, found in paged.items() if not _from_file(found[0]._parameters[found[1]])}
+    from_file = data_bytes([(key, module._parameters[name]) for key, (module, name) in paged.items()
+                            if key not in tensors])
+    in_model_file = (f"ComfyUI pages the {format_gib(from_file)} of weights kept as stored from the model file "
+                     "itself" if from_file else None)
     if not tensors:
-        return None
+        return in_model_file
     start = time.perf_counter()
     folder = folder_paths.get_temp_directory()
     path = os.path.join(folder, f"bigdit-{secrets.token_hex(6)}-{os.path.basename(label)}")
@@ -87,8 +118,8 @@ def back_with_file(patcher, label: str) -> str | None:
             raise RuntimeError("ComfyUI's loader did not map the file")
     except Exception as e:  # disk full, temp folder not writable...: the weights stay in RAM
         _remove(path)
-        return (f"kept the {format_gib(nbytes)} of paged weights in RAM beside ComfyUI's pinned copy: "
-                f"no scratch file in {folder} ({type(e).__name__}: {e})")
+        return "; ".join(filter(None, (in_model_file, f"kept the {format_gib(nbytes)} of paged weights in RAM beside "
+                f"ComfyUI's pinned copy: no scratch file in {folder} ({type(e).__name__}: {e})")))
     with torch.no_grad():
         for key, (module, name) in tensors.items():
             module._parameters[name] = nn.Parameter(loaded[key], requires_grad=False)
@@ -97,5 +128,5 @@ def back_with_file(patcher, label: str) -> str | None:
     _remove(path)  # POSIX: the map keeps the file's data until the model goes
     if os.path.exists(path):
         weakref.finalize(patcher.model, _remove, path)
-    return (f"put the {format_gib(nbytes)} of paged weights in a scratch file ComfyUI pages from, as from "
-            f"its own files: one copy in RAM ({time.perf_counter() - start:.1f} s)")
+    return "; ".join(filter(None, (in_model_file, f"put the {format_gib(nbytes)} of paged weights in a scratch file "
+            f"ComfyUI pages from, as from its own files: one copy in RAM ({time.perf_counter() - start:.1f} s)")))

@@ -65,6 +65,34 @@ def test_a_model_that_is_its_file_stays_mapped(tmp_path):
     assert mapped(path) and torch.equal(module.big.weight, tensors["big.weight"])
 
 
+def test_marked_tensors_carry_their_offset_in_the_file(tmp_path):
+    """With a host that pages from files, each tensor handed out is marked once with its byte offset in the
+    file (its storage, so views keep it): the bytes there are the tensor's."""
+    path, tensors = write(tmp_path)
+    marks = []
+    raw = path.read_bytes()
+    with inspect_checkpoint(path).open(lambda t, offset: marks.append((t.untyped_storage(), offset))) as source:
+        for key, want in tensors.items():
+            got = source(key)
+            storage, offset = marks[-1]
+            assert got.untyped_storage().data_ptr() == storage.data_ptr() and got.storage_offset() == 0
+            assert raw[offset:offset + storage.nbytes()] == want.numpy().tobytes()
+    assert len(marks) == len(tensors)
+
+
+def test_a_model_the_host_pages_from_its_file_keeps_the_map_and_gives_its_pages_back(tmp_path):
+    path, tensors = write(tmp_path)
+    module, sd, file_map = load(path, keep_big=True)
+    weight = module.big.weight
+    assert torch.equal(weight, tensors["big.weight"])  # read: its pages are resident
+    assert release_file_map(module, file_map, path.stat().st_size, paged_from_file=True) == 0  # none copied
+    assert module.big.weight is weight and file_map.holds(weight)  # the same tensor, still the file's
+    assert file_map.released_bytes >= 512 * 512 * 4 - 2 * PAGE  # the big weight's whole pages went back
+    del sd
+    gc.collect()
+    assert mapped(path) and torch.equal(module.big.weight, tensors["big.weight"])  # faulted in again
+
+
 def test_tensors_outside_the_file_are_left_alone(tmp_path):
     path, _ = write(tmp_path)
     module = nn.LayerNorm(64)  # loaded with copies (assign=False)

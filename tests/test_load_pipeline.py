@@ -31,6 +31,10 @@ class StubHost:
         self.calls.append("progress")
         return lambda: None
 
+    def file_slices(self, path):
+        self.calls.append("file_slices")
+        return None
+
     def namespace(self, plan):
         self.calls.append("namespace")
         return plan
@@ -84,4 +88,4 @@ def test_the_walk_to_a_quantized_layer_crosses_back_to_the_host_once(tmp_path, m
         back_to_host = sum(1 for a, b in zip(sides, sides[1:]) if (a, b) == ("core", "host"))
         assert back_to_host == 1
     # the only calls back are the Host protocol's methods
-    assert set(host.calls) <= {"check", "progress", "namespace", "build"} and host.calls.count("build") == 1
+    assert set(host.calls) <= {"check", "progress", "file_slices", "namespace", "build"} and host.calls.count("build") == 1

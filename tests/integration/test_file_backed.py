@@ -12,6 +12,10 @@ test_constrained_load.py does, a tiny model quantized in place (int8_convrot, gr
   weights held in RAM (with the file's data 40 bytes off a cache line they did not: 4.5e-7 apart, CPU
   kernels take another path; loaders/safetensors_writer.py aligns it);
 - with a temp folder that cannot be made, the model keeps its tensors and the report line says why.
+A file the loader keeps as stored (a marker file, through loaders.load as MixedCheckpointLoader runs it)
+needs no scratch file: every paged tensor is marked as a slice of the model file, as ComfyUI's loader marks
+its own, the host's own reader (comfy.memory_management.read_tensor_file_slice_into) reads each one's bytes
+back from the file, nothing is written, and the latent equals the same file's loaded without file paging.
 The pinned copies themselves (what the host does on a GPU) are measured by tests/bench/comfy_e2e.py
 (host_rss_peak_gib, host_rss_sampling_gib).
 """
@@ -20,6 +24,7 @@ import subprocess
 
 import pytest
 
+from checkpoint_files import write_markers
 from comfy_harness import PACK_ROOT
 from cpu_sampling import CPU_SAMPLING
 
@@ -82,7 +87,8 @@ out["same_values"] = all(torch.equal(m._parameters[n], copies[k]) for k, (m, n) 
 out["aligned"] = all(m._parameters[n].data_ptr() % 64 == 0 for m, n in paged.values())
 gc.collect()
 out["freed"] = sum(r() is None for r in held)
-out["left_in_ram"] = len(paged_tensors(model))
+out["left_in_ram"] = sum(not hasattr(m._parameters[n].untyped_storage(), "_comfy_tensor_file_slice")
+                        for m, n in paged_tensors(model).values())
 out["files_left"] = os.listdir(temp)
 out["from_file"] = all(hasattr(m._parameters[n].untyped_storage(), "_comfy_tensor_file_slice")
                        for m, n in paged.values())
@@ -126,3 +132,91 @@ def test_wan_weights_paged_from_a_file(comfy, tiny_wan2):
 @pytest.mark.host_feature("dynamic_vram", "minimax_h3")
 def test_h3_weights_paged_from_a_file(comfy, tiny_h3):
     check(comfy, tiny_h3["path"], "h3", tiny_h3["text_dim"])
+
+
+KEPT_AS_STORED = r"""
+import importlib.util, json, os, sys, tempfile, types
+pack_root, path, kind, text_dim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.memory_management, comfy.model_management, comfy.model_patcher, comfy.sd
+import folder_paths, nodes
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.loaders.load import LoadOptions, load
+from bigdit.nodes.comfy_host import ComfyHost
+from bigdit.nodes.file_backed import back_with_file, paged_tensors
+from bigdit.quant.linear import QuantLinear
+exec(sys.argv[5])  # tests/cpu_sampling.py: on_cpu_dynamic, latent, sample
+
+
+# the patcher ComfyUI makes for a GPU under dynamic VRAM, which loads the file's tensors with assign=True
+comfy.model_patcher.CoreModelPatcher = lambda model, load_device, offload_device: on_cpu_dynamic(model)
+
+
+def loaded(pages_from_files):
+    comfy.memory_management.aimdo_enabled = pages_from_files  # as main.py sets it on a GPU
+    try:
+        patcher, report = load(path, LoadOptions("MixedCheckpointLoader"), cpu, ComfyHost())
+        return patcher, back_with_file(patcher, os.path.basename(path)), report
+    finally:
+        comfy.memory_management.aimdo_enabled = False  # sampling here runs the CPU path
+
+
+out = {}
+temp = tempfile.mkdtemp()
+folder_paths.set_temp_directory(temp)
+reference, _, _ = loaded(False)
+patcher, line, report = loaded(True)
+out["line"], out["files_left"] = line, os.listdir(temp)
+paged = paged_tensors(patcher.model)
+out["paged"] = len(paged)
+out["quantized_paged"] = sum(isinstance(m, QuantLinear) for m, _ in paged.values())
+read_back = []
+for module, name in paged.values():
+    tensor = module._parameters[name]
+    copy = torch.empty_like(tensor)
+    read_back.append(comfy.memory_management.read_tensor_file_slice_into(tensor, copy)
+                     and torch.equal(copy.view(torch.uint8), tensor.view(torch.uint8)))
+out["read_back"] = sum(read_back)
+from safetensors import safe_open
+with safe_open(path, "pt") as f:  # what ComfyUI computes in on a CPU (fp32) is not what the file stores
+    stored = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+out["not_read_converted"] = all(
+    str(module._parameters[name].dtype) != "torch." + {"BF16": "bfloat16", "F16": "float16"}.get(
+        stored[key.removeprefix("diffusion_model.")], "?")
+    for (key, (module, name)), ok in zip(paged.items(), read_back) if not ok)
+out["weights_read_back"] = all(ok for key, ok in zip(paged, read_back) if key.endswith(".weight"))
+out["notes"] = report.notes
+got, want = sample(patcher), sample(reference)
+out["exact"] = all(torch.equal(g, w) for g, w in zip(got, want))
+out["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
+print(json.dumps(out))
+"""
+
+WAN_MARKERS = {f"blocks.{b}.{name}": marker for b in range(2) for name, marker in (
+    ("self_attn.q", {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}),
+    ("self_attn.o", {"format": "int8_tensorwise"}), ("ffn.0", {"format": "float8_e4m3fn"}),
+    ("ffn.2", {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}))}
+
+
+@pytest.mark.host_feature("dynamic_vram")
+def test_a_file_kept_as_stored_is_paged_from_itself(comfy, tiny_wan2, tmp_path):
+    marked = write_markers(tiny_wan2["path"], tmp_path / "wan2_markers.safetensors", WAN_MARKERS)
+    result = subprocess.run([str(comfy.host.python), "-c", KEPT_AS_STORED, str(PACK_ROOT), str(marked), "wan",
+                             "4096", CPU_SAMPLING], cwd=comfy.host.comfyui, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["quantized_paged"] >= len(WAN_MARKERS) and out["paged"] > out["quantized_paged"], out
+    # every weight's offset and size are its bytes in the file; a bias converted to the compute dtype is not
+    # the file's (ComfyUI computes in fp32 on a CPU) and goes to the scratch file
+    assert out["weights_read_back"] and out["not_read_converted"], out
+    assert out["read_back"] > out["paged"] // 2, out
+    assert out["line"].startswith("ComfyUI pages the "), out
+    assert out["files_left"] == [], out
+    assert not any("copied" in note for note in out["notes"]), out
+    assert out["finite"] and out["exact"], out
