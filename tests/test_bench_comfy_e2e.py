@@ -348,3 +348,62 @@ def test_formats_table_renders_each_format_from_the_run():
     short = doc_tables.formats_table(payload, "wan14b", "short").splitlines()
     assert short[2].endswith("| not run | — | — | — | — | — |")
     assert short[3].startswith("| FP8 (`float8_e4m3fn`) | 14.00 |")
+
+
+def test_full_h3_marker_files_quantize_its_adaln_in_8_bits():
+    """The full H3's AdaLN projections (2688 wide: ConvRot's 256 does not divide it) are plain per-channel INT8
+    in the int8_convrot file and FP8 in the fp8 file; the other block linears keep the file's marker."""
+    adaln, qkv = (5376 * 18, 2688), (21504, 5376)
+    assert e2e_models.layer_marker("int8_convrot", "blocks.3.adaln_proj.linear.weight", adaln) == \
+        {"format": "int8_tensorwise"}
+    assert e2e_models.layer_marker("int8_convrot", "blocks.3.attn.qkv_proj.weight", qkv) == \
+        e2e_models.FORMATS["int8_convrot"]
+    assert e2e_models.layer_marker("fp8", "blocks.3.adaln_proj.linear.weight", adaln) == {"format": "float8_e4m3fn"}
+    assert e2e_models.layer_marker("fp8", "blocks.3.adaln_proj.linear.bias", (96768,)) is None
+    assert e2e_models.layer_marker("bf16", "blocks.3.attn.qkv_proj.weight", qkv) is None
+    assert e2e_models.layer_marker("int8_convrot", "token_refiner.blocks.0.mlp.fc1.weight", (28672, 5376)) is None
+    entries = e2e_models.layer_entries("int8_convrot", "blocks.0.adaln_proj.linear.weight", adaln, "cpu")
+    assert [(n, s, d) for n, s, d in entries[:2]] == [
+        ("blocks.0.adaln_proj.linear.weight", adaln, torch.int8),
+        ("blocks.0.adaln_proj.linear.weight_scale", (adaln[0], 1), torch.float32)]
+    # written as comfy-kitchen quantizes a per-channel INT8 weight without rotation
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+    weight = torch.randn(64, 2688).bfloat16()
+    tensors = e2e_models.quantize({"format": "int8_tensorwise"}, weight)
+    qdata, params = TensorWiseINT8Layout.quantize(weight, is_weight=True, per_channel=True, convrot=False)
+    assert torch.equal(tensors["weight"], qdata) and torch.equal(tensors["weight_scale"], params.scale.float())
+    spec = e2e_models.MODELS["h3full"]
+    assert "adaln_curve_grid" not in spec.kwargs and spec.tokens(spec.length("long")) == 32690
+
+
+def test_each_configuration_compares_with_its_own_file_resident(tmp_path):
+    comfyui = tmp_path / "comfyui"
+    comfyui.mkdir()
+    (comfyui / "main.py").write_text("")
+    opts = comfy_e2e.parse_args(["--comfyui", str(comfyui), "--models", "h3full", "--configs", "full",
+                                 "--work", str(tmp_path)])
+    assert opts.configs[:2] == ["comfy_int8_marker_resident", "comfy_fp8_marker_resident"]  # references first
+    assert set(opts.configs) == set(comfy_e2e.FULL_CONFIGS)
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    assert configs["pack_mixed_int8"].loader[0] == "MixedCheckpointLoader" and configs["pack_mixed_int8"].capped
+    assert not configs["comfy_fp8_marker_resident"].capped
+
+    bench = comfy_e2e.Bench.__new__(comfy_e2e.Bench)
+    gen = torch.Generator().manual_seed(0)
+    latents = {fmt: torch.randn(1, 4, 2, 4, 4, generator=gen) for fmt in ("bf16", "int8_convrot")}
+    bench.payload, bench.latents = {"results": []}, {}
+
+    def add(config, fmt, step_s, latent):
+        rec = {"config": config, "model": "h3full", "length": "long", "model_format": fmt, "status": "ok",
+               "step_s": step_s}
+        bench.latents[("h3full", "long", config)] = latent
+        bench.payload["results"].append(rec)  # as Bench.record does
+        bench.add_comparison(rec)
+        return rec
+
+    assert add("comfy_int8_marker_resident", "int8_convrot", 4.0, latents["int8_convrot"])["vs_resident"] == 1.0
+    rec = add("pack_mixed_int8", "int8_convrot", 5.0, latents["int8_convrot"])
+    assert rec["reference"] == "comfy_int8_marker_resident" and rec["vs_resident"] == pytest.approx(0.8)
+    assert rec["cosine"] == pytest.approx(1.0)
+    # no fp8 file ran resident: comfy_resident stands in, and where none ran there is no comparison
+    assert add("pack_mixed_fp8", "fp8", 5.0, latents["bf16"])["reference"] is None

@@ -60,6 +60,13 @@ default set (--configs formats): comfy_resident (bf16) and LoadH3Quantized with 
 emulated card: pack_fp8 (float8_e4m3fn), pack_int8 (int8_convrot), pack_w4a8 (asym_w4a8_int8), pack_w4a4
 (convrot_w4a4).
 
+Issue 19's full MiniMax-H3 (model h3full: 33B parameters, 66 GB in bf16, more than the GPU machine's disk)
+runs from its marker files only (--configs full, FULL_CONFIGS): for each of int8_convrot and fp8, ComfyUI's
+UNETLoader resident (comfy_int8_marker_resident, comfy_fp8_marker_resident: the reference of that file's
+configurations), UNETLoader on the emulated card, and the pack's MixedCheckpointLoader on it (pack_mixed_int8,
+pack_mixed_fp8). Each configuration compares with the resident configuration of its own file where one ran
+(RESIDENT), else with comfy_resident; "reference" in its record names which.
+
 Models are random-weight, full size, generated on the GPU of the machine that
 runs this (tests/bench/e2e_models.py), one file at a time, deleted after their
 configurations unless --keep-model. Configurations that load a ComfyUI marker
@@ -144,6 +151,10 @@ def _pack_loader(quantization, offload="auto"):
                                 "ignored_layers": ""})
 
 
+def _mixed_loader():
+    return ("MixedCheckpointLoader", {"nvfp4": "auto"})
+
+
 def _lora():
     return ("LoraLoaderModelOnly", {"lora_name": e2e_models.LORA_FILE, "strength_model": 1.0})
 
@@ -209,6 +220,12 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("comfy_fp8_marker_8g", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers",
                cap_gib=8.0),
         Config("pack_auto_lora_12g", "pack", True, _pack_loader("auto"), (_lora(),), lora=True, cap_gib=12.0),
+        # issue 19: the full H3 from its marker files, each against the same file resident
+        Config("comfy_int8_marker_resident", "comfy", False, _unet(), model_format="int8_convrot",
+               needs="kitchen_markers"),
+        Config("pack_mixed_int8", "pack", True, _mixed_loader(), model_format="int8_convrot"),
+        Config("comfy_fp8_marker_resident", "comfy", False, _unet(), model_format="fp8", needs="kitchen_markers"),
+        Config("pack_mixed_fp8", "pack", True, _mixed_loader(), model_format="fp8"),
         # issue 21's formats table: each online format named, on pack_int8's card (the full H3 in 4 bits on 24 GiB)
         Config("pack_fp8", "pack", True, _pack_loader("float8_e4m3fn")),
         Config("pack_w4a8", "pack", True, _pack_loader("asym_w4a8_int8")),
@@ -219,6 +236,11 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
 
 # the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4
 FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_auto", "pack_int8", "pack_w4a8", "pack_w4a4")
+FULL_CONFIGS = ("comfy_int8_marker_resident", "comfy_int8_marker", "pack_mixed_int8",
+                "comfy_fp8_marker_resident", "comfy_fp8_marker", "pack_mixed_fp8")
+# a model file's format -> the configuration that runs it resident through UNETLoader: its configurations' reference
+RESIDENT = {"bf16": REFERENCE, "int8_convrot": "comfy_int8_marker_resident", "fp8": "comfy_fp8_marker_resident"}
+PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS}
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")
@@ -546,10 +568,17 @@ class Bench:
     def add_comparison(self, rec):
         if rec["status"] != "ok":
             return
-        ref_rec = next((r for r in self.payload["results"] if r["config"] == REFERENCE and r["status"] == "ok"
-                        and r["model"] == rec["model"] and r["length"] == rec["length"]), None)
+        def resident(name):
+            return next((r for r in self.payload["results"] if r["config"] == name and r["status"] == "ok"
+                         and r["model"] == rec["model"] and r["length"] == rec["length"]), None)
+
+        name = RESIDENT.get(rec["model_format"], REFERENCE)
+        if resident(name) is None:
+            name = REFERENCE
+        ref_rec = resident(name)
+        rec["reference"] = name if ref_rec else None
         latent = self.latents.get((rec["model"], rec["length"], rec["config"]))
-        reference = self.latents.get((rec["model"], rec["length"], REFERENCE))
+        reference = self.latents.get((rec["model"], rec["length"], name))
         if reference is not None and latent is not None:
             rec.update(compare(latent, reference))
         if ref_rec and rec.get("step_s") and ref_rec.get("step_s"):
@@ -707,8 +736,8 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", default=None,
                         help="comma list of the model's lengths (long, short) or WIDTHxHEIGHTxFRAMES (long,short)")
     parser.add_argument("--configs", default=None, help=f"comma list (default {','.join(DEFAULT_CONFIGS)}; also "
-                        f"{','.join(c for c in make_configs('x') if c not in DEFAULT_CONFIGS)}; \"formats\": "
-                        f"{','.join(FORMAT_CONFIGS)})")
+                        f"{','.join(c for c in make_configs('x') if c not in DEFAULT_CONFIGS)}; presets: "
+                        f"{'; '.join(f'{k}: {chr(44).join(v)}' for k, v in PRESETS.items())})")
     parser.add_argument("--configs-at", action="append", default=[], metavar="LENGTH=CONFIGS",
                         help="the configurations at one length instead of --configs, e.g. short=comfy_resident,"
                              "pack_auto (repeatable)")
@@ -737,12 +766,12 @@ def parse_args(argv=None):
     known = make_configs(opts.fp8_attention_backend)
 
     def config_list(text):
-        names = [n for item in text.split(",") for n in (FORMAT_CONFIGS if item == "formats" else (item,))]
+        names = [n for item in text.split(",") for n in PRESETS.get(item, (item,))]
         unknown = [n for n in names if n not in known]
         if unknown:
             parser.error(f"unknown configuration: {', '.join(unknown)} (known: {', '.join(known)})")
-        # the reference runs first: every other configuration compares with it
-        return sorted(dict.fromkeys(names), key=lambda n: n != REFERENCE)
+        # the references run first: every other configuration compares with one
+        return sorted(dict.fromkeys(names), key=lambda n: n not in RESIDENT.values())
 
     if not (Path(opts.comfyui) / "main.py").exists():
         parser.error(f"--comfyui {opts.comfyui} holds no main.py")

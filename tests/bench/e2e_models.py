@@ -22,7 +22,9 @@ per-layer marker file instead (FORMATS): every linear inside the blocks quantize
 on the generation device, with its `<layer>.comfy_quant` marker, the rest bf16.
 "int8_convrot" is {"format": "int8_tensorwise", "convrot": true,
 "convrot_groupsize": 256} with comfy-kitchen's per-channel ConvRot weight
-quantization; "fp8" is {"format": "float8_e4m3fn"} with one fp32 absmax/448
+quantization, and plain per-channel {"format": "int8_tensorwise"} where 256 does
+not divide the layer's input (the full H3's AdaLN projections: Comfy-Org's 34 GB
+full int8_convrot file holds them in 8 bits, in a layout not readable here); "fp8" is {"format": "float8_e4m3fn"} with one fp32 absmax/448
 scale per tensor (QUANTIZATION.md's float8_e4m3fn row). Upstream ComfyUI's
 UNETLoader loads them as its own QuantizedTensor layers.
 """
@@ -146,12 +148,16 @@ def _h3(name, lengths, **kwargs):
 
 H3_PRUNED = _h3("h3pruned", (Length("long", 1344, 768, 107), Length("short", 1344, 768, 22)),
                 adaln_curve_grid=1000, time_embed_dim=64)
+# The full MiniMax-H3 (issue 19): upstream's defaults with the full-width AdaLN projections (2688 -> 96768 a
+# block, 13 B of its 33 B parameters, computed from the timestep alone) and its time embedder; 66 GB in bf16,
+# more than the GPU machine's disk, so the benchmark writes only its marker files (int8_convrot about 35 GB).
+H3_FULL = _h3("h3full", H3_PRUNED.lengths)
 # The same class at a size a CPU runs in seconds (text_dim differs from hidden, as upstream's detection needs).
 TINY_H3 = _h3("tiny_h3", (Length("long", 64, 64, 22), Length("short", 64, 64, 5)),
               hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
               ffn_hidden_size=512, text_dim=320, time_embed_hidden_size=256, adaln_curve_grid=100,
               time_embed_dim=64)
-MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN, H3_PRUNED, TINY_H3)}
+MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN, H3_PRUNED, H3_FULL, TINY_H3)}
 
 
 # ---- init and writing (no ComfyUI needed) ------------------------------------
@@ -297,40 +303,50 @@ def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0) -> di
     return {"layers": len(tensors) // 2, "bytes": sum(t.nbytes for t in tensors.values()), "rank": rank}
 
 
-def quantized_layer(name: str, shape) -> bool:
-    """A marker file quantizes the linears inside the blocks (their input a multiple of the ConvRot group)."""
-    return name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2 \
-        and shape[1] % CONVROT_GROUP == 0
+def layer_marker(fmt: str, name: str, shape) -> dict | None:
+    """The marker of a layer in a file of format `fmt`, or None where the file keeps it bf16: a marker file
+    quantizes the linears inside the blocks. Where ConvRot's group does not divide a layer's input (the full
+    H3's AdaLN projections, 2688 wide), int8_convrot writes it as plain per-channel INT8; FP8 has no such
+    bound."""
+    if FORMATS[fmt] is None or not (name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2):
+        return None
+    if fmt == "int8_convrot" and shape[1] % CONVROT_GROUP:
+        return PLAIN_INT8
+    return FORMATS[fmt]
 
 
-def quantize(fmt: str, weight) -> dict:
-    """{role: tensor} of one layer in a marker file of format `fmt` (FORMATS), from its bf16 weight."""
+PLAIN_INT8 = {"format": "int8_tensorwise"}
+
+
+def quantize(marker: dict, weight) -> dict:
+    """{role: tensor} of one layer under `marker` (a layer_marker), from its bf16 weight."""
     import torch
-    if fmt == "fp8":
+    if marker["format"] == "float8_e4m3fn":
         w = weight.float()
         scale = w.abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
         return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(())}
-    if fmt == "int8_convrot":
+    if marker["format"] == "int8_tensorwise":
         from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
-        qdata, params = TensorWiseINT8Layout.quantize(weight, is_weight=True, per_channel=True, convrot=True,
-                                                      convrot_groupsize=CONVROT_GROUP)
+        convrot = bool(marker.get("convrot"))
+        qdata, params = TensorWiseINT8Layout.quantize(weight, is_weight=True, per_channel=True, convrot=convrot,
+                                                      **({"convrot_groupsize": CONVROT_GROUP} if convrot else {}))
         return {"weight": qdata, "weight_scale": params.scale.float()}
-    raise ValueError(f"unknown marker format {fmt!r} (known: {', '.join(f for f in FORMATS if FORMATS[f])})")
+    raise ValueError(f"unknown marker {marker!r}")
 
 
-def marker_tensor(fmt: str):
+def marker_tensor(marker: dict):
     import torch
-    return torch.tensor(list(json.dumps(FORMATS[fmt]).encode()), dtype=torch.uint8)
+    return torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
 
 
 _PROBE_SHAPE = (4, CONVROT_GROUP)
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_roles(fmt: str, device: str) -> tuple:
-    """(role, shape, dtype) of what `quantize` returns for a 4 x 256 weight."""
+def _probe_roles(marker_json: str, device: str) -> tuple:
+    """(role, shape, dtype) of what `quantize` returns for a 4 x 256 weight under a marker (as JSON)."""
     import torch
-    probe = quantize(fmt, torch.full(_PROBE_SHAPE, 0.5, device=device, dtype=torch.bfloat16))
+    probe = quantize(json.loads(marker_json), torch.full(_PROBE_SHAPE, 0.5, device=device, dtype=torch.bfloat16))
     return tuple((role, tuple(t.shape), t.dtype) for role, t in probe.items())
 
 
@@ -339,14 +355,15 @@ def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[
     tensor as stored (`dtype`, default bf16; fp32 tensors are never quantized)."""
     import torch
     dtype = dtype or torch.bfloat16
-    if FORMATS[fmt] is None or dtype != torch.bfloat16 or not quantized_layer(name, shape):
+    marker = layer_marker(fmt, name, shape) if dtype == torch.bfloat16 else None
+    if marker is None:
         return [(name, tuple(shape), dtype)]
     prefix = name[:-len(".weight")]
     entries = []
-    for role, probe_dims, dtype in _probe_roles(fmt, str(device)):  # the probe's rows and columns: the layer's
-        dims = tuple(shape[i] if i < 2 and d == _PROBE_SHAPE[i] else d for i, d in enumerate(probe_dims))
+    for role, probe_dims, dtype in _probe_roles(json.dumps(marker), str(device)):  # the probe's rows, columns:
+        dims = tuple(shape[i] if i < 2 and d == _PROBE_SHAPE[i] else d for i, d in enumerate(probe_dims))  # layer's
         entries.append((f"{prefix}.{role}", dims, dtype))
-    entries.append((f"{prefix}.comfy_quant", tuple(marker_tensor(fmt).shape), torch.uint8))
+    entries.append((f"{prefix}.comfy_quant", tuple(marker_tensor(marker).shape), torch.uint8))
     return entries
 
 
@@ -396,8 +413,9 @@ def _main(job):
         if len(layer) == 1:
             writer.write(name, weight)
             continue
-        tensors = quantize(fmt, weight)
-        tensors["comfy_quant"] = marker_tensor(fmt)
+        marker = layer_marker(fmt, name, shape)
+        tensors = quantize(marker, weight)
+        tensors["comfy_quant"] = marker_tensor(marker)
         prefix = name[:-len(".weight")]
         for entry_name, _, _ in layer:
             writer.write(entry_name, tensors[entry_name[len(prefix) + 1:]])
