@@ -102,10 +102,16 @@ class _Offload:
                               torch.cuda.max_memory_allocated(device) if cuda else None)
 
     def diffusion_model(self, executor, *args, **kwargs):
+        self._begin_call(executor.class_obj)
+        return executor(*args, **kwargs)
+
+    # Under ComfyUI's TorchCompileModel this wrapper runs inside the compiled forward: state read while tracing
+    # is guarded on (session.started, model_calls), and its change at the next step recompiled the whole model.
+    @torch.compiler.disable
+    def _begin_call(self, diffusion_model) -> None:
         self.model_calls += 1
         if self.session is not None:
-            self.session.start(executor.class_obj)
-        return executor(*args, **kwargs)
+            self.session.start(diffusion_model)
 
 
 def install_offload(model_patcher, mode: str, reserve_gib: float | None = None, *,
