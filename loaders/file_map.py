@@ -31,7 +31,8 @@ class FileMap:
 
     def __init__(self, start: int, nbytes: int):
         self.start, self.end = start, start + nbytes
-        self.released_bytes = 0  # whole pages inside released tensors
+        self.released_bytes = 0  # whole pages inside released tensors, each tensor counted once
+        self._released: set[int] = set()
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s data lies in the map."""
@@ -45,7 +46,10 @@ class FileMap:
         discarded, not kept."""
         for tensor in tensors:
             if tensor is not None and tensor.is_contiguous() and self.holds(tensor):
-                self.released_bytes += release_pages(tensor.data_ptr(), _nbytes(tensor))
+                released = release_pages(tensor.data_ptr(), _nbytes(tensor))
+                if tensor.data_ptr() not in self._released:  # released again after a read: the same pages
+                    self._released.add(tensor.data_ptr())
+                    self.released_bytes += released
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

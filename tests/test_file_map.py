@@ -88,6 +88,9 @@ def test_a_model_the_host_pages_from_its_file_keeps_the_map_and_gives_its_pages_
     assert release_file_map(module, file_map, path.stat().st_size, paged_from_file=True) == 0  # none copied
     assert module.big.weight is weight and file_map.holds(weight)  # the same tensor, still the file's
     assert file_map.released_bytes >= 512 * 512 * 4 - 2 * PAGE  # the big weight's whole pages went back
+    released = file_map.released_bytes
+    file_map.release(weight)  # released again (a loader releases what it consumed, then the model's at the end)
+    assert file_map.released_bytes == released  # the report counts the file's pages once
     del sd
     gc.collect()
     assert mapped(path) and torch.equal(module.big.weight, tensors["big.weight"])  # faulted in again
