@@ -48,10 +48,6 @@ def available(device: torch.device) -> int:
         int(model.model_loaded_memory()) for model in loaded if model.device == device and model.model is not None)
 
 
-def host_reserve() -> int:
-    return int(comfy.model_management.extra_reserved_memory())  # --reserve-vram
-
-
 class _Offload:
     def __init__(self, mode: str, budget: Budget, on_run: Callable[[str], None] | None = None):
         self.mode, self.budget = mode, budget
@@ -61,7 +57,8 @@ class _Offload:
 
     def plan(self, patcher, latent_shapes=None) -> MemoryPlan:
         device = normalize_device(patcher.load_device)
-        return model_view(patcher).plan(self.budget.capacity(available(device)), self.budget.reserve(host_reserve()),
+        reserve = self.budget.reserve(int(comfy.model_management.extra_reserved_memory()))  # --reserve-vram
+        return model_view(patcher).plan(self.budget.capacity(available(device)), reserve,
                                         CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0, latent_shapes)
 
     def outer_sample(self, executor, noise, *args, **kwargs):
@@ -86,7 +83,8 @@ class _Offload:
                 self.on_run(line)
         session = self.session = StreamSession(plan, normalize_device(patcher.load_device),
                                                streams=self.mode != "none", **host_pin_functions())
-        extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))
+        extra = self.budget.estimate_extra(plan, session.streams, int(comfy.model_management.extra_reserved_memory()),
+                                           available(session.device))
         try:
             with memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra, parts)):
                 return executor(noise, *args, **kwargs)
@@ -105,8 +103,7 @@ class _Offload:
         self._begin_call(executor.class_obj)
         return executor(*args, **kwargs)
 
-    # Under ComfyUI's TorchCompileModel this wrapper runs inside the compiled forward: state read while tracing
-    # is guarded on (session.started, model_calls), and its change at the next step recompiled the whole model.
+    # runs inside TorchCompileModel's compiled forward: state read while tracing was guarded on (a recompile a step)
     @torch.compiler.disable
     def _begin_call(self, diffusion_model) -> None:
         self.model_calls += 1
@@ -142,10 +139,9 @@ class SetOffload(io.ComfyNode):
             display_name="Set Offload",
             category=categories.MODEL_PATCHES,
             description=(
-                "Plans the diffusion model's GPU memory for each run and streams the transformer blocks that do "
-                "not fit from host memory, one block ahead of the compute, on a copy of the MODEL. Works on models "
-                "from any loader. Where ComfyUI's dynamic VRAM already manages the weights, it only plans and "
-                "reports."
+                "Plans the diffusion model's GPU memory for each run and streams the transformer blocks that do not "
+                "fit from host memory, one block ahead of the compute, on a copy of the MODEL. Works on models from "
+                "any loader. Where ComfyUI's dynamic VRAM already manages the weights, it only plans and reports."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model. It is cloned, never changed."),
@@ -165,24 +161,21 @@ class SetOffload(io.ComfyNode):
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The model with offload installed (a clone)."),
-                io.String.Output(display_name="report",
-                                 tooltip="The memory plan: blocks resident and streamed, the estimated peak against "
-                                         "the budget."),
+                io.String.Output(display_name="report", tooltip="The memory plan: blocks resident and streamed, "
+                                                                "the estimated peak against the budget."),
             ],
             hidden=[io.Hidden.unique_id],
         )
 
-    # Naming an input here replaces ComfyUI's own min/max (or list) check of it, so it is checked here too
-    # (`mode` is named so that an old value of a saved workflow still loads).
-    # NaN passes every comparison: without this it would plan with a NaN reserve.
+    # Naming an input here replaces ComfyUI's own min/max (or list) check of it, so it is checked here too (`mode`
+    # is named so that an old value of a saved workflow still loads); NaN would pass every comparison.
     _RANGES = {"reserve_gib": (-1.0, 1024.0), "vram_gib": (0.0, 1024.0)}
 
     @classmethod
     def validate_inputs(cls, mode="auto", reserve_gib=-1.0, vram_gib=0.0):
         checks = (OFFLOAD_MODES.problem(mode), cls._out_of_range("reserve_gib", reserve_gib),
                   cls._out_of_range("vram_gib", vram_gib))
-        problems = [problem for problem in checks if problem]
-        return "; ".join(problems) or True
+        return "; ".join(problem for problem in checks if problem) or True
 
     @classmethod
     def _out_of_range(cls, name, value):
