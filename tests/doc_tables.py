@@ -22,6 +22,12 @@ HEADLINE = [
          ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
          ("pack_auto_8g", "LoadH3Quantized `auto`, streaming"),
      ]),
+    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75, compiled (steps 2-3; the first compiles: 128 s)",
+     "comfy-e2e-wan14b-compiled1-nvidia-h200-comfyui-0.3.75-2026-12-02.json", [
+         ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
+         ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
+         ("pack_auto_sage_compiled", "LoadH3Quantized `auto` + `sage` + ComfyUI's TorchCompileModel"),
+     ]),
     ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75, sparse", "comfy-e2e-nvidia-h200-2026-12-01.json", [
         ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
         ("pack_auto_sol", "LoadH3Quantized `auto` + SetAttentionBackend `sol`"),
@@ -33,6 +39,15 @@ HEADLINE = [
          ("pack_auto_12g", "LoadH3Quantized `auto` (FP8)"),
          ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
          ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
+     ]),
+    ("MiniMax-H3 full (33B), 32,690 tokens, ComfyUI 0.33.0, dynamic VRAM, each file against itself resident",
+     "comfy-e2e-h3full-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
+         ("comfy_int8_marker_resident", "ComfyUI UNETLoader, int8_convrot file (reference)"),
+         ("comfy_int8_marker", "ComfyUI UNETLoader, int8_convrot file"),
+         ("pack_mixed_int8", "MixedCheckpointLoader, int8_convrot file"),
+         ("comfy_fp8_marker_resident", "ComfyUI UNETLoader, FP8 file (reference)"),
+         ("comfy_fp8_marker", "ComfyUI UNETLoader, FP8 file"),
+         ("pack_mixed_fp8", "MixedCheckpointLoader, FP8 file"),
      ]),
 ]
 
