@@ -7,9 +7,13 @@
 tests/test_docs.py checks that README.md holds exactly the headline table and FORMATS_RUN's formats table.
 """
 import json
+import statistics
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "bench" / "results"
+sys.path.insert(0, str(RESULTS.parent))
+from comfy_e2e import REFERENCE, profiled_step, steady_steps  # noqa: E402
 
 # (model and host, JSON file, [(config, what the row says)]); each row is the file's "long" run of that config
 HEADLINE = [
@@ -22,7 +26,7 @@ HEADLINE = [
          ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
          ("pack_auto_8g", "LoadH3Quantized `auto`, streaming"),
      ]),
-    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75, compiled (steps 2-3; the first compiles: 128 s)",
+    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75, compiled (its first step compiles: 128 s)",
      "comfy-e2e-wan14b-compiled1-nvidia-h200-comfyui-0.3.75-2026-12-02.json", [
          ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
          ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
@@ -58,10 +62,21 @@ def _memory(result):
     return result.get("device_used_peak_sampling_gib") or result.get("peak_gib")
 
 
-def _row(result, label):
+def step_s(result) -> float:
+    """A record's steady step without its profiled step (comfy_e2e.steady_steps): s/step in these tables."""
+    return statistics.median(steady_steps(result["step_seconds"], profiled_step(result)))
+
+
+def vs_reference(result, results: dict) -> float | None:
+    """The record's reference's step_s over its own (the reference: the record's, else comfy_resident)."""
+    reference = results.get(result.get("reference") or REFERENCE)
+    return None if reference is None else step_s(reference) / step_s(result)
+
+
+def _row(result, label, results):
     memory = _memory(result)
     card = f"{result['cap_gib']:g} GiB" if result["capped"] else "no cap"
-    return (f"| {label} | {card} | {result['step_s']:.3f} | {result['vs_resident']:.2f}x | {memory:.1f} | "
+    return (f"| {label} | {card} | {step_s(result):.3f} | {vs_reference(result, results):.2f}x | {memory:.1f} | "
             f"{result['cosine']:.4f} |")
 
 
@@ -72,7 +87,7 @@ def headline() -> str:
         results = {r["config"]: r for r in json.loads((RESULTS / name).read_text())["results"]
                    if r["length"] == "long" and r["status"] == "ok"}
         lines.append(f"| **{title}** (`{name}`) | | | | | |")
-        lines.extend(_row(results[config], label) for config, label in rows)
+        lines.extend(_row(results[config], label, results) for config, label in rows)
     return "\n".join(lines)
 
 
@@ -108,9 +123,9 @@ def formats_table(payload: dict, model: str | None = None, length: str = "long")
         if r is None or r["status"] != "ok":
             lines.append(f"| {label} | {'not run' if r is None else r['status']} | — | — | — | — | — |")
             continue
-        vs = _number(r.get("vs_resident"), ".2f")
+        vs = _number(vs_reference(r, results), ".2f")
         lines.append(f"| {label} | {_number(r.get('weights_gib'), '.2f')} | {_number(r.get('cosine'), '.5f')} | "
-                     f"{_number(r.get('rel_l2'), '.4f')} | {r['step_s']:.3f} | {vs}{'x' if vs != '—' else ''} | "
+                     f"{_number(r.get('rel_l2'), '.4f')} | {step_s(r):.3f} | {vs}{'x' if vs != '—' else ''} | "
                      f"{_number(_memory(r), '.1f')} |")
     return "\n".join(lines)
 

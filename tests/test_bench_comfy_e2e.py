@@ -407,3 +407,58 @@ def test_each_configuration_compares_with_its_own_file_resident(tmp_path):
     assert rec["cosine"] == pytest.approx(1.0)
     # no fp8 file ran resident: comfy_resident stands in, and where none ran there is no comparison
     assert add("pack_mixed_fp8", "fp8", 5.0, latents["bf16"])["reference"] is None
+
+
+def test_the_steady_step_leaves_out_the_profiled_one():
+    assert comfy_e2e.steady_steps([9.0, 4.0, 3.0, 3.2], 1) == [3.0, 3.2]
+    assert comfy_e2e.steady_steps([9.0, 4.0, 3.0], None) == [4.0, 3.0]  # nothing profiled (CPU)
+    assert comfy_e2e.steady_steps([9.0, 4.0], 1) == [4.0]  # no other step left: the profiled one
+    assert comfy_e2e.steady_steps([9.0], None) == [9.0]
+    # records written before the bench said which step it profiled: the second, wherever a breakdown is
+    assert comfy_e2e.profiled_step({"breakdown": {"gemm_ms": 1.0}}) == 1
+    assert comfy_e2e.profiled_step({"breakdown": None}) is None
+    assert comfy_e2e.profiled_step({"breakdown": {"gemm_ms": 1.0}, "profiled_step": 2}) == 2
+    entry = {"status": {"messages": [["execution_start", {"timestamp": 100_000}]]}}
+    report = {**_server_report(3.0, 2 ** 30, 2 ** 30), "step_seconds": [9.0, 4.0, 3.0], "profiled_step": 1}
+    assert comfy_e2e.measurements(report, entry)["step_s"] == 3.0
+
+
+def test_a_profiled_call_is_timed_without_the_profilers_own_work(monkeypatch):
+    """The profiled call's end is read before the profiler stops and its events are read (measured on the
+    H200: 0.4-1.9 s more on the profiled step)."""
+    import importlib.util
+    import time
+    import types
+    comfy = types.ModuleType("comfy")
+    comfy.model_management, comfy.patcher_extension = (types.ModuleType(f"comfy.{n}")
+                                                       for n in ("model_management", "patcher_extension"))
+    for module in (comfy, comfy.model_management, comfy.patcher_extension):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    path = Path(__file__).parent / "fixtures" / "bigdit_testnodes" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bigdit_testnodes_bench_timing", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class SlowProfiler:  # stopping and reading events takes 0.3 s, as CUPTI's event reading does at scale
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            time.sleep(0.3)
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
+    monkeypatch.setattr(bench, "_cuda", lambda: True)
+    monkeypatch.setattr(bench, "_sync", lambda: None)
+    monkeypatch.setattr(bench, "_host_memory", lambda: {})
+    record = bench._RECORD = bench._Record()
+    for t in (0.9, 0.5, 0.1):  # one call a step; the second step's is profiled
+        bench._apply_model(lambda x, t: x, torch.zeros(1), torch.tensor([t]))
+    report = record.as_dict()
+    assert report["profiled_step"] == 1 and report["breakdown"]["timestep"] == pytest.approx(0.5)
+    assert max(report["step_seconds"]) < 0.1, report["step_seconds"]
