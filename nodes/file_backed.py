@@ -89,19 +89,24 @@ def _remove(path: str) -> None:
 
 
 def back_with_file(patcher, label: str) -> str | None:
-    """Have the host page `patcher`'s weights from a scratch file (see the module's docstring); returns the
-    report's line, or None where the host does not page from files. Any failure leaves the model as it was
-    and says why."""
+    """Have the host page `patcher`'s weights from a file (see the module's docstring); returns the report's
+    line, or None where the host does not page from files. Any failure leaves the model as it was and says
+    why."""
     if not (is_dynamic(patcher) and pages_from_files()):
         return None
     paged = paged_tensors(patcher.model)
-    tensors = {key: found for key, found in paged.items() if not _from_file(found[0]._parameters[found[1]])}
-    from_file = data_bytes([(key, module._parameters[name]) for key, (module, name) in paged.items()
-                            if key not in tensors])
-    in_model_file = (f"ComfyUI pages the {format_gib(from_file)} of weights kept as stored from the model file "
-                     "itself" if from_file else None)
-    if not tensors:
-        return in_model_file
+    in_ram = {key: found for key, found in paged.items() if not _from_file(found[0]._parameters[found[1]])}
+    kept = data_bytes([(key, module._parameters[name]) for key, (module, name) in paged.items() if key not in in_ram])
+    lines = []
+    if kept:
+        lines.append(f"ComfyUI pages the {format_gib(kept)} of weights kept as stored from the model file itself")
+    if in_ram:
+        lines.append(_scratch_file(patcher, in_ram, label))
+    return "; ".join(lines) or None
+
+
+def _scratch_file(patcher, tensors: dict[str, tuple[nn.Module, str]], label: str) -> str:
+    """Rebind `tensors` to a scratch file ComfyUI maps; the report's line."""
     start = time.perf_counter()
     folder = folder_paths.get_temp_directory()
     path = os.path.join(folder, f"bigdit-{secrets.token_hex(6)}-{os.path.basename(label)}")
@@ -118,8 +123,8 @@ def back_with_file(patcher, label: str) -> str | None:
             raise RuntimeError("ComfyUI's loader did not map the file")
     except Exception as e:  # disk full, temp folder not writable...: the weights stay in RAM
         _remove(path)
-        return "; ".join(filter(None, (in_model_file, f"kept the {format_gib(nbytes)} of paged weights in RAM beside "
-                f"ComfyUI's pinned copy: no scratch file in {folder} ({type(e).__name__}: {e})")))
+        return (f"kept the {format_gib(nbytes)} of paged weights in RAM beside ComfyUI's pinned copy: "
+                f"no scratch file in {folder} ({type(e).__name__}: {e})")
     with torch.no_grad():
         for key, (module, name) in tensors.items():
             module._parameters[name] = nn.Parameter(loaded[key], requires_grad=False)
@@ -128,5 +133,5 @@ def back_with_file(patcher, label: str) -> str | None:
     _remove(path)  # POSIX: the map keeps the file's data until the model goes
     if os.path.exists(path):
         weakref.finalize(patcher.model, _remove, path)
-    return "; ".join(filter(None, (in_model_file, f"put the {format_gib(nbytes)} of paged weights in a scratch file "
-            f"ComfyUI pages from, as from its own files: one copy in RAM ({time.perf_counter() - start:.1f} s)")))
+    return (f"put the {format_gib(nbytes)} of paged weights in a scratch file ComfyUI pages from, as from "
+            f"its own files: one copy in RAM ({time.perf_counter() - start:.1f} s)")
