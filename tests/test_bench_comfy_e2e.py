@@ -1,5 +1,6 @@
 """The end-to-end benchmark's own parts on CPU: the streaming safetensors writer, the random init, the lengths,
 the graph checks and issue 12's summary (tests/bench/comfy_e2e.py, tests/bench/e2e_models.py)."""
+import json
 import math
 import sys
 from pathlib import Path
@@ -462,3 +463,18 @@ def test_a_profiled_call_is_timed_without_the_profilers_own_work(monkeypatch):
     report = record.as_dict()
     assert report["profiled_step"] == 1 and report["breakdown"]["timestep"] == pytest.approx(0.5)
     assert max(report["step_seconds"]) < 0.1, report["step_seconds"]
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "fp8", "w4a8", "w4a4"])
+def test_marker_file_entries_are_what_quantize_writes(fmt):
+    """layer_entries derives each role's shape from probes; a real layer's tensors have exactly those."""
+    shape = (48, 768)
+    marker = e2e_models.layer_marker(fmt, "blocks.0.ffn.0.weight", shape)
+    tensors = e2e_models.quantize(marker, torch.randn(shape).bfloat16())
+    entries = e2e_models.layer_entries(fmt, "blocks.0.ffn.0.weight", shape, "cpu")
+    assert entries[:-1] == [(f"blocks.0.ffn.0.{role}", tuple(t.shape), t.dtype) for role, t in tensors.items()]
+    assert entries[-1][0] == "blocks.0.ffn.0.comfy_quant"
+    assert json.loads(bytes(e2e_models.marker_tensor(marker).tolist())) == e2e_models.FORMATS[fmt]
+    # the full H3's AdaLN (2688 wide, no ConvRot group of 256): plain INT8 in every ConvRot format
+    adaln = e2e_models.layer_marker(fmt, "blocks.0.adaln_proj.linear.weight", (96768, 2688))
+    assert adaln == ({"format": "float8_e4m3fn"} if fmt == "fp8" else {"format": "int8_tensorwise"})

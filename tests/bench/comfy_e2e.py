@@ -64,8 +64,9 @@ Issue 19's full MiniMax-H3 (model h3full: 33B parameters, 66 GB in bf16, more th
 runs from its marker files only (--configs full, FULL_CONFIGS): for each of int8_convrot and fp8, ComfyUI's
 UNETLoader resident (comfy_int8_marker_resident, comfy_fp8_marker_resident: the reference of that file's
 configurations), UNETLoader on the emulated card, and the pack's MixedCheckpointLoader on it (pack_mixed_int8,
-pack_mixed_fp8). Each configuration compares with the resident configuration of its own file where one ran
-(RESIDENT), else with comfy_resident; "reference" in its record names which.
+pack_mixed_fp8); --configs full4 (FULL_4BIT_CONFIGS) the same for its W4A8 and W4A4 files (issue 21: the full
+H3 in 4 bits on 24 GiB). Each configuration compares with the resident configuration of its own file where one
+ran (RESIDENT), else with comfy_resident; "reference" in its record names which.
 
 Models are random-weight, full size, generated on the GPU of the machine that
 runs this (tests/bench/e2e_models.py), one file at a time, deleted after their
@@ -117,6 +118,8 @@ from comfy_harness import (ComfyServer, PromptError, cache_dir, combo_options, c
 
 GIB = 1024 ** 3
 REFERENCE = "comfy_resident"
+# a marker file configuration's name part -> its e2e_models.FORMATS file format
+MARKER_FILES = {"int8": "int8_convrot", "fp8": "fp8", "w4a8": "w4a8", "w4a4": "w4a4"}
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,6 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # run with it there; these run without it, and ComfyUI's own marker files through UNETLoader
         Config("comfy_capped_static", "comfy", True, _unet(), comfy_args=("--disable-dynamic-vram",),
                needs="dynamic_vram"),
-        Config("comfy_int8_marker", "comfy", True, _unet(), model_format="int8_convrot", needs="kitchen_markers"),
-        Config("comfy_fp8_marker", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers"),
         # not in the default set
         Config("comfy_resident_static", "comfy", False, _unet(), comfy_args=("--disable-dynamic-vram",),
                needs="dynamic_vram"),
@@ -220,27 +221,34 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("comfy_fp8_marker_8g", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers",
                cap_gib=8.0),
         Config("pack_auto_lora_12g", "pack", True, _pack_loader("auto"), (_lora(),), lora=True, cap_gib=12.0),
-        # issue 19: the full H3 from its marker files, each against the same file resident
-        Config("comfy_int8_marker_resident", "comfy", False, _unet(), model_format="int8_convrot",
-               needs="kitchen_markers"),
-        Config("pack_mixed_int8", "pack", True, _mixed_loader(), model_format="int8_convrot"),
-        Config("comfy_fp8_marker_resident", "comfy", False, _unet(), model_format="fp8", needs="kitchen_markers"),
-        Config("pack_mixed_fp8", "pack", True, _mixed_loader(), model_format="fp8"),
         # issue 21's formats table: each online format named, on pack_int8's card (the full H3 in 4 bits on 24 GiB)
         Config("pack_fp8", "pack", True, _pack_loader("float8_e4m3fn")),
         Config("pack_w4a8", "pack", True, _pack_loader("asym_w4a8_int8")),
         Config("pack_w4a4", "pack", True, _pack_loader("convrot_w4a4")),
     ]
+    # each marker file through UNETLoader on the card and resident (that file's reference), and through the
+    # pack's MixedCheckpointLoader on the card (issues 19 and 21: the full H3 from its marker files)
+    for short, fmt in MARKER_FILES.items():
+        configs += [Config(f"comfy_{short}_marker", "comfy", True, _unet(), model_format=fmt, needs="kitchen_markers"),
+                    Config(f"comfy_{short}_marker_resident", "comfy", False, _unet(), model_format=fmt,
+                           needs="kitchen_markers"),
+                    Config(f"pack_mixed_{short}", "pack", True, _mixed_loader(), model_format=fmt)]
     return {c.name: c for c in configs}
 
 
 # the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4
 FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_auto", "pack_int8", "pack_w4a8", "pack_w4a4")
-FULL_CONFIGS = ("comfy_int8_marker_resident", "comfy_int8_marker", "pack_mixed_int8",
-                "comfy_fp8_marker_resident", "comfy_fp8_marker", "pack_mixed_fp8")
+
+def _marker_configs(*shorts):
+    return tuple(f"{kind}_{short}{suffix}" for short in shorts for kind, suffix in
+                 (("comfy", "_marker_resident"), ("comfy", "_marker"), ("pack_mixed", "")))
+
+
+FULL_CONFIGS = _marker_configs("int8", "fp8")
+FULL_4BIT_CONFIGS = _marker_configs("w4a8", "w4a4")
 # a model file's format -> the configuration that runs it resident through UNETLoader: its configurations' reference
-RESIDENT = {"bf16": REFERENCE, "int8_convrot": "comfy_int8_marker_resident", "fp8": "comfy_fp8_marker_resident"}
-PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS}
+RESIDENT = {"bf16": REFERENCE, **{fmt: f"comfy_{short}_marker_resident" for short, fmt in MARKER_FILES.items()}}
+PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS, "full4": FULL_4BIT_CONFIGS}
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")

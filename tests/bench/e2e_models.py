@@ -25,7 +25,9 @@ on the generation device, with its `<layer>.comfy_quant` marker, the rest bf16.
 quantization, and plain per-channel {"format": "int8_tensorwise"} where 256 does
 not divide the layer's input (the full H3's AdaLN projections: Comfy-Org's 34 GB
 full int8_convrot file holds them in 8 bits, in a layout not readable here); "fp8" is {"format": "float8_e4m3fn"} with one fp32 absmax/448
-scale per tensor (QUANTIZATION.md's float8_e4m3fn row). Upstream ComfyUI's
+scale per tensor (QUANTIZATION.md's float8_e4m3fn row); "w4a8" and "w4a4" are
+upstream's asym_w4a8_int8 (group 16) and convrot_w4a4, written by comfy-kitchen's
+own layouts. Upstream ComfyUI's
 UNETLoader loads them as its own QuantizedTensor layers.
 """
 from __future__ import annotations
@@ -48,7 +50,12 @@ _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int8": "I
 # file format -> the ComfyUI marker of its quantized layers (None: plain bf16)
 FORMATS = {"bf16": None,
            "int8_convrot": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
-           "fp8": {"format": "float8_e4m3fn"}}
+           "fp8": {"format": "float8_e4m3fn"},
+           "w4a8": {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256},
+           "w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 256}}
+# the 4-bit markers' comfy-kitchen layouts and the marker keys their quantize takes (as upstream's QUANT_ALGOS)
+KITCHEN_LAYOUTS = {"asym_w4a8_int8": ("AsymW4A8Int8Layout", ("group_size", "convrot_groupsize")),
+                   "convrot_w4a4": ("TensorCoreConvRotW4A4Layout", ("convrot_groupsize",))}
 CONVROT_GROUP = 256
 
 
@@ -306,11 +313,11 @@ def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0) -> di
 def layer_marker(fmt: str, name: str, shape) -> dict | None:
     """The marker of a layer in a file of format `fmt`, or None where the file keeps it bf16: a marker file
     quantizes the linears inside the blocks. Where ConvRot's group does not divide a layer's input (the full
-    H3's AdaLN projections, 2688 wide), int8_convrot writes it as plain per-channel INT8; FP8 has no such
-    bound."""
+    H3's AdaLN projections, 2688 wide), the ConvRot formats (int8_convrot, both 4-bit ones) write it as plain
+    per-channel INT8; FP8 has no such bound."""
     if FORMATS[fmt] is None or not (name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2):
         return None
-    if fmt == "int8_convrot" and shape[1] % CONVROT_GROUP:
+    if fmt != "fp8" and shape[1] % CONVROT_GROUP:
         return PLAIN_INT8
     return FORMATS[fmt]
 
@@ -319,8 +326,16 @@ PLAIN_INT8 = {"format": "int8_tensorwise"}
 
 
 def quantize(marker: dict, weight) -> dict:
-    """{role: tensor} of one layer under `marker` (a layer_marker), from its bf16 weight."""
+    """{role: tensor} of one layer under `marker` (a layer_marker), from its bf16 weight: FP8 and INT8 as in
+    the module's docstring, the 4-bit formats by their comfy-kitchen layout's own quantize and serialization
+    (as upstream ComfyUI saves them)."""
     import torch
+    if marker["format"] in KITCHEN_LAYOUTS:
+        from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+        layout, keys = KITCHEN_LAYOUTS[marker["format"]]
+        qdata, params = get_layout_class(layout).quantize(weight, **{k: marker[k] for k in keys})
+        return {key[len("w."):]: t.contiguous() for key, t in QuantizedTensor(qdata, layout, params).state_dict(
+            "w.weight").items()}
     if marker["format"] == "float8_e4m3fn":
         w = weight.float()
         scale = w.abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
@@ -339,15 +354,35 @@ def marker_tensor(marker: dict):
     return torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
 
 
-_PROBE_SHAPE = (4, CONVROT_GROUP)
+# probe weights (rows, columns): a role's extent along an axis follows the rows, the columns, or neither
+_PROBES = ((16, 2 * CONVROT_GROUP), (32, 2 * CONVROT_GROUP), (16, 4 * CONVROT_GROUP))
 
 
 @functools.lru_cache(maxsize=None)
 def _probe_roles(marker_json: str, device: str) -> tuple:
-    """(role, shape, dtype) of what `quantize` returns for a 4 x 256 weight under a marker (as JSON)."""
+    """(role, per-axis rule, dtype) of what `quantize` returns under a marker (as JSON): each axis's rule is
+    ("rows" | "columns" | "fixed", its extent at the first probe)."""
     import torch
-    probe = quantize(json.loads(marker_json), torch.full(_PROBE_SHAPE, 0.5, device=device, dtype=torch.bfloat16))
-    return tuple((role, tuple(t.shape), t.dtype) for role, t in probe.items())
+    marker = json.loads(marker_json)
+    outs = [quantize(marker, torch.full(shape, 0.5, device=device, dtype=torch.bfloat16)) for shape in _PROBES]
+    roles = []
+    for role, first in outs[0].items():
+        rules = []
+        for axis, extent in enumerate(first.shape):
+            by_rows, by_columns = outs[1][role].shape[axis] != extent, outs[2][role].shape[axis] != extent
+            rules.append(("rows" if by_rows else "columns" if by_columns else "fixed", extent))
+        roles.append((role, tuple(rules), first.dtype))
+    return tuple(roles)
+
+
+def _extent(rule, shape) -> int:
+    kind, extent = rule
+    if kind == "fixed":
+        return extent
+    axis, probe = (0, _PROBES[0][0]) if kind == "rows" else (1, _PROBES[0][1])
+    if shape[axis] * extent % probe:
+        raise ValueError(f"a {shape} weight has no whole {kind} extent for {extent}/{probe} of the probe's")
+    return shape[axis] * extent // probe
 
 
 def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[str, tuple, object]]:
@@ -360,9 +395,8 @@ def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[
         return [(name, tuple(shape), dtype)]
     prefix = name[:-len(".weight")]
     entries = []
-    for role, probe_dims, dtype in _probe_roles(json.dumps(marker), str(device)):  # the probe's rows, columns:
-        dims = tuple(shape[i] if i < 2 and d == _PROBE_SHAPE[i] else d for i, d in enumerate(probe_dims))  # layer's
-        entries.append((f"{prefix}.{role}", dims, dtype))
+    for role, rules, dtype in _probe_roles(json.dumps(marker), str(device)):
+        entries.append((f"{prefix}.{role}", tuple(_extent(rule, shape) for rule in rules), dtype))
     entries.append((f"{prefix}.comfy_quant", tuple(marker_tensor(marker).shape), torch.uint8))
     return entries
 
