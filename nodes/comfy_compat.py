@@ -25,6 +25,11 @@ def compute_device() -> torch.device:
     return comfy.model_management.get_torch_device()
 
 
+def host_reserve() -> int:
+    """The VRAM ComfyUI keeps free (--reserve-vram)."""
+    return int(comfy.model_management.extra_reserved_memory())
+
+
 def is_dynamic(patcher) -> bool:
     """True where upstream's dynamic VRAM manages weight placement itself (`ModelPatcherDynamic`)."""
     return bool(getattr(patcher, "is_dynamic", lambda: False)())

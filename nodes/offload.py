@@ -20,7 +20,7 @@ from ..offload.session import StreamSession
 from ..offload.streaming import normalize_device
 from .options import OFFLOAD_MODES
 from . import categories
-from .comfy_compat import is_dynamic, module_view, quantized_layers
+from .comfy_compat import host_reserve, is_dynamic, module_view, quantized_layers
 from .dynamic_vram import PAGED
 from .node_report import node_output, show_on_node
 
@@ -57,8 +57,7 @@ class _Offload:
 
     def plan(self, patcher, latent_shapes=None) -> MemoryPlan:
         device = normalize_device(patcher.load_device)
-        reserve = self.budget.reserve(int(comfy.model_management.extra_reserved_memory()))  # --reserve-vram
-        return model_view(patcher).plan(self.budget.capacity(available(device)), reserve,
+        return model_view(patcher).plan(self.budget.capacity(available(device)), self.budget.reserve(host_reserve()),
                                         CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0, latent_shapes)
 
     def outer_sample(self, executor, noise, *args, **kwargs):
@@ -83,8 +82,7 @@ class _Offload:
                 self.on_run(line)
         session = self.session = StreamSession(plan, normalize_device(patcher.load_device),
                                                streams=self.mode != "none", **host_pin_functions())
-        extra = self.budget.estimate_extra(plan, session.streams, int(comfy.model_management.extra_reserved_memory()),
-                                           available(session.device))
+        extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))
         try:
             with memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra, parts)):
                 return executor(noise, *args, **kwargs)
