@@ -247,12 +247,11 @@ def test_sage_configs_set_the_packs_sage_and_the_hosts_own_switches(tmp_path):
     assert configs["comfy_fp8_fast_ck"].needs == "ck_attention"
 
 
-def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
-    # the test node imports ComfyUI's modules, which its two functions here never touch
+def bench_node_module(monkeypatch):
+    """The benchmark's test node module (tests/fixtures/bigdit_testnodes/bench.py). It imports ComfyUI's
+    modules, which the functions tested here never touch: empty stand-ins are enough."""
     import importlib.util
-    import sys
     import types
-    from pathlib import Path
     comfy = types.ModuleType("comfy")
     comfy.model_management, comfy.patcher_extension = (types.ModuleType(f"comfy.{n}")
                                                        for n in ("model_management", "patcher_extension"))
@@ -262,6 +261,11 @@ def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
     spec = importlib.util.spec_from_file_location("bigdit_testnodes_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
+    bench = bench_node_module(monkeypatch)
     kernels = [("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", 4000.0),  # cuBLAS on Hopper
                ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", 3000.0),
                ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 2500.0),
@@ -427,18 +431,8 @@ def test_the_steady_step_leaves_out_the_profiled_one():
 def test_a_profiled_call_is_timed_without_the_profilers_own_work(monkeypatch):
     """The profiled call's end is read before the profiler stops and its events are read (measured on the
     H200: 0.4-1.9 s more on the profiled step)."""
-    import importlib.util
     import time
-    import types
-    comfy = types.ModuleType("comfy")
-    comfy.model_management, comfy.patcher_extension = (types.ModuleType(f"comfy.{n}")
-                                                       for n in ("model_management", "patcher_extension"))
-    for module in (comfy, comfy.model_management, comfy.patcher_extension):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-    path = Path(__file__).parent / "fixtures" / "bigdit_testnodes" / "bench.py"
-    spec = importlib.util.spec_from_file_location("bigdit_testnodes_bench_timing", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_node_module(monkeypatch)
 
     class SlowProfiler:  # stopping and reading events takes 0.3 s, as CUPTI's event reading does at scale
         def __init__(self, **_):
