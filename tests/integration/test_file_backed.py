@@ -30,9 +30,11 @@ from cpu_sampling import CPU_SAMPLING
 
 pytestmark = [pytest.mark.integration]
 
-PROBE = r"""
-import gc, importlib.util, json, os, sys, tempfile, types, weakref
-pack_root, unet, kind, text_dim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+# both probes: upstream's ComfyUI on the CPU with comfy-aimdo loaded, the pack importable as `bigdit`, and
+# tests/cpu_sampling.py's on_cpu_dynamic, latent and sample
+HOST_SETUP = r"""
+import gc, json, os, sys, tempfile, types, weakref
+pack_root, model_path, kind, text_dim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 sys.path.insert(0, os.getcwd())
 import comfy_aimdo.control
 assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"
@@ -43,15 +45,28 @@ import comfy.memory_management, comfy.model_management, comfy.model_patcher, com
 import folder_paths, nodes
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.nodes.file_backed import back_with_file, paged_tensors
+from bigdit.quant.linear import QuantLinear
+exec(sys.argv[5])
+"""
+
+
+def run_probe(comfy, probe, model_path, kind, text_dim) -> dict:
+    """What a probe (HOST_SETUP first) printed last, run in the host's python in its ComfyUI folder."""
+    result = subprocess.run([str(comfy.host.python), "-c", HOST_SETUP + probe, str(PACK_ROOT), str(model_path), kind,
+                             str(text_dim), CPU_SAMPLING], cwd=comfy.host.comfyui, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+PROBE = r"""
 from bigdit.quant import QuantConfig, get_method
 from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
-from bigdit.quant.linear import QuantLinear
-exec(sys.argv[5])  # tests/cpu_sampling.py: on_cpu_dynamic, latent, sample
 
 
 def quantized():
-    patcher = comfy.sd.load_diffusion_model(unet)
+    patcher = comfy.sd.load_diffusion_model(model_path)
     diffusion = patcher.model.diffusion_model
     for p in diffusion.parameters():  # in process memory, as a quantizing loader leaves them
         p.data = p.data.clone()
@@ -109,10 +124,7 @@ print(json.dumps(out))
 
 
 def check(comfy, model_path, kind, text_dim):
-    result = subprocess.run([str(comfy.host.python), "-c", PROBE, str(PACK_ROOT), str(model_path), kind,
-                             str(text_dim), CPU_SAMPLING], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = run_probe(comfy, PROBE, model_path, kind, text_dim)
     assert out["quantized_layers"] > 0 and out["plain_paged"] > 0, out
     assert out["line"] and out["line"].startswith("put the "), out
     assert out["from_file"] and out["left_in_ram"] == 0, out
@@ -135,22 +147,9 @@ def test_h3_weights_paged_from_a_file(comfy, tiny_h3):
 
 
 KEPT_AS_STORED = r"""
-import importlib.util, json, os, sys, tempfile, types
-pack_root, path, kind, text_dim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-sys.path.insert(0, os.getcwd())
-import comfy_aimdo.control
-assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"
-from comfy.cli_args import args
-args.cpu = True
-import torch
-import comfy.memory_management, comfy.model_management, comfy.model_patcher, comfy.sd
-import folder_paths, nodes
-pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.dtypes import SAFETENSORS_TO_TORCH
 from bigdit.loaders.load import LoadOptions, load
 from bigdit.nodes.comfy_host import ComfyHost
-from bigdit.nodes.file_backed import back_with_file, paged_tensors
-from bigdit.quant.linear import QuantLinear
-exec(sys.argv[5])  # tests/cpu_sampling.py: on_cpu_dynamic, latent, sample
 
 
 # the patcher ComfyUI makes for a GPU under dynamic VRAM, which loads the file's tensors with assign=True
@@ -160,8 +159,8 @@ comfy.model_patcher.CoreModelPatcher = lambda model, load_device, offload_device
 def loaded(pages_from_files):
     comfy.memory_management.aimdo_enabled = pages_from_files  # as main.py sets it on a GPU
     try:
-        patcher, report = load(path, LoadOptions("MixedCheckpointLoader"), cpu, ComfyHost())
-        return patcher, back_with_file(patcher, os.path.basename(path)), report
+        patcher, report = load(model_path, LoadOptions("MixedCheckpointLoader"), cpu, ComfyHost())
+        return patcher, back_with_file(patcher, os.path.basename(model_path)), report
     finally:
         comfy.memory_management.aimdo_enabled = False  # sampling here runs the CPU path
 
@@ -183,12 +182,10 @@ for module, name in paged.values():
                      and torch.equal(copy.view(torch.uint8), tensor.view(torch.uint8)))
 out["read_back"] = sum(read_back)
 from safetensors import safe_open
-with safe_open(path, "pt") as f:  # what ComfyUI computes in on a CPU (fp32) is not what the file stores
-    stored = {key: f.get_slice(key).get_dtype() for key in f.keys()}
-out["not_read_converted"] = all(
-    str(module._parameters[name].dtype) != "torch." + {"BF16": "bfloat16", "F16": "float16"}.get(
-        stored[key.removeprefix("diffusion_model.")], "?")
-    for (key, (module, name)), ok in zip(paged.items(), read_back) if not ok)
+with safe_open(model_path, "pt") as f:  # what ComfyUI computes in on a CPU (fp32) is not what the file stores
+    stored = {key: SAFETENSORS_TO_TORCH[f.get_slice(key).get_dtype()] for key in f.keys()}
+out["not_read_converted"] = all(module._parameters[name].dtype != stored[key.removeprefix("diffusion_model.")]
+                                for (key, (module, name)), ok in zip(paged.items(), read_back) if not ok)
 out["weights_read_back"] = all(ok for key, ok in zip(paged, read_back) if key.endswith(".weight"))
 out["notes"] = report.notes
 got, want = sample(patcher), sample(reference)
@@ -206,11 +203,7 @@ WAN_MARKERS = {f"blocks.{b}.{name}": marker for b in range(2) for name, marker i
 @pytest.mark.host_feature("dynamic_vram")
 def test_a_file_kept_as_stored_is_paged_from_itself(comfy, tiny_wan2, tmp_path):
     marked = write_markers(tiny_wan2["path"], tmp_path / "wan2_markers.safetensors", WAN_MARKERS)
-    result = subprocess.run([str(comfy.host.python), "-c", KEPT_AS_STORED, str(PACK_ROOT), str(marked), "wan",
-                             "4096", CPU_SAMPLING], cwd=comfy.host.comfyui, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = run_probe(comfy, KEPT_AS_STORED, marked, "wan", 4096)
     assert out["quantized_paged"] >= len(WAN_MARKERS) and out["paged"] > out["quantized_paged"], out
     # every weight's offset and size are its bytes in the file; a bias converted to the compute dtype is not
     # the file's (ComfyUI computes in fp32 on a CPU) and goes to the scratch file
