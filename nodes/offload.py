@@ -64,7 +64,12 @@ class _Offload:
         patcher = executor.class_obj.model_patcher
         parts = packed_parts(kwargs.get("latent_shapes"))
         plan = self.plan(patcher, parts(tuple(noise.shape)))
-        dynamic = is_dynamic(patcher)
+        dynamic, device = is_dynamic(patcher), normalize_device(patcher.load_device)
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)  # the run's own allocator peak
+        def allocator_peak() -> int | None:
+            return torch.cuda.max_memory_allocated(device) if cuda else None
         log.info("offload (%s) for %s%s: %s", self.mode, plan.shape.describe() if plan.shape else "no block list",
                  ", a plan only (ComfyUI's dynamic VRAM places the weights)" if dynamic else "", plan.summary_line())
         log.debug("offload plan:\n%s", plan.render())
@@ -72,30 +77,24 @@ class _Offload:
         if dynamic:
             PAGED.reset()
             self.model_calls = 0
-            if normalize_device(patcher.load_device).type == "cuda" and torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats(patcher.load_device)  # the run's own allocator peak
             try:
                 return executor(noise, *args, **kwargs)
             finally:
-                line = self.paged_line(patcher, plan)
+                line = self.paged_line(patcher, plan, allocator_peak())
                 log.info("last run: %s", line)
                 self.on_run(line)
-        session = self.session = StreamSession(plan, normalize_device(patcher.load_device),
-                                               streams=self.mode != "none", **host_pin_functions())
+        session = self.session = StreamSession(plan, device, streams=self.mode != "none", **host_pin_functions())
         extra = self.budget.estimate_extra(plan, session.streams, host_reserve(), available(session.device))
         try:
             with memory_estimate_at_least(patcher.model, model_view(patcher).memory_required(extra, parts)):
                 return executor(noise, *args, **kwargs)
         finally:
             self.session = None
-            self.on_run(f"{plan.summary_line()}; {session.close()}")
+            self.on_run(f"{plan.summary_line()}; {session.close(allocator_peak())}")
 
-    def paged_line(self, patcher, plan: MemoryPlan) -> str:
-        device = normalize_device(patcher.load_device)
-        cuda = device.type == "cuda" and torch.cuda.is_available()
+    def paged_line(self, patcher, plan: MemoryPlan, allocator_peak: int | None) -> str:
         return paged_run_line(plan, self.model_calls, PAGED.calls, PAGED.copied_calls, PAGED.copied_bytes,
-                              int(patcher.loaded_size()) if cuda else None,
-                              torch.cuda.max_memory_allocated(device) if cuda else None)
+                              None if allocator_peak is None else int(patcher.loaded_size()), allocator_peak)
 
     def diffusion_model(self, executor, *args, **kwargs):
         self._begin_call(executor.class_obj)

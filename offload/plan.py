@@ -38,7 +38,10 @@ Estimate (all in bytes):
 
 Placement: the fewest streamed blocks that fit the budget (so as many resident
 as fit), spread evenly with block 0 kept resident, so each streamed block's
-copy can hide behind the compute of the blocks before it.
+copy can hide behind the compute of the blocks before it. A host that places
+the weights itself (ComfyUI's partial load: the largest layers first, across
+every block) gets the plan redrawn on its placement (`MemoryPlan.placed`): the
+parts it left in host memory stream, and the peak counts what it loaded.
 """
 from __future__ import annotations
 
@@ -194,6 +197,27 @@ class MemoryPlan:
     reserve_bytes: int
     streamed: tuple[int, ...] = ()
     shape: RunShape | None = None
+    # Set by `placed`: the bytes of each block the host left in host memory (they stream), None: the blocks
+    # of `streamed` stream whole; and the bytes outside the blocks it left there (cast per layer, not staged).
+    away_bytes: tuple[int, ...] | None = None
+    rest_away_bytes: int = 0
+
+    def placed(self, block_bytes: Sequence[int], away_bytes: Sequence[int], rest_bytes: int,
+               rest_away_bytes: int) -> "MemoryPlan":
+        """This plan redrawn on the host's own placement (ComfyUI's partial load), from the live model's bytes:
+        each block's, the part of each it left in host memory (that part streams, one block ahead), and the
+        same outside the blocks (cast per layer by the host, so not staged)."""
+        sizes, away = tuple(map(int, block_bytes)), tuple(map(int, away_bytes))
+        if not len(sizes) == len(away) == self.n_blocks or any(not 0 <= a <= b for a, b in zip(away, sizes)) \
+                or not 0 <= rest_away_bytes <= rest_bytes:
+            raise ValueError(f"a placement needs 0 <= away <= bytes for each of the plan's {self.n_blocks} blocks "
+                             f"and the rest: {sizes}, {away}, {rest_bytes}, {rest_away_bytes}")
+        return replace(self, block_bytes=sizes, rest_bytes=int(rest_bytes), streamed=tuple(
+            i for i, b in enumerate(away) if b), away_bytes=away, rest_away_bytes=int(rest_away_bytes))
+
+    def _streamed_sizes(self) -> list[int]:
+        sizes = self.block_bytes if self.away_bytes is None else self.away_bytes
+        return [sizes[i] for i in self.streamed]
 
     @property
     def budget_bytes(self) -> int:
@@ -210,20 +234,21 @@ class MemoryPlan:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(self.block_bytes[i] for i in self.resident)
+        """The blocks' bytes kept on the device."""
+        return sum(self.block_bytes) - self.streamed_bytes
 
     @property
     def streamed_bytes(self) -> int:
-        return sum(self.block_bytes[i] for i in self.streamed)
+        """The bytes copied in per forward."""
+        return sum(self._streamed_sizes())
 
     @property
     def staging_bytes(self) -> int:
-        sizes = sorted((self.block_bytes[i] for i in self.streamed), reverse=True)
-        return sum(sizes[:2])
+        return sum(sorted(self._streamed_sizes(), reverse=True)[:2])
 
     @property
     def estimated_peak(self) -> int:
-        return (self.rest_bytes + self.resident_bytes + self.staging_bytes
+        return (self.rest_bytes - self.rest_away_bytes + self.resident_bytes + self.staging_bytes
                 + self.activation_bytes + self.workspace_bytes)
 
     @property
@@ -239,8 +264,13 @@ class MemoryPlan:
         unit, name = (GIB, "GiB") if self.budget_bytes >= GIB else (MIB, "MiB")
         # without a run's shape the activations are unknown: the peak is the weights' part of it
         peak = "estimated peak" if self.shape is not None else "peak before activations"
-        return (f"resident {len(self.resident)}/{self.n_blocks} blocks, streaming {len(self.streamed)}; "
-                f"{peak} {self.estimated_peak / unit:.1f} {name} of {self.budget_bytes / unit:.1f} {name}")
+        if self.away_bytes is None:
+            blocks = f"resident {len(self.resident)}/{self.n_blocks} blocks, streaming {len(self.streamed)}"
+        else:
+            blocks = (f"as placed by the host: {size_text(self.resident_bytes)} of the blocks on the device, "
+                      f"{size_text(self.streamed_bytes)} of {len(self.streamed)}/{self.n_blocks} blocks streamed "
+                      f"per forward")
+        return f"{blocks}; {peak} {self.estimated_peak / unit:.1f} {name} of {self.budget_bytes / unit:.1f} {name}"
 
     def render(self) -> str:
         blocks = sum(self.block_bytes)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..pack_logging import pack_logger
-from ..quant.kitchen_api import is_quantized_tensor, storage
+from ..quant.kitchen_api import is_quantized_tensor, storage, tensor_bytes
 
 log = pack_logger(__name__)
 
@@ -69,11 +69,10 @@ def block_tensors(block: nn.Module) -> Iterator[tuple[nn.Module, str, str, torch
                     yield module, kind, name, tensor
 
 
-def offloaded_blocks(blocks: Sequence[nn.Module], device) -> list[int]:
-    """Indices of blocks with any tensor away from `device` (e.g. left in RAM by a partial load)."""
+def away_bytes(tensors: Iterable[torch.Tensor], device) -> int:
+    """True bytes of the tensors away from `device` (e.g. left in RAM by a partial load): what streaming copies."""
     device = normalize_device(device)
-    return [i for i, block in enumerate(blocks)
-            if any(t.device != device for *_, t in block_tensors(block))]
+    return sum(tensor_bytes(t) for t in tensors if t.device != device)
 
 
 PinFunction = Callable[[torch.Tensor], bool]
@@ -258,7 +257,7 @@ class LayerwiseStreamer:
         else:
             targets = [torch.empty_like(src, device=self.device).copy_(src) for src in sources]
         staged = self._staged[i] = _Staged(targets, done, prefetched)
-        self.stats.bytes_copied += sum(t.numel() * t.element_size() for t in sources)
+        self.stats.bytes_copied += sum(map(tensor_bytes, sources))
         self.stats.max_on_device = max(self.stats.max_on_device, len(self._staged))
         return staged
 

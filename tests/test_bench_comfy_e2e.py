@@ -472,3 +472,23 @@ def test_marker_file_entries_are_what_quantize_writes(fmt):
     # the full H3's AdaLN (2688 wide, no ConvRot group of 256): plain INT8 in every ConvRot format
     adaln = e2e_models.layer_marker(fmt, "blocks.0.adaln_proj.linear.weight", (96768, 2688))
     assert adaln == ({"format": "float8_e4m3fn"} if fmt == "fp8" else {"format": "int8_tensorwise"})
+
+
+@torch.no_grad()
+def test_placement_check_reads_the_ratios_of_the_sessions_run_line():
+    from bigdit.offload.plan import plan_placement
+    from bigdit.offload.session import StreamSession
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+    model.blocks[0].to("meta")  # "meta" stands for the GPU: blocks 1 and 2 stay in host memory
+    plan = plan_placement([64 * 65 * 4] * 3, 0, 0, capacity_bytes=1 << 30, reserve_bytes=0, workspace_bytes=0)
+    session = StreamSession(plan, torch.device("meta"), streams=True)
+    session.start(model)
+    for block in model.blocks:
+        block(torch.zeros(1, 64, device="meta"))
+    line = session.close(allocator_peak=session.placed.estimated_peak * 3 // 2)
+    lines = ["loading ...", f"[BigDiT] offload: {line}", "Prompt executed"]
+    # one forward: blocks 1 and 2, then block 1 again for the next forward
+    assert comfy_e2e.placement_check(lines) == {"stream_ratio": 1.5, "peak_ratio": 1.5}
+    assert comfy_e2e.placement_check(["nothing streamed"]) is None

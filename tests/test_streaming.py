@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from bigdit.offload.plan import plan_placement
+from bigdit.offload.plan import plan_placement, size_text
 from bigdit.offload.session import StreamSession
-from bigdit.offload.streaming import HostPins, LayerwiseStreamer, block_tensors, offloaded_blocks
+from bigdit.quant.kitchen_api import tensor_bytes
+from bigdit.offload.streaming import HostPins, LayerwiseStreamer, away_bytes, block_tensors
 from bigdit.quant import QuantConfig, quantize_layers
 from bigdit.quant.quantize_pass import apply_replacements
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
@@ -182,11 +183,13 @@ def test_weight_patched_quantized_blocks_stream_exactly():
     assert all(getattr(layer, k) is v for k, v in unpatched.items())
 
 
-def test_offloaded_blocks_finds_tensors_away_from_the_device():
+def test_away_bytes_counts_the_tensors_away_from_the_device():
     model = Stack(n=3)
     model.blocks[0].to("meta")
     model.blocks[2].fc2.to("meta")
-    assert offloaded_blocks(model.blocks, "meta") == [1, 2]
+    away = [away_bytes((t for *_, t in block_tensors(block)), "meta") for block in model.blocks]
+    # fp32 Block(64, 128): norm 64, fc1 256x64 + 256, fc2 64x128 + 64, gain 64, shift 64 values; fc2 is on "meta"
+    assert away == [0, 4 * (64 + 256 * 65 + 64 * 129 + 128), 4 * (64 + 256 * 65 + 128)]
 
 
 def test_pins_do_nothing_without_cuda(monkeypatch):
@@ -269,9 +272,50 @@ def test_session_pins_streamed_blocks_through_the_host_functions_and_unpins_at_c
     closed = session.close()
     assert closed.startswith("streamed 2 of 4 blocks (1, 3); ")
     # everything fits the plan's budget: what streams is what the host left off the device, and the line says so
-    assert plan.streamed == () and closed.endswith("where the plan streams 0 whole blocks"), closed
+    assert plan.streamed == () and session.placed.streamed == (1, 3), closed
+    streamed = sum(tensor_bytes(t) for i in (1, 3) for *_, t in block_tensors(model.blocks[i]))
+    assert f"as placed by the host: {size_text(streamed)} of the blocks on the device, {size_text(streamed)} of 2/4 " \
+           "blocks streamed per forward" in closed, closed
     assert sorted(map(id, host.unpinned)) == sorted(map(id, big))
     assert_restored(model, before)
+
+
+@torch.no_grad()
+def test_session_redraws_the_plan_on_the_hosts_placement_and_measures_it():
+    # "meta" stands for the GPU. A host that loads the largest layers first leaves the small ones of every
+    # block in host memory: each block streams that part, not whole blocks as the pack's plan has it.
+    model = Stack(n=4, d=512)
+    model.register_buffer("table", torch.zeros(1000))  # outside the blocks, left in host memory
+    for block in model.blocks:
+        block.fc1.to("meta")
+    each = [sum(tensor_bytes(t) for *_, t in block_tensors(block)) for block in model.blocks]
+    away = [tensor_bytes(b.norm.weight) + sum(map(tensor_bytes, b.fc2.parameters())) + 2 * 512 * 4
+            for b in model.blocks]
+    plan = plan_placement(each, 4000, activation=100, capacity_bytes=3 * each[0] + 4110, reserve_bytes=0,
+                          workspace_bytes=10)
+    assert plan.streamed == (1, 2, 3)  # the pack's plan: three whole blocks
+    session = StreamSession(plan, torch.device("meta"), streams=True, pin=RecordingPins().pin,
+                            unpin=RecordingPins().unpin)
+    for _ in range(3):  # a run's forwards
+        session.start(model)
+        model(torch.zeros(2, 512, device="meta"))
+    placed = session.placed
+    assert placed.streamed == (0, 1, 2, 3) and placed.streamed_bytes == sum(away)
+    assert placed.resident_bytes == sum(each) - sum(away) and placed.staging_bytes == 2 * away[0]
+    assert placed.estimated_peak == placed.resident_bytes + 2 * away[0] + 100 + 10  # the rest is cast per layer
+    closed = session.close(allocator_peak=placed.estimated_peak * 2)
+    # 3 forwards of 4 streamed parts, and block 0's part issued again for a forward that never came
+    copied = 3 * sum(away) + away[0]
+    assert f"({copied / 3 / sum(away):.3f}x the estimate)" in closed and "(2.000x the estimate)" in closed
+    assert "of 4/4 blocks streamed per forward" in closed, closed
+
+
+def test_a_placement_that_does_not_add_up_is_refused():
+    plan = plan_placement([100, 100], 10, 0, capacity_bytes=1000, reserve_bytes=0, workspace_bytes=0)
+    with pytest.raises(ValueError, match="0 <= away <= bytes"):
+        plan.placed([100, 100], [0, 101], 10, 0)
+    with pytest.raises(ValueError, match="0 <= away <= bytes"):
+        plan.placed([100], [0], 10, 0)
 
 
 def test_session_that_streams_nothing_pins_nothing():
@@ -331,3 +375,40 @@ def test_cuda_device_memory_holds_at_most_two_streamed_blocks():
     extra = torch.cuda.max_memory_allocated() - base
     assert 2 * block <= extra < 2 * block + 32 * 2 ** 20  # two staged blocks plus small activations
     assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.gpu
+@gpu
+@torch.no_grad()
+def test_cuda_session_on_a_partial_placement_estimates_what_it_copies_and_its_peak():
+    # ComfyUI's partial load: the largest layers (fc1) of every block on the GPU, the rest of each in RAM
+    n, d = 6, 2048
+    model = cuda_stack(n, d)
+    x = torch.randn(1, 64, d, device="cuda", dtype=torch.bfloat16)
+    ref = model(x)
+    for block in model.blocks:
+        for module in (block.norm, block.fc2):
+            module.to("cpu")
+        block.gain = nn.Parameter(block.gain.detach().cpu(), requires_grad=False)
+        block.shift = block.shift.cpu()  # a registered buffer: assigning keeps it one
+    each = [sum(tensor_bytes(t) for *_, t in block_tensors(block)) for block in model.blocks]
+    plan = plan_placement(each, 0, activation=0, capacity_bytes=80 * 2 ** 30, reserve_bytes=0, workspace_bytes=0)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() - sum(tensor_bytes(t) for b in model.blocks for *_, t in block_tensors(b)
+                                               if t.is_cuda)  # the inputs, reference and allocator state
+    torch.cuda.reset_peak_memory_stats()
+    session = StreamSession(plan, torch.device("cuda", torch.cuda.current_device()), streams=True)
+    for _ in range(2):
+        session.start(model)
+        out = model(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    placed = session.placed
+    closed = session.close(peak)
+    assert torch.equal(out, ref)
+    assert placed.streamed == tuple(range(n))
+    part = each[0] - tensor_bytes(model.blocks[0].fc1.weight) - tensor_bytes(model.blocks[0].fc1.bias)
+    assert placed.streamed_bytes == n * part and placed.staging_bytes == 2 * part
+    assert f"({(2 * n * part + part) / 2 / (n * part):.3f}x the estimate)" in closed, closed
+    # the weights' part of the peak as estimated, plus the small activations of 64 rows
+    assert placed.estimated_peak <= peak < placed.estimated_peak + 32 * 2 ** 20, (peak, placed.estimated_peak)

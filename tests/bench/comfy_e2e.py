@@ -220,6 +220,9 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
                cap_gib=12.0),
         Config("comfy_fp8_marker_8g", "comfy", True, _unet(), model_format="fp8", needs="kitchen_markers",
                cap_gib=8.0),
+        # ... and against the host's own FP8 option on 0.3.75, which has no marker files of kitchen formats
+        Config("comfy_fp8_fast_12g", "comfy", True, _unet("fp8_e4m3fn_fast"), cap_gib=12.0),
+        Config("comfy_fp8_fast_8g", "comfy", True, _unet("fp8_e4m3fn_fast"), cap_gib=8.0),
         Config("pack_auto_lora_12g", "pack", True, _pack_loader("auto"), (_lora(),), lora=True, cap_gib=12.0),
         # issue 21's formats table: each online format named, on pack_int8's card (the full H3 in 4 bits on 24 GiB)
         Config("pack_fp8", "pack", True, _pack_loader("float8_e4m3fn")),
@@ -360,6 +363,20 @@ def log_lines(text: str, work: Path | None = None, limit=80) -> list[str]:
     """The lines worth keeping, with the machine's work folder written as <work>."""
     lines = [line[:500] for line in text.splitlines() if LOG_LINE.search(line)][:limit]
     return [line.replace(str(work), "<work>") for line in lines] if work else lines
+
+
+ESTIMATE_RATIO = re.compile(r"(copied per forward|allocator peak) [^;]*?\(([0-9.]+)x the estimate\)")
+
+
+def placement_check(lines: list[str]) -> dict | None:
+    """Issue 19's item 4 on the pack's own streaming: the last run line's measured stream per forward and
+    allocator peak over the estimates of the plan redrawn on the host's placement (offload/session.py)."""
+    for line in reversed(lines):
+        found = {("stream_ratio" if what.startswith("copied") else "peak_ratio"): float(ratio)
+                 for what, ratio in ESTIMATE_RATIO.findall(line)}
+        if found:
+            return found
+    return None
 
 
 def execution_start(entry: dict) -> float | None:
@@ -567,6 +584,8 @@ class Bench:
             rec["wall_s"] = time.monotonic() - t0
             text = run_log.read_text(errors="replace") if run_log.exists() else ""
             rec["log_lines"] = log_lines(text, self.work)
+            if placement_check(rec["log_lines"]):
+                rec["placement_check"] = placement_check(rec["log_lines"])
             self.append_log(f"{spec.name} {length.name} ({length.label}, {spec.tokens(length)} tokens) {config.name}",
                             text)
         return rec
