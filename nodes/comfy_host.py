@@ -91,11 +91,13 @@ def diffusion_namespace(contents: CheckpointContents) -> CheckpointContents:
     return contents.renamed([(prefix, "")], only_matching=True)
 
 
-def load_diffusion_model(contents: CheckpointContents, builder: LayerBuilder, state_dict: dict):
+def load_diffusion_model(contents: CheckpointContents, builder: LayerBuilder, state_dict: dict,
+                         patcher_options: dict):
     """A ModelPatcher for the diffusion model, built through `builder`. Raises CheckpointError
     if ComfyUI does not recognize the architecture or a quantized layer found no Linear."""
     operations = building_operations(builder)
-    patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": operations})
+    patcher = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": operations},
+                                                       **patcher_options)
     if patcher is None:
         raise CheckpointError(contents.path, "ComfyUI could not detect the model type of this diffusion model")
     builder.finish()
@@ -107,8 +109,10 @@ def load_diffusion_model(contents: CheckpointContents, builder: LayerBuilder, st
 class ComfyHost:
     """loaders.load's Host: a diffusion model, or with `clip_type` a text encoder of that type."""
 
-    def __init__(self, clip_type: str | None = None, embedding_directory=None):
+    def __init__(self, clip_type: str | None = None, embedding_directory=None, disable_dynamic: bool = False):
         self.clip_type, self.embedding_directory = clip_type, embedding_directory
+        # a patcher without dynamic VRAM, where the host has it (reload_patcher's callers ask for one)
+        self.patcher_options = {"disable_dynamic": True} if disable_dynamic else {}
 
     def check(self) -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
@@ -124,9 +128,10 @@ class ComfyHost:
 
     def build(self, contents: CheckpointContents, builder: LayerBuilder, state_dict: dict):
         if self.clip_type is None:
-            patcher = load_diffusion_model(contents, builder, state_dict)
+            patcher = load_diffusion_model(contents, builder, state_dict, self.patcher_options)
             return patcher, patcher.model
-        clip = load_text_encoder(contents, builder, state_dict, self.clip_type, self.embedding_directory)
+        clip = load_text_encoder(contents, builder, state_dict, self.clip_type, self.embedding_directory,
+                                 self.patcher_options)
         return clip, clip.cond_stage_model
 
 
@@ -136,13 +141,13 @@ def clip_types() -> list[str]:
 
 
 def load_text_encoder(contents: CheckpointContents, builder: LayerBuilder, state_dict: dict, clip_type: str,
-                      embedding_directory):
+                      embedding_directory, patcher_options: dict):
     """A CLIP object whose text encoder was built through `builder` (same guarantees as above)."""
     operations = building_operations(builder)
     clip = comfy.sd.load_text_encoder_state_dicts(
         [state_dict], embedding_directory=embedding_directory,
         clip_type=getattr(comfy.sd.CLIPType, clip_type.upper()),
-        model_options={"custom_operations": operations})
+        model_options={"custom_operations": operations}, **patcher_options)
     builder.finish()
     install_built_layers(clip.cond_stage_model, operations)
     set_model_size(clip.patcher)

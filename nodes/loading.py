@@ -14,6 +14,19 @@ from .node_report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
 
 
+def comfy_host(clip_type: str | None, disable_dynamic: bool = False) -> ComfyHost:
+    return ComfyHost(clip_type, folder_paths.get_folder_paths("embeddings") if clip_type is not None else None,
+                     disable_dynamic=disable_dynamic)
+
+
+def reload_patcher(path: str, options: LoadOptions, clip_type: str | None, disable_dynamic: bool = False):
+    """The file loaded again as before, into a fresh patcher (without dynamic VRAM where asked): upstream's
+    `cached_patcher_init` factory, which `clone(disable_dynamic=True)` (TorchCompileModel) and its multi-GPU
+    clones call for a model of their own. They take its model only; the clone keeps the node's patches."""
+    loaded, _ = load(path, options, compute_device(), comfy_host(clip_type, disable_dynamic))
+    return loaded if clip_type is None else loaded.patcher
+
+
 def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None, nvfp4: str = "auto",
                     quantization: str = "none", group_size: str = "256", ignored_layers: str = "",
                     rename_prefixes: str = "", fit_gib: float = 0.0, offload_input: str | None = None,
@@ -25,8 +38,10 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
     options = LoadOptions(title, text_encoder=clip_type is not None, nvfp4=nvfp4, quantization=quantization,
                           group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes,
                           fit_gib=float(fit_gib))
-    host = ComfyHost(clip_type, folder_paths.get_folder_paths("embeddings") if clip_type is not None else None)
-    loaded, report = load(path, options, compute_device(), host)
+    loaded, report = load(path, options, compute_device(), comfy_host(clip_type))
+    patcher = loaded if clip_type is None else loaded.patcher
+    if hasattr(patcher, "cached_patcher_init"):  # upstream's loaders leave the factory that loads them again
+        patcher.cached_patcher_init = (reload_patcher, (path, options, clip_type))
     backed = back_with_file(loaded, file_name) if clip_type is None else None
     if backed:
         report.notes.append(backed)
