@@ -4,7 +4,7 @@
     python tests/doc_tables.py --formats FILE     prints issue 21's formats table of a comfy_e2e.py run of
                                                   its FORMAT_CONFIGS (--model, --length: which of its runs)
 
-tests/test_docs.py checks that README.md holds exactly the headline table and FORMATS_RUN's formats table.
+tests/test_docs.py checks that README.md holds exactly the headline table and FORMATS_RUNS' formats tables.
 """
 import json
 import statistics
@@ -25,6 +25,15 @@ HEADLINE = [
          ("pack_auto", "LoadH3Quantized `auto` (FP8)"),
          ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
          ("pack_auto_8g", "LoadH3Quantized `auto`, streaming"),
+     ]),
+    ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.33.0, dynamic VRAM",
+     "comfy-e2e-wan14b-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
+         ("comfy_resident", "ComfyUI UNETLoader bf16 (reference)"),
+         ("comfy_fp8_marker_12g", "ComfyUI UNETLoader, its own FP8 file"),
+         ("pack_auto_12g", "LoadH3Quantized `auto` (FP8)"),
+         ("comfy_fp8_fast_ck", "ComfyUI `fp8_e4m3fn_fast` + its `--use-ck-attention`"),
+         ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
+         ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
      ]),
     ("Wan 2.1 14B, 32,760 tokens, ComfyUI 0.3.75, compiled (its first step compiles: 128 s)",
      "comfy-e2e-wan14b-compiled1-nvidia-h200-comfyui-0.3.75-2026-12-02.json", [
@@ -52,6 +61,15 @@ HEADLINE = [
          ("comfy_fp8_marker_resident", "ComfyUI UNETLoader, FP8 file (reference)"),
          ("comfy_fp8_marker", "ComfyUI UNETLoader, FP8 file"),
          ("pack_mixed_fp8", "MixedCheckpointLoader, FP8 file"),
+     ]),
+    ("MiniMax-H3 full (33B) in 4 bits, 32,690 tokens, ComfyUI 0.33.0, dynamic VRAM, each file against itself resident",
+     "comfy-e2e-h3full-4bit-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
+         ("comfy_w4a8_marker_resident", "ComfyUI UNETLoader, W4A8 file (reference)"),
+         ("comfy_w4a8_marker", "ComfyUI UNETLoader, W4A8 file"),
+         ("pack_mixed_w4a8", "MixedCheckpointLoader, W4A8 file"),
+         ("comfy_w4a4_marker_resident", "ComfyUI UNETLoader, W4A4 file (reference)"),
+         ("comfy_w4a4_marker", "ComfyUI UNETLoader, W4A4 file"),
+         ("pack_mixed_w4a4", "MixedCheckpointLoader, W4A4 file"),
      ]),
 ]
 
@@ -91,9 +109,10 @@ def headline() -> str:
     return "\n".join(lines)
 
 
-# issue 21's formats table, in the README from this run: (comfy_e2e.py configuration, row label); the label
+# issue 21's formats tables, in the README from these runs: (comfy_e2e.py configuration, row label); the label
 # names the LoadH3Quantized choice
-FORMATS_RUN = "comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json"
+FORMATS_RUNS = ("comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json",
+                "comfy-e2e-h3pruned-formats-nvidia-h200-comfyui-0.33.0-2026-12-02.json")
 FORMATS = [
     ("comfy_resident", "bf16 (reference, ComfyUI UNETLoader)"),
     ("pack_fp8", "FP8 (`float8_e4m3fn`)"),
