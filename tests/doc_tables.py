@@ -120,6 +120,7 @@ FORMATS = [
     ("pack_int8", "INT8 ConvRot (`int8_convrot`)"),
     ("pack_w4a8", "W4A8 (`asym_w4a8_int8`)"),
     ("pack_w4a4", "W4A4 (`convrot_w4a4`)"),
+    ("pack_mixed_nvfp4", "NVFP4 file (`nvfp4`, MixedCheckpointLoader)"),
 ]
 
 

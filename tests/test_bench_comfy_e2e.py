@@ -284,7 +284,10 @@ def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
 def test_format_configs_name_each_loadh3quantized_choice(tmp_path):
     from bigdit.nodes.options import QUANTIZATIONS
     configs = comfy_e2e.make_configs("fa3_fp8")
-    chosen = {name: configs[name].loader[1]["quantization"] for name in comfy_e2e.FORMAT_CONFIGS[1:]}
+    chosen = {name: configs[name].loader[1]["quantization"] for name in comfy_e2e.FORMAT_CONFIGS[1:]
+              if configs[name].model_format == "bf16"}
+    nvfp4 = configs["pack_mixed_nvfp4"]  # NVFP4: the pack loads a file of the same weights (no online NVFP4)
+    assert nvfp4.loader[0] == "MixedCheckpointLoader" and nvfp4.model_format == "nvfp4" and nvfp4.capped
     assert chosen == {"pack_fp8": "float8_e4m3fn", "pack_auto": "auto", "pack_int8": "int8_convrot",
                       "pack_w4a8": "asym_w4a8_int8",
                       "pack_w4a4": "convrot_w4a4"}
@@ -459,7 +462,7 @@ def test_a_profiled_call_is_timed_without_the_profilers_own_work(monkeypatch):
     assert max(report["step_seconds"]) < 0.1, report["step_seconds"]
 
 
-@pytest.mark.parametrize("fmt", ["int8_convrot", "fp8", "w4a8", "w4a4"])
+@pytest.mark.parametrize("fmt", ["int8_convrot", "fp8", "w4a8", "w4a4", "nvfp4"])
 def test_marker_file_entries_are_what_quantize_writes(fmt):
     """layer_entries derives each role's shape from probes; a real layer's tensors have exactly those."""
     shape = (48, 768)
@@ -471,7 +474,7 @@ def test_marker_file_entries_are_what_quantize_writes(fmt):
     assert json.loads(bytes(e2e_models.marker_tensor(marker).tolist())) == e2e_models.FORMATS[fmt]
     # the full H3's AdaLN (2688 wide, no ConvRot group of 256): plain INT8 in every ConvRot format
     adaln = e2e_models.layer_marker(fmt, "blocks.0.adaln_proj.linear.weight", (96768, 2688))
-    assert adaln == ({"format": "float8_e4m3fn"} if fmt == "fp8" else {"format": "int8_tensorwise"})
+    assert adaln == (e2e_models.FORMATS[fmt] if fmt in ("fp8", "nvfp4") else {"format": "int8_tensorwise"})
 
 
 @torch.no_grad()

@@ -58,7 +58,7 @@ ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurat
 Issue 21's formats table (tests/doc_tables.py formats_table) is one run of FORMAT_CONFIGS, not in the
 default set (--configs formats): comfy_resident (bf16) and LoadH3Quantized with each format named, on the
 emulated card: pack_fp8 (float8_e4m3fn), pack_int8 (int8_convrot), pack_w4a8 (asym_w4a8_int8), pack_w4a4
-(convrot_w4a4).
+(convrot_w4a4); and pack_mixed_nvfp4, MixedCheckpointLoader on an NVFP4 marker file of the same weights.
 
 Issue 19's full MiniMax-H3 (model h3full: 33B parameters, 66 GB in bf16, more than the GPU machine's disk)
 runs from its marker files only (--configs full, FULL_CONFIGS): for each of int8_convrot and fp8, ComfyUI's
@@ -119,7 +119,7 @@ from comfy_harness import (ComfyServer, PromptError, cache_dir, combo_options, c
 GIB = 1024 ** 3
 REFERENCE = "comfy_resident"
 # a marker file configuration's name part -> its e2e_models.FORMATS file format
-MARKER_FILES = {"int8": "int8_convrot", "fp8": "fp8", "w4a8": "w4a8", "w4a4": "w4a4"}
+MARKER_FILES = {"int8": "int8_convrot", "fp8": "fp8", "w4a8": "w4a8", "w4a4": "w4a4", "nvfp4": "nvfp4"}
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,9 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
     return {c.name: c for c in configs}
 
 
-# the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4
-FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_auto", "pack_int8", "pack_w4a8", "pack_w4a4")
+# the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4,
+# and NVFP4, which the pack loads from a file (it does not quantize to it)
+FORMAT_CONFIGS = (REFERENCE, "pack_fp8", "pack_auto", "pack_int8", "pack_w4a8", "pack_w4a4", "pack_mixed_nvfp4")
 
 def _marker_configs(*shorts):
     return tuple(f"{kind}_{short}{suffix}" for short in shorts for kind, suffix in

@@ -26,8 +26,8 @@ quantization, and plain per-channel {"format": "int8_tensorwise"} where 256 does
 not divide the layer's input (the full H3's AdaLN projections: Comfy-Org's 34 GB
 full int8_convrot file holds them in 8 bits, in a layout not readable here); "fp8" is {"format": "float8_e4m3fn"} with one fp32 absmax/448
 scale per tensor (QUANTIZATION.md's float8_e4m3fn row); "w4a8" and "w4a4" are
-upstream's asym_w4a8_int8 (group 16) and convrot_w4a4, written by comfy-kitchen's
-own layouts. Upstream ComfyUI's
+upstream's asym_w4a8_int8 (group 16) and convrot_w4a4, and "nvfp4" its nvfp4 (E2M1 with
+fp8 scales per 16 and a global scale), written by comfy-kitchen's own layouts. Upstream ComfyUI's
 UNETLoader loads them as its own QuantizedTensor layers.
 """
 from __future__ import annotations
@@ -52,10 +52,13 @@ FORMATS = {"bf16": None,
            "int8_convrot": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
            "fp8": {"format": "float8_e4m3fn"},
            "w4a8": {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256},
-           "w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 256}}
-# the 4-bit markers' comfy-kitchen layouts and the marker keys their quantize takes (as upstream's QUANT_ALGOS)
+           "w4a4": {"format": "convrot_w4a4", "convrot_groupsize": 256},
+           "nvfp4": {"format": "nvfp4"}}
+# the kitchen-layout markers' comfy-kitchen layouts and the marker keys their quantize takes (as upstream's
+# QUANT_ALGOS)
 KITCHEN_LAYOUTS = {"asym_w4a8_int8": ("AsymW4A8Int8Layout", ("group_size", "convrot_groupsize")),
-                   "convrot_w4a4": ("TensorCoreConvRotW4A4Layout", ("convrot_groupsize",))}
+                   "convrot_w4a4": ("TensorCoreConvRotW4A4Layout", ("convrot_groupsize",)),
+                   "nvfp4": ("TensorCoreNVFP4Layout", ())}
 CONVROT_GROUP = 256
 
 
@@ -314,10 +317,10 @@ def layer_marker(fmt: str, name: str, shape) -> dict | None:
     """The marker of a layer in a file of format `fmt`, or None where the file keeps it bf16: a marker file
     quantizes the linears inside the blocks. Where ConvRot's group does not divide a layer's input (the full
     H3's AdaLN projections, 2688 wide), the ConvRot formats (int8_convrot, both 4-bit ones) write it as plain
-    per-channel INT8; FP8 has no such bound."""
+    per-channel INT8; FP8 and NVFP4 (blocks of 16) have no such bound."""
     if FORMATS[fmt] is None or not (name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2):
         return None
-    if fmt != "fp8" and shape[1] % CONVROT_GROUP:
+    if "convrot_groupsize" in FORMATS[fmt] and shape[1] % CONVROT_GROUP:
         return PLAIN_INT8
     return FORMATS[fmt]
 
