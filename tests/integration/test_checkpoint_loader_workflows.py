@@ -17,7 +17,7 @@ import torch
 from bad_checkpoints import BAD_FILES, UNIT_ONLY, many_markers_file
 from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, write_converted, write_dequantized,
                               write_kitchen, write_markers, write_nvfp4_awq, write_quanto, write_quanto_reference)
-from comfy_harness import ComfyServer, PromptError
+from comfy_harness import PACK_ROOT, ComfyServer, PromptError
 from graphs import rel_l2, run_loader, wan_t2v_graph
 import template_workflows
 
@@ -536,3 +536,52 @@ def test_awq_layer_matches_upstreams_linear(comfy, clip_l, tmp_path):
         for name, (n_out, n_in) in shapes.items():
             layer = builder.build(name, None, n_in, n_out, sd[f"{name}.bias"], torch.float32, None)
             assert torch.equal(layer(xs[name]), upstream[name]), name
+
+
+_CLIP_CLONE = r"""
+import json, os, sys, types
+pack_root, folder, name = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"  # before its modules bind it
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_patcher, folder_paths
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.nodes.loading import load_checkpoint
+from bigdit.quant.linear import QuantLinear
+cpu = torch.device("cpu")
+def on_cpu_dynamic(model):  # the patcher upstream makes for a GPU under dynamic VRAM, retargeted to the CPU
+    patcher = comfy.model_patcher.ModelPatcherDynamic(model, load_device=torch.device("cuda", 0), offload_device=cpu)
+    patcher.load_device = cpu
+    patcher.register_load_device(cpu)
+    return patcher
+comfy.model_patcher.CoreModelPatcher = lambda model, load_device, offload_device: on_cpu_dynamic(model)
+folder_paths.add_model_folder_path("text_encoders", folder)
+clip = load_checkpoint("QuantizedCLIPLoader", "text_encoders", name, clip_type="stable_diffusion")[0]
+plain = clip.clone(disable_dynamic=True)  # what upstream's CLIP hook nodes do
+def layers(patcher):
+    return {n: m for n, m in patcher.model.named_modules() if isinstance(m, QuantLinear)}
+a, b = layers(clip.patcher), layers(plain.patcher)
+print(json.dumps({"dynamic": [clip.patcher.is_dynamic(), plain.patcher.is_dynamic()],
+                  "own_model": plain.patcher.model is not clip.patcher.model, "layers": [len(a), len(b)],
+                  "equal": sorted(a) == sorted(b) and all(
+                      torch.equal(ta, tb) for n in a for ta, tb in zip(a[n].state_dict().values(),
+                                                                        b[n].state_dict().values()))}))
+"""
+
+
+@pytest.mark.host_feature("dynamic_vram")
+def test_quantized_clip_loader_leaves_upstreams_reload_factory(comfy, clip_l):
+    """A dynamic-VRAM text encoder cloned with `disable_dynamic=True` (upstream's CLIP hook nodes) is loaded again
+    through the loader's `cached_patcher_init`: a plain patcher whose model holds the same quantized layers."""
+    plain, linears = clip_l
+    markers = {name: {"format": "float8_e4m3fn"} for name in linears[::2]}
+    marked = write_markers(plain, plain.parent / "clip_l_fp8_half.safetensors", markers)
+    result = subprocess.run([str(comfy.host.python), "-c", _CLIP_CLONE, str(PACK_ROOT), str(marked.parent),
+                             marked.name], cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["dynamic"] == [True, False] and out["own_model"], out
+    assert out["layers"] == [len(markers)] * 2 and out["equal"], out
