@@ -110,9 +110,10 @@ def headline() -> str:
 
 
 # issue 21's formats tables, in the README from these runs: (comfy_e2e.py configuration, row label); the label
-# names the LoadH3Quantized choice
-FORMATS_RUNS = ("comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json",
-                "comfy-e2e-h3pruned-formats-nvidia-h200-comfyui-0.33.0-2026-12-02.json")
+# names the LoadH3Quantized choice. Each table is one run, plus runs that add the formats it left out (each such
+# row against its own run's reference)
+FORMATS_RUNS = (("comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json",),
+                ("comfy-e2e-h3pruned-formats-nvidia-h200-comfyui-0.33.0-2026-12-02.json",))
 FORMATS = [
     ("comfy_resident", "bf16 (reference, ComfyUI UNETLoader)"),
     ("pack_fp8", "FP8 (`float8_e4m3fn`)"),
@@ -128,15 +129,18 @@ def _number(value, spec):
     return "—" if value is None else format(value, spec)
 
 
-def formats_table(payload: dict, model: str | None = None, length: str = "long") -> str:
+def formats_table(payload: dict, model: str | None = None, length: str = "long", more: tuple = ()) -> str:
     """The formats table of one comfy_e2e.py results payload, at `model` (default: the run's first) and
-    `length`. A format the run left out has no row; the reference's row, or a row whose configuration failed
+    `length`; a format it left out comes from the first payload of `more` that ran it, against that payload's
+    own reference. A format no run has has no row; the reference's row, or a row whose configuration failed
     or was skipped, says so instead of numbers."""
     model = model or payload["settings"]["models"][0]
-    results = {r["config"]: r for r in payload["results"] if r["model"] == model and r["length"] == length}
+    runs = [{r["config"]: r for r in p["results"] if r["model"] == model and r["length"] == length}
+            for p in (payload, *more)]
     lines = ["| format | weight GiB | latent cosine | rel L2 | s/step | vs resident | peak VRAM GiB |",
              "|---|---|---|---|---|---|---|"]
     for config, label in FORMATS:
+        results = next((run for run in runs if config in run), runs[0])
         r = results.get(config)
         if r is None and config != FORMATS[0][0]:
             continue
@@ -150,16 +154,23 @@ def formats_table(payload: dict, model: str | None = None, length: str = "long")
     return "\n".join(lines)
 
 
+def load(name: str) -> dict:
+    """A results payload by its name in tests/bench/results/, or by a path."""
+    path = RESULTS / name if (RESULTS / name).exists() else Path(name)
+    return json.loads(path.read_text())
+
+
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", metavar="FILE", help="a comfy_e2e.py results JSON (name in tests/bench/results/ "
-                                                          "or a path): print its formats table")
+    parser.add_argument("--formats", metavar="FILE", nargs="+",
+                        help="comfy_e2e.py results JSONs (names in tests/bench/results/ or paths): print the first's "
+                             "formats table, with the formats it left out from the others")
     parser.add_argument("--model", default=None)
     parser.add_argument("--length", default="long")
     args = parser.parse_args()
     if args.formats:
-        path = RESULTS / args.formats if (RESULTS / args.formats).exists() else Path(args.formats)
-        print(formats_table(json.loads(path.read_text()), args.model, args.length))
+        first, *more = (load(name) for name in args.formats)
+        print(formats_table(first, args.model, args.length, tuple(more)))
     else:
         print(headline())

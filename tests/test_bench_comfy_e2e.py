@@ -358,6 +358,24 @@ def test_formats_table_renders_each_format_from_the_run():
     assert short[3].startswith("| FP8 (`float8_e4m3fn`) | 14.00 |")
 
 
+def test_formats_table_takes_a_format_the_run_left_out_from_another_run_against_that_runs_reference():
+    import doc_tables
+    payload = _formats_payload()
+    other = _formats_payload()
+    for r in other["results"]:  # another run: a slower reference, and the NVFP4 file
+        if "step_seconds" in r:
+            r["step_seconds"] = [s * 2 for s in r["step_seconds"]]
+    nvfp4 = {**next(r for r in other["results"] if r["config"] == "pack_fp8"), "config": "pack_mixed_nvfp4",
+             "weights_gib": 8.0}
+    other["results"].append(nvfp4)
+    other["results"].append({**nvfp4, "config": "pack_fp8", "weights_gib": 99.0})  # the first run has its own
+    lines = doc_tables.formats_table(payload, more=(other,)).splitlines()
+    assert lines[:-1] == doc_tables.formats_table(payload).splitlines()
+    assert lines[-1].startswith("| NVFP4 file (`nvfp4`, MixedCheckpointLoader) | 8.00 |")
+    # 6.4 s against that run's 8.0 s reference, not the first run's 4.0 s
+    assert lines[-1].endswith("| 6.400 | 1.25x | 18.0 |")
+
+
 def test_full_h3_marker_files_quantize_its_adaln_in_8_bits():
     """The full H3's AdaLN projections (2688 wide: ConvRot's 256 does not divide it) are plain per-channel INT8
     in the int8_convrot file and FP8 in the fp8 file; the other block linears keep the file's marker."""
