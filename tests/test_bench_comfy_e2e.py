@@ -480,10 +480,10 @@ def test_a_profiled_call_is_timed_without_the_profilers_own_work(monkeypatch):
     assert max(report["step_seconds"]) < 0.1, report["step_seconds"]
 
 
+@pytest.mark.parametrize("shape", [(48, 768), (384, 512)])  # NVFP4 pads its scales' rows to 128, and no further
 @pytest.mark.parametrize("fmt", ["int8_convrot", "fp8", "w4a8", "w4a4", "nvfp4"])
-def test_marker_file_entries_are_what_quantize_writes(fmt):
-    """layer_entries derives each role's shape from probes; a real layer's tensors have exactly those."""
-    shape = (48, 768)
+def test_marker_file_entries_are_what_quantize_writes(fmt, shape):
+    """layer_entries gives each role the shape and dtype a real layer's quantized tensors have."""
     marker = e2e_models.layer_marker(fmt, "blocks.0.ffn.0.weight", shape)
     tensors = e2e_models.quantize(marker, torch.randn(shape).bfloat16())
     entries = e2e_models.layer_entries(fmt, "blocks.0.ffn.0.weight", shape, "cpu")

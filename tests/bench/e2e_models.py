@@ -357,35 +357,14 @@ def marker_tensor(marker: dict):
     return torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
 
 
-# probe weights (rows, columns): a role's extent along an axis follows the rows, the columns, or neither
-_PROBES = ((16, 2 * CONVROT_GROUP), (32, 2 * CONVROT_GROUP), (16, 4 * CONVROT_GROUP))
-
-
 @functools.lru_cache(maxsize=None)
-def _probe_roles(marker_json: str, device: str) -> tuple:
-    """(role, per-axis rule, dtype) of what `quantize` returns under a marker (as JSON): each axis's rule is
-    ("rows" | "columns" | "fixed", its extent at the first probe)."""
+def _roles(marker_json: str, shape: tuple, device: str) -> tuple:
+    """(role, shape, dtype) of what `quantize` writes for a `shape` weight under a marker (as JSON), from a
+    constant weight of that shape: layouts pad their scales (NVFP4's swizzled blocks to 128 rows), so no
+    smaller probe tells the real extents. Cached per shape, and a model has few."""
     import torch
-    marker = json.loads(marker_json)
-    outs = [quantize(marker, torch.full(shape, 0.5, device=device, dtype=torch.bfloat16)) for shape in _PROBES]
-    roles = []
-    for role, first in outs[0].items():
-        rules = []
-        for axis, extent in enumerate(first.shape):
-            by_rows, by_columns = outs[1][role].shape[axis] != extent, outs[2][role].shape[axis] != extent
-            rules.append(("rows" if by_rows else "columns" if by_columns else "fixed", extent))
-        roles.append((role, tuple(rules), first.dtype))
-    return tuple(roles)
-
-
-def _extent(rule, shape) -> int:
-    kind, extent = rule
-    if kind == "fixed":
-        return extent
-    axis, probe = (0, _PROBES[0][0]) if kind == "rows" else (1, _PROBES[0][1])
-    if shape[axis] * extent % probe:
-        raise ValueError(f"a {shape} weight has no whole {kind} extent for {extent}/{probe} of the probe's")
-    return shape[axis] * extent // probe
+    tensors = quantize(json.loads(marker_json), torch.full(shape, 0.5, device=device, dtype=torch.bfloat16))
+    return tuple((role, tuple(t.shape), t.dtype) for role, t in tensors.items())
 
 
 def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[str, tuple, object]]:
@@ -397,9 +376,8 @@ def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[
     if marker is None:
         return [(name, tuple(shape), dtype)]
     prefix = name[:-len(".weight")]
-    entries = []
-    for role, rules, dtype in _probe_roles(json.dumps(marker), str(device)):
-        entries.append((f"{prefix}.{role}", tuple(_extent(rule, shape) for rule in rules), dtype))
+    entries = [(f"{prefix}.{role}", role_shape, role_dtype)
+               for role, role_shape, role_dtype in _roles(json.dumps(marker), tuple(shape), str(device))]
     entries.append((f"{prefix}.comfy_quant", tuple(marker_tensor(marker).shape), torch.uint8))
     return entries
 
