@@ -113,7 +113,8 @@ def headline() -> str:
 # names the LoadH3Quantized choice. Each table is one run, plus runs that add the formats it left out (each such
 # row against its own run's reference)
 FORMATS_RUNS = (("comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json",),
-                ("comfy-e2e-h3pruned-formats-nvidia-h200-comfyui-0.33.0-2026-12-02.json",))
+                ("comfy-e2e-h3pruned-formats-nvidia-h200-comfyui-0.33.0-2026-12-02.json",
+                 "comfy-e2e-h3pruned-cards-short-nvidia-h200-comfyui-0.33.0-2026-12-02.json"))
 FORMATS = [
     ("comfy_resident", "bf16 (reference, ComfyUI UNETLoader)"),
     ("pack_fp8", "FP8 (`float8_e4m3fn`)"),
