@@ -1,8 +1,10 @@
 """The README's tables of end-to-end results, from the benchmark JSON in tests/bench/results/.
 
     python tests/doc_tables.py                    prints the headline table
-    python tests/doc_tables.py --formats FILE     prints issue 21's formats table of a comfy_e2e.py run of
-                                                  its FORMAT_CONFIGS (--model, --length: which of its runs)
+    python tests/doc_tables.py --formats FILE [FILE ...]
+                                                  prints issue 21's formats table of a comfy_e2e.py run of
+                                                  its FORMAT_CONFIGS (--model, --length: which of its runs),
+                                                  the formats it left out from the other runs
 
 tests/test_docs.py checks that README.md holds exactly the headline table and FORMATS_RUNS' formats tables.
 """
@@ -74,6 +76,12 @@ HEADLINE = [
 ]
 
 
+def load(name: str) -> dict:
+    """A results payload by its name in tests/bench/results/, or by a path."""
+    path = RESULTS / name if (RESULTS / name).exists() else Path(name)
+    return json.loads(path.read_text())
+
+
 def _memory(result):
     # NVML's used memory where the bench read it (upstream keeps dynamic-VRAM weights outside
     # PyTorch's allocator), else PyTorch's peak (None on CPU)
@@ -102,8 +110,7 @@ def headline() -> str:
     lines = ["| configuration | card | s/step | vs reference | GPU GiB | latent cosine |",
              "|---|---|---|---|---|---|"]
     for title, name, rows in HEADLINE:
-        results = {r["config"]: r for r in json.loads((RESULTS / name).read_text())["results"]
-                   if r["length"] == "long" and r["status"] == "ok"}
+        results = {r["config"]: r for r in load(name)["results"] if r["length"] == "long" and r["status"] == "ok"}
         lines.append(f"| **{title}** (`{name}`) | | | | | |")
         lines.extend(_row(results[config], label, results) for config, label in rows)
     return "\n".join(lines)
@@ -153,12 +160,6 @@ def formats_table(payload: dict, model: str | None = None, length: str = "long",
                      f"{_number(r.get('rel_l2'), '.4f')} | {step_s(r):.3f} | {vs}{'x' if vs != '—' else ''} | "
                      f"{_number(_memory(r), '.1f')} |")
     return "\n".join(lines)
-
-
-def load(name: str) -> dict:
-    """A results payload by its name in tests/bench/results/, or by a path."""
-    path = RESULTS / name if (RESULTS / name).exists() else Path(name)
-    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":

@@ -585,8 +585,9 @@ class Bench:
             rec["wall_s"] = time.monotonic() - t0
             text = run_log.read_text(errors="replace") if run_log.exists() else ""
             rec["log_lines"] = log_lines(text, self.work)
-            if placement_check(rec["log_lines"]):
-                rec["placement_check"] = placement_check(rec["log_lines"])
+            check = placement_check(rec["log_lines"])
+            if check:
+                rec["placement_check"] = check
             self.append_log(f"{spec.name} {length.name} ({length.label}, {spec.tokens(length)} tokens) {config.name}",
                             text)
         return rec
