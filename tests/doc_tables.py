@@ -119,7 +119,8 @@ def headline() -> str:
 # issue 21's formats tables, in the README from these runs: (comfy_e2e.py configuration, row label); the label
 # names the LoadH3Quantized choice. Each table is one run, plus runs that add the formats it left out (each such
 # row against its own run's reference)
-FORMATS_RUNS = (("comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json",),
+FORMATS_RUNS = (("comfy-e2e-wan14b-formats-nvidia-h200-comfyui-0.3.75-2026-12-02.json",
+                  "comfy-e2e-wan14b-nvfp4-nvidia-h200-comfyui-0.3.75-2026-12-02.json"),
                 ("comfy-e2e-h3pruned-formats-nvidia-h200-comfyui-0.33.0-2026-12-02.json",
                  "comfy-e2e-h3pruned-cards-short-nvidia-h200-comfyui-0.33.0-2026-12-02.json"))
 FORMATS = [
