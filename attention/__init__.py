@@ -3,15 +3,14 @@ comfy-kitchen INT8, Sol sparse) with one call signature,
 
     backend(q, k, v, *, layout="BHSD", mask=None, scale=None) -> out
 
-fallbacks, a dense schedule for Sol, and ComfyUI's attention hook. Core: it
-never imports ComfyUI.
+fallbacks and a dense schedule. Core: it never imports ComfyUI (host/attention.py
+installs the router through ComfyUI's attention hook).
 """
-from .base import Backend, Constraints, Unsupported
-from .override import AttentionOverride, install, is_ours
-from .registry import BACKENDS, DENSE_BACKENDS, create, parse
+from .base import Backend, BackendParam, Constraints, Unsupported
+from .registry import BACKENDS, DENSE_BACKENDS, backend_params, create, parse
 from .router import AttentionStats, Router, summary
 
 __all__ = [
-    "BACKENDS", "DENSE_BACKENDS", "AttentionOverride", "AttentionStats", "Backend", "Constraints",
-    "Router", "Unsupported", "create", "install", "is_ours", "parse", "summary",
+    "BACKENDS", "DENSE_BACKENDS", "AttentionStats", "Backend", "BackendParam", "Constraints",
+    "Router", "Unsupported", "backend_params", "create", "parse", "summary",
 ]

@@ -25,6 +25,24 @@ log = pack_logger(__name__)
 LAYOUTS = ("BHSD", "BSHD")
 
 
+@dataclass(frozen=True)
+class BackendParam:
+    """A setting a backend takes beyond the router's (Sol's tau): declared with its backend
+    (`register_backend(params=...)`), offered by SetAttentionBackend as an input, checked here."""
+    name: str
+    default: float
+    low: float
+    high: float
+    step: float
+    tooltip: str
+
+    def problem(self, value) -> str | None:
+        """Why `value` cannot be this setting, or None (NaN is outside every range)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
+            return f"{self.name} must be a number from {self.low:g} to {self.high:g}, got {value!r}"
+        return None
+
+
 class Unsupported(Exception):
     """A kernel or backend cannot take this call; the message says why."""
 
@@ -183,8 +201,9 @@ class Backend:
     installed or built here is said once, with the kernel that runs instead.
     """
 
-    def __init__(self, name: str, impls: list[Impl], *, note_substitutes: bool = False):
+    def __init__(self, name: str, impls: list[Impl], *, note_substitutes: bool = False, settings: str = ""):
         self.name = name
+        self.settings = settings  # its own parameters as the router describes them ("tau 1")
         self._impls = impls
         compiled_ops.register(impls)
         self._note_substitutes = note_substitutes

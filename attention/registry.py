@@ -22,19 +22,23 @@ Each backend lists its kernels in preference order:
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
-from .base import Backend
+from .base import Backend, BackendParam
 
-# name -> (factory(sol_tau=..., sol_min_tokens=...) -> Backend, dense); filled by @register_backend
+# name -> (factory(**settings) -> Backend, dense); filled by @register_backend
 _BACKENDS: dict[str, tuple[Callable[..., Backend], bool]] = {}
 _SELECTORS: dict[str, Callable[..., Backend]] = {}
+_PARAMS: dict[str, tuple[BackendParam, ...]] = {}
 ALIASES: dict[str, str] = {}
 
 
-def register_backend(name: str, *, dense: bool = True, aliases: tuple[str, ...] = (), selector: bool = False):
+def register_backend(name: str, *, dense: bool = True, aliases: tuple[str, ...] = (), selector: bool = False,
+                     params: tuple[BackendParam, ...] = ()):
     """Register a backend factory under `name`: `dense` backends compute exact-shape dense attention (they
-    can be a dense_backend); a `selector` (auto) picks among the others and is listed first."""
+    can be a dense_backend); a `selector` (auto) picks among the others and is listed first; `params` are the
+    settings the factory takes by name, which SetAttentionBackend offers as inputs."""
     def register(factory: Callable[..., Backend]) -> Callable[..., Backend]:
         if name in _BACKENDS or name in _SELECTORS:
             raise ValueError(f"attention backend {name!r} is registered twice")
@@ -42,6 +46,7 @@ def register_backend(name: str, *, dense: bool = True, aliases: tuple[str, ...] 
             _SELECTORS[name] = factory
         else:
             _BACKENDS[name] = (factory, dense)
+        _PARAMS[name] = params
         ALIASES.update({alias: name for alias in aliases})
         return factory
     return register
@@ -78,8 +83,26 @@ def dense_kernels() -> list:
     return list(kernels.values())
 
 
-def create(name: str, *, sol_tau: float = 1.0, sol_min_tokens: int = sol.MIN_TOKENS) -> Backend:
-    """A backend by (any accepted spelling of) its name."""
+def backend_params() -> tuple[BackendParam, ...]:
+    """Every backend's declared settings, in the backends' order (SetAttentionBackend's inputs)."""
+    return tuple(param for params in _PARAMS.values() for param in params)
+
+
+def is_dense(name: str) -> bool:
     name = parse(name)
+    return name in _SELECTORS or _BACKENDS[name][1]
+
+
+def create(name: str, **settings) -> Backend:
+    """A backend by (any accepted spelling of) its name, with `settings` (each backend takes its declared ones
+    and ignores the others; ValueError for a declared one out of its range)."""
+    name = parse(name)
+    for param in _PARAMS[name]:
+        value = settings.get(param.name, param.default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{param.name} must be a finite number, got {value!r}")  # NaN passes every comparison
+        problem = param.problem(value)
+        if problem is not None:
+            raise ValueError(problem)
     factory = _SELECTORS[name] if name in _SELECTORS else _BACKENDS[name][0]
-    return factory(sol_tau=sol_tau, sol_min_tokens=sol_min_tokens)
+    return factory(**settings)

@@ -2,7 +2,6 @@
 else SDPA; plus the dense schedule and per-model statistics."""
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
@@ -11,7 +10,6 @@ from ..pack_logging import pack_logger
 from . import registry
 from .base import Unsupported
 from .schedule import DenseSchedule, parse_layers
-from .sol import MIN_TOKENS
 
 log = pack_logger(__name__)
 
@@ -62,26 +60,25 @@ class Router:
     logged once as a warning, every occurrence is counted in `stats`.
     """
 
-    def __init__(self, backend: str = "auto", dense_backend: str = "auto", *, sol_tau: float = 1.0,
-                 dense_steps: int = 0, dense_layers: str = "", sol_min_tokens: int = MIN_TOKENS):
-        if not isinstance(sol_tau, (int, float)) or not math.isfinite(sol_tau):
-            raise ValueError(f"sol_tau must be a finite number, got {sol_tau!r}")  # NaN passes every comparison
-        self.backend = registry.create(backend, sol_tau=sol_tau, sol_min_tokens=sol_min_tokens)
-        self.dense = registry.create(registry.parse(dense_backend, dense=True))
+    def __init__(self, backend: str = "auto", dense_backend: str = "auto", *, dense_steps: int = 0,
+                 dense_layers: str = "", **settings):
+        """`settings`: the backends' own (registry.backend_params), each checked by the backend that declares it."""
+        self.backend = registry.create(backend, **settings)
+        self.dense = registry.create(registry.parse(dense_backend, dense=True), **settings)
         self.reference = registry.create("sdpa")
         for backend in (self.backend, self.dense, self.reference):
             backend.preload()
-        self.sol_tau = float(sol_tau)
         self.schedule = DenseSchedule(dense_steps, parse_layers(dense_layers))
         self.stats = AttentionStats()
         self._warned = set()
 
     def describe(self) -> str:
         parts = [f"backend {self.backend.name}"]
-        if self.backend.name == "sol":
-            parts.append(f"tau {self.sol_tau:g}")
+        if self.backend.settings:
+            parts.append(self.backend.settings)
         parts.append(f"dense {self.dense.name}")
-        if self.schedule.dense_steps or self.backend.name == "sol":  # sol's users look for its dense steps
+        # a sparse backend's users look for its dense steps
+        if self.schedule.dense_steps or not registry.is_dense(self.backend.name):
             parts.append(steps_text(self.schedule.dense_steps))
         if self.schedule.dense_layers:
             parts.append(f"dense blocks {self.schedule.dense_layers}")

@@ -16,7 +16,7 @@ from importlib.metadata import version as _version
 import torch
 
 from . import compiled_ops
-from .base import FLOAT_DTYPES, Backend, Constraints, Impl, KernelCall, Unsupported, convert, dims, load
+from .base import FLOAT_DTYPES, Backend, BackendParam, Constraints, Impl, KernelCall, Unsupported, convert, dims, load
 from .kernels import kitchen
 from .registry import register_backend
 
@@ -27,7 +27,7 @@ BLOCK = 64
 MIN_TOKENS = 12288
 
 
-def sol_min_tokens() -> int:
+def sol_min_tokens_from_env() -> int:
     """Sol's minimum sequence length; below it the dense backend is faster. BIGDIT_SOL_MIN_TOKENS overrides."""
     value = os.environ.get("BIGDIT_SOL_MIN_TOKENS", "").strip()
     return int(value) if value else MIN_TOKENS
@@ -128,6 +128,13 @@ class Sol(Impl):
         return KernelCall(self.label, run)
 
 
-@register_backend("sol", dense=False, aliases=("sol_attn",))
-def sol(sol_tau: float = 1.0, sol_min_tokens: int = MIN_TOKENS, **_) -> Backend:
-    return Backend("sol", [Sol(tau=sol_tau, min_tokens=sol_min_tokens)])
+TAU = BackendParam("sol_tau", default=1.0, low=0.0, high=4.0, step=0.05,
+                   tooltip="Sol routing threshold in standard deviations of the block scores: higher attends "
+                           "fewer key blocks exactly, faster and less exact.")
+
+
+@register_backend("sol", dense=False, aliases=("sol_attn",), params=(TAU,))
+def sol(sol_tau: float = TAU.default, sol_min_tokens: int | None = None, **_) -> Backend:
+    """Sol at `sol_tau`, declining calls below `sol_min_tokens` (default: BIGDIT_SOL_MIN_TOKENS, else MIN_TOKENS)."""
+    min_tokens = sol_min_tokens_from_env() if sol_min_tokens is None else sol_min_tokens
+    return Backend("sol", [Sol(tau=sol_tau, min_tokens=min_tokens)], settings=f"tau {float(sol_tau):g}")

@@ -1,7 +1,8 @@
 """One entry point: a safetensors file -> CheckpointContents (tensor access, per-layer formats, report).
 
-Auto-detects ComfyUI per-layer markers (both forms), ComfyUI's scaled_fp8 files
-and self-describing Quanto qint8 files; anything else is a plain checkpoint. Everything is validated
+Auto-detects ComfyUI per-layer markers (both forms) and the older conventions the
+registry's formats read (ComfyUI's scaled_fp8 files, self-describing Quanto qint8
+files: `QuantFormat.read_convention`); anything else is a plain checkpoint. Everything is validated
 here, before a model exists; after the model is built, `require_consumed`
 checks that every quantized layer found a Linear to load into.
 """
@@ -19,12 +20,10 @@ from .errors import CheckpointError
 from .layers import Check, LayerFormat, method_tensors
 from .file_map import FileMap
 from .markers import MARKER_SUFFIX, has_markers, inspect_markers
-from .quanto import FORMAT_KEY, inspect_quanto, is_quanto
-from .scaled_fp8 import inspect_scaled_fp8, unmarked_fp8_scales
-from .scaled_fp8 import marker_keys as scaled_fp8_keys
+from .conventions import ConventionFile
 from ..dtypes import torch_dtype
 from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, SafetensorsHeader, read_header
-from ..quant.registry import formats
+from ..quant.registry import convention_formats, formats
 
 
 
@@ -208,29 +207,30 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointContents:
     path = os.fspath(path)
     header = read_header(path)
     with HeaderReader(header) as source:
-        quanto, marked, scaled = is_quanto(header), has_markers(header), scaled_fp8_keys(header)
-        if quanto + marked + bool(scaled) > 1:
-            kinds = [kind for kind, on in (("a Quanto quantization map", quanto), ("ComfyUI markers", marked),
-                                           ("a scaled_fp8 marker", scaled)) if on]
-            raise CheckpointError(path, f"the file has both {' and '.join(kinds)}", scaled)
+        file = ConventionFile(header, source, check)
+        marked = has_markers(header)
+        conventions = {name: keys for name, spec in convention_formats().items()
+                       if (keys := spec.convention_keys(file))}
+        if marked + len(conventions) > 1:
+            kinds = ["ComfyUI markers"] * marked + [convention_formats()[name].convention_label
+                                                    for name in conventions]
+            raise CheckpointError(path, f"the file has both {' and '.join(kinds)}",
+                                  [key for keys in conventions.values() for key in keys])
         extra_claimed = set()
-        if quanto:
-            kind, layers = "Quanto qint8", inspect_quanto(header, source, check)
-            notes = ["Quanto qint8 is a resident-memory format, not a speed format: each layer's weight is "
-                     "dequantized just before its matmul"]
-        elif marked:
+        if marked:
             notes = []
             kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source, check, notes)
-        elif scaled:
-            kind = "ComfyUI scaled_fp8"
-            layers, extra_claimed, notes = inspect_scaled_fp8(header, source, check)
-        elif FORMAT_KEY in header.metadata:
-            raise CheckpointError(path, f"unsupported {FORMAT_KEY} {header.metadata[FORMAT_KEY]!r} (supported: quanto)")
+        elif conventions:
+            found = convention_formats()[next(iter(conventions))].read_convention(file)
+            kind, layers, extra_claimed, notes = found.kind, found.layers, found.claimed, found.notes
         else:
-            unmarked = unmarked_fp8_scales(header)
-            if unmarked:
-                raise CheckpointError(path, "FP8 weights with scale_weight but no scaled_fp8 marker: the scales "
-                                            "would be ignored", unmarked)
+            for spec in convention_formats().values():
+                problem = spec.foreign(file)
+                if problem is not None:
+                    raise CheckpointError(path, problem)
+                unmarked = spec.unmarked(file)
+                if unmarked is not None:
+                    raise CheckpointError(path, *unmarked)
             kind, layers, notes = "plain", {}, []
     claimed = {key for layer in layers.values() for key in layer.tensors.values()} | extra_claimed
     claimed |= {f"{name}{MARKER_SUFFIX}" for name in layers}

@@ -18,7 +18,8 @@ from torch import nn
 from ..quant import QuantConfig, get_method
 from ..quant.keep import keep_patterns
 from ..quant.kitchen_api import require_kitchen
-from ..quant.linear_method import LinearMethod
+from ..quant.linear import QuantLinear
+from ..quant.quantize_pass import online_method, stored_conversions
 from ..quant.registry import fit_formats
 from ..quant.report import QuantReport
 from ..units import format_gib
@@ -29,12 +30,13 @@ from .file_map import release_file_map
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """What a loader node asks for: a diffusion model, or a text encoder; NVFP4's mode, the online
-    quantization, the layers it keeps and the GiB its Linear weights may take (0: any), and the prefix rules
-    of a text encoder."""
+    """What a loader node asks for: a diffusion model, or a text encoder; what becomes of the file's stored
+    formats (its inputs by their names, e.g. ("nvfp4", "requantize"): each a format's `conversion_option`),
+    the online quantization, the layers it keeps and the GiB its Linear weights may take (0: any), and the
+    prefix rules of a text encoder."""
     title: str
     text_encoder: bool = False
-    nvfp4: str = "auto"
+    conversions: tuple[tuple[str, str], ...] = ()
     quantization: str = "none"
     group_size: int = 256
     ignored_layers: str = ""
@@ -57,6 +59,9 @@ class Host(Protocol):
     def build(self, contents: CheckpointContents, builder: LayerBuilder, state_dict: dict) -> tuple[object, nn.Module]:
         """(the host's model object, its module tree), each Linear built through `builder.build`."""
 
+    #: The QuantLinear subclass the host's model runs (its protocols on the pack's layer).
+    layer_type: type[QuantLinear]
+
     def file_slices(self, path: str) -> MarkFileSlice | None:
         """Where the host pages weights from their file (upstream's dynamic VRAM), what marks a tensor of the
         file's map with its offset, so the host reads the tensors kept as stored from the file; else None."""
@@ -68,6 +73,7 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
         raise ValueError(f"fit_gib must be a finite number of GiB, 0 or more; got {options.fit_gib}")
     if options.fit_gib > 0 and options.quantization == "none":
         raise ValueError("fit_gib moves quantized layers to 4-bit: it needs a quantization, and it is 'none'")
+    conversions = stored_conversions(options.conversions)
     method = None
     if options.quantization != "none":
         require_kitchen(options.title)
@@ -87,9 +93,9 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
                                    for name in fit_formats())
     mark = host.file_slices(path)
     with contents.open(mark) as source:
-        builder = LayerBuilder(contents, source, device, online=config,
-                               nvfp4=options.nvfp4 if config is None else "requantize",
-                               title=options.title, progress=host.progress(progress_total(contents)))
+        builder = LayerBuilder(contents, source, device, online=config, conversions=conversions,
+                               title=options.title, progress=host.progress(progress_total(contents)),
+                               layer_type=host.layer_type)
         builder.resolve_methods()
         state_dict = contents.state_dict(source)
         loaded, modules = host.build(contents, builder, state_dict)
@@ -103,16 +109,6 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
         report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                             "mapped, so the file's map is released")
     return loaded, report
-
-
-def online_method(name: str, group_size: int, device, **options):
-    """The registered method for a quantizing node's choice (get_method names the valid ones for any other),
-    or a clear error if its comfy-kitchen lacks what it needs."""
-    method = get_method(name, group_size=group_size, device=device, **options)
-    lacking = method.missing() if isinstance(method, LinearMethod) else None
-    if lacking is not None:
-        raise ValueError(f"quantization {name!r} needs {lacking}")
-    return method
 
 
 def module_names(contents: CheckpointContents) -> set[str]:

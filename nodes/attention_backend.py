@@ -1,20 +1,11 @@
 """SetAttentionBackend: choose the attention kernel of a model."""
-import comfy.patcher_extension
-import torch
 from comfy_api.latest import io
 
-from ..pack_logging import pack_logger
-from ..attention import BACKENDS, DENSE_BACKENDS, Router, install, summary
-from ..attention.override import KEY as OVERRIDE_KEY, not_reached
+from ..attention import BACKENDS, DENSE_BACKENDS, Router, backend_params
 from ..attention.schedule import block_count, check_layers, parse_layers
-from ..attention.sol import sol_min_tokens
-from . import categories
-from .node_report import compiled_by_comfy, show_on_node
-
-log = pack_logger(__name__)
-
-# key of our DIFFUSION_MODEL wrapper, ON_CLEANUP callback and attachment
-KEY = "bigdit_attention"
+from ..host import categories
+from ..host.attention_install import install_router
+from ..host.options import validates
 
 
 class SetAttentionBackend(io.ComfyNode):
@@ -47,10 +38,9 @@ class SetAttentionBackend(io.ComfyNode):
                     "dense_backend", options=list(DENSE_BACKENDS), default="auto", optional=True,
                     tooltip="What runs wherever the backend does not: the dense steps and blocks below, and any "
                             "call the backend cannot take (mask, head dim, dtype, device, short sequence)."),
-                io.Float.Input(
-                    "sol_tau", default=1.0, min=0.0, max=4.0, step=0.05, optional=True,
-                    tooltip="Sol routing threshold in standard deviations of the block scores: higher attends "
-                            "fewer key blocks exactly, faster and less exact."),
+                # each backend's own settings, as it declares them (Sol's sol_tau)
+                *(io.Float.Input(p.name, default=p.default, min=p.low, max=p.high, step=p.step, optional=True,
+                                 tooltip=p.tooltip) for p in backend_params()),
                 io.Int.Input(
                     "dense_steps", default=0, min=0, max=10000, optional=True,
                     tooltip="The first this many sampling steps run the dense backend (counted within each "
@@ -64,77 +54,32 @@ class SetAttentionBackend(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
-    # Naming sol_tau here replaces ComfyUI's min/max check of it, so the range is checked here too
-    # (NaN passes every comparison). A value linked from another node is None here, checked in execute.
-    TAU_RANGE = (0.0, 4.0)
-
+    # Naming the backends' settings here replaces ComfyUI's min/max check of them, so their ranges are checked
+    # here too (NaN passes every comparison). A value linked from another node is None here, checked in execute.
     @classmethod
-    def validate_inputs(cls, sol_tau=1.0, dense_layers=""):
-        problems = []
-        low, high = cls.TAU_RANGE
-        if sol_tau is not None and (not isinstance(sol_tau, (int, float)) or not low <= sol_tau <= high):
-            problems.append(f"sol_tau must be a number from {low:g} to {high:g}, got {sol_tau!r}")
+    @validates("dense_layers", *(p.name for p in backend_params()))
+    def validate_inputs(cls, dense_layers="", **settings):
+        problems = [p.problem(settings[p.name]) for p in backend_params() if settings.get(p.name) is not None]
         if dense_layers is not None:
             try:
                 parse_layers(dense_layers)
             except ValueError as e:
                 problems.append(str(e))
-        return "; ".join(problems) or True
+        return "; ".join(problem for problem in problems if problem) or True
 
     @classmethod
-    def execute(cls, model, backend, dense_backend="auto", sol_tau=1.0, dense_steps=0, dense_layers=""):
-        unique_id = cls.hidden.unique_id
-        problem = cls.validate_inputs(sol_tau, dense_layers)
+    def execute(cls, model, backend, dense_backend="auto", dense_steps=0, dense_layers="", **settings):
+        problem = cls.validate_inputs(dense_layers, **settings)
         if problem is not True:
             raise ValueError(f"SetAttentionBackend: {problem}")
-        router = Router(backend, dense_backend, sol_tau=sol_tau, dense_steps=dense_steps, dense_layers=dense_layers,
-                        sol_min_tokens=sol_min_tokens())
+        router = Router(backend, dense_backend, dense_steps=dense_steps, dense_layers=dense_layers, **settings)
         blocks = block_count(model.get_model_object("diffusion_model"))
         if blocks is not None:  # the model is only known here; a model without a block list is not checked
             try:
                 check_layers(router.schedule.dense_layers, blocks)
             except ValueError as e:
                 raise ValueError(f"SetAttentionBackend: {e}") from None
-        patched = model.clone()
-        options = patched.model_options.setdefault("transformer_options", {})
-        override, how = install(options, router)
-
-        composed = {"installed": "", "replaced": "; replaced an earlier Set Attention Backend",
-                    "wrapped": f"; wrapping the existing override {override.previous!r}"}[how]
-        text = f"attention: {router.describe()}{composed}"
-
-        forwards = [0]  # of the diffusion model since the last report
-
-        # block counting restarts with every forward of the diffusion model
-        def begin_forward(executor, *args, **kwargs):
-            router.begin_forward()
-            if not torch.compiler.is_compiling():  # under TorchCompileModel a counter read recompiles per call
-                forwards[0] += 1
-            return executor(*args, **kwargs)
-
-        def report(sampled):
-            counts = router.stats.take_run()
-            ran, forwards[0] = forwards[0], 0
-            choices = router.take_choices()
-            if counts["calls"]:
-                log.info("Set Attention Backend (%s): %s", router.describe(), summary(counts))
-                show_on_node(unique_id, "\n".join([text, f"last run: {summary(counts)}", *choices]))
-            elif compiled_by_comfy(sampled):
-                show_on_node(unique_id, f"{text}\nlast run: attention calls not counted (torch.compile)")
-            elif ran:  # the model ran, its attention went elsewhere (e.g. a later node's override)
-                line = not_reached(sampled.model_options.get("transformer_options", {}).get(OVERRIDE_KEY), override)
-                log.warning("Set Attention Backend (%s): %s", router.describe(), line)
-                show_on_node(unique_id, f"{text}\nlast run: {line}")
-
-        wrappers, callbacks = comfy.patcher_extension.WrappersMP, comfy.patcher_extension.CallbacksMP
-        patched.remove_wrappers_with_key(wrappers.DIFFUSION_MODEL, KEY)
-        patched.add_wrapper_with_key(wrappers.DIFFUSION_MODEL, KEY, begin_forward)
-        patched.remove_callbacks_with_key(callbacks.ON_CLEANUP, KEY)
-        patched.add_callback_with_key(callbacks.ON_CLEANUP, KEY, report)
-        # a later report reads the statistics here: model.get_attachment(KEY).stats
-        patched.set_attachments(KEY, router)
-
-        log.info("Set Attention Backend: %s%s", router.describe(), composed)
+        patched, text = install_router(model, router, cls.hidden.unique_id)
         return io.NodeOutput(patched, ui={"text": [text]})
 
 

@@ -4,16 +4,27 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from .options import OFFLOAD_MODES, QUANTIZATIONS
+from ..host import building, categories
+from ..host.loading import load_checkpoint
+from ..host.options import OFFLOAD_MODES, QUANTIZATIONS
 from ..quant.keep import describe_keep
-from ..quant.registry import fit_formats, group_sizes, marker_format_list, online_summaries, rotation_formats
-from . import categories, comfy_host as compat
-from .loading import load_checkpoint
+from ..quant.registry import conversion_format, fit_formats, group_sizes, marker_format_list, online_summaries
+from ..quant.registry import rotation_formats
 
 _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
                   "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
                   "the report says which happened.")
+_INT8_TOOLTIP = ("INT8 layers (int8_tensorwise markers, with or without ConvRot, as Comfy-Org's files). auto: where "
+                 "this GPU's fastest native format (FP8 on sm89+) is measured faster than INT8 at the layer's shape "
+                 "and stays within its error bound, re-quantize the layer to it while loading, on the GPU, layer by "
+                 "layer; else keep INT8. keep: always INT8. requantize: to that format wherever the GPU has one. "
+                 "The report says what was converted, why, and the timings.")
+
+
+def _int8_input():
+    modes = conversion_format("int8").conversion_modes
+    return io.Combo.Input("int8", options=list(modes), default=modes[0], optional=True, tooltip=_INT8_TOOLTIP)
 
 
 class MixedCheckpointLoader(io.ComfyNode):
@@ -39,6 +50,7 @@ class MixedCheckpointLoader(io.ComfyNode):
                             "a scaled_fp8 marker or a Quanto quantization map."),
                 io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
                                tooltip=_NVFP4_TOOLTIP),
+                _int8_input(),
             ],
             outputs=[
                 io.Model.Output(display_name="model",
@@ -51,9 +63,9 @@ class MixedCheckpointLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, nvfp4="auto"):
-        return load_checkpoint("MixedCheckpointLoader", "diffusion_models", unet_name, nvfp4=nvfp4,
-                               node_id=cls.hidden.unique_id)
+    def execute(cls, unet_name, nvfp4="auto", int8="auto"):
+        return load_checkpoint("MixedCheckpointLoader", "diffusion_models", unet_name,
+                               conversions=(("nvfp4", nvfp4), ("int8", int8)), node_id=cls.hidden.unique_id)
 
 
 class LoadH3Quantized(io.ComfyNode):
@@ -99,6 +111,7 @@ class LoadH3Quantized(io.ComfyNode):
                     tooltip="The most GiB the quantized Linear layers may take (0: no limit). Where the chosen "
                             f"quantization needs more, the largest layers move to {' then '.join(fit_formats())}, "
                             "largest first, until they fit: 4-bit, less exact; the report lists what moved."),
+                _int8_input(),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The quantized diffusion model."),
@@ -116,9 +129,13 @@ class LoadH3Quantized(io.ComfyNode):
         return QUANTIZATIONS.problem(quantization) or OFFLOAD_MODES.problem(offload) or True
 
     @classmethod
-    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers="", fit_gib=0.0):
+    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers="", fit_gib=0.0, int8="auto"):
+        quantization = QUANTIZATIONS.read(quantization, "LoadH3Quantized")
+        # quantizing: NVFP4 layers off their native GPUs are re-quantized to this GPU's fastest native format
+        nvfp4 = "auto" if quantization == "none" else "requantize"
         return load_checkpoint("LoadH3Quantized", "diffusion_models", unet_name,
-                               quantization=QUANTIZATIONS.read(quantization, "LoadH3Quantized"), group_size=group_size,
+                               conversions=(("nvfp4", nvfp4), ("int8", int8)),
+                               quantization=quantization, group_size=group_size,
                                ignored_layers=ignored_layers, fit_gib=fit_gib, offload_input=offload,
                                node_id=cls.hidden.unique_id)
 
@@ -139,13 +156,14 @@ class QuantizedCLIPLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
                                tooltip="A safetensors text encoder in models/text_encoders."),
-                io.Combo.Input("type", options=compat.clip_types(), tooltip="The model family, as in CLIPLoader."),
+                io.Combo.Input("type", options=building.clip_types(), tooltip="The model family, as in CLIPLoader."),
                 io.String.Input(
                     "rename_prefixes", default="", multiline=True, optional=True,
                     tooltip="Rename key prefixes of the file to ComfyUI's names, one 'old -> new' per line "
                             "(empty new strips the prefix). Two names mapping to one is refused."),
                 io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
                                tooltip=_NVFP4_TOOLTIP),
+                _int8_input(),
             ],
             outputs=[
                 io.Clip.Output(display_name="clip", tooltip="The text encoder."),
@@ -155,9 +173,9 @@ class QuantizedCLIPLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, clip_name, type, rename_prefixes="", nvfp4="auto"):
+    def execute(cls, clip_name, type, rename_prefixes="", nvfp4="auto", int8="auto"):
         return load_checkpoint("QuantizedCLIPLoader", "text_encoders", clip_name, clip_type=type,
-                               rename_prefixes=rename_prefixes, nvfp4=nvfp4)
+                               rename_prefixes=rename_prefixes, conversions=(("nvfp4", nvfp4), ("int8", int8)))
 
 
 NODES = (MixedCheckpointLoader, LoadH3Quantized, QuantizedCLIPLoader)

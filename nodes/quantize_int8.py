@@ -3,15 +3,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..loaders.load import online_method
-from ..quant import QuantConfig
-from ..quant.keep import describe_keep, keep_patterns
+from ..host import categories
+from ..host.loading import quantize_model_node
+from ..quant.keep import describe_keep
+from ..quant.quantize_pass import QuantizeOptions
 from ..quant.registry import group_sizes, online_summaries, rotation_formats
-from . import categories, comfy_compat
-from ..quant.kitchen_api import require_kitchen
-from .dynamic_vram import prepare_dynamic_vram
-from .lora_fold import install_lora_fold
-from .node_report import NodeRun, node_output, watch_quantized_layers
 
 
 class QuantizeModelINT8(io.ComfyNode):
@@ -62,24 +58,9 @@ class QuantizeModelINT8(io.ComfyNode):
     @classmethod
     def execute(cls, model, group_size, ignored_layers, row_split="auto", requantize_fp8=False,
                 quantization=None):
-        unique_id = cls.hidden.unique_id
-        require_kitchen("QuantizeModelINT8")
-        names = (name for name, _ in model.get_model_object("diffusion_model").named_modules())
-        device = comfy_compat.compute_device()
-        config = QuantConfig(
-            method=online_method(quantization or rotation_formats()[0], int(group_size), device, row_split=row_split),
-            # the layers LoadH3Quantized keeps for this architecture, then the user's
-            ignored=keep_patterns(names, ignored_layers),
-            compute_device=device,
-            requantize_fp8=bool(requantize_fp8),
-        )
-        patched, report, layers = comfy_compat.quantize_on_clone(model, config, title="QuantizeModelINT8")
-        short, full = "\n".join(report.brief()), report.render()
-        # after each sampling: how many of these layers ran
-        watch_quantized_layers(patched, NodeRun(unique_id, short), layers, "QuantizeModelINT8")
-        install_lora_fold(patched)
-        prepare_dynamic_vram(patched)
-        return node_output("QuantizeModelINT8", short, full, (patched, full))
+        options = QuantizeOptions(quantization or rotation_formats()[0], int(group_size), ignored_layers, row_split,
+                                  (("requantize_fp8", "requantize" if requantize_fp8 else "keep"),))
+        return quantize_model_node(model, options, "QuantizeModelINT8", cls.hidden.unique_id)
 
 
 NODES = (QuantizeModelINT8,)

@@ -17,10 +17,10 @@ from comfy_api.latest import io
 from ..loaders.safetensors_writer import target_path, write_safetensors
 from ..loaders.saving import SaveError, save_contents
 from ..units import format_gib
-from . import categories
-from .comfy_host import progress_counter
-from .comfy_compat import DIFFUSION_PREFIX, view_modules
-from .node_report import node_output
+from ..host import categories
+from ..host.building import progress_counter
+from ..host.model import DIFFUSION_PREFIX, view_modules
+from ..host.report import node_output
 
 
 NODE_NAME = "SaveQuantizedModel"

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..hardware import cuda_capability
 from .kernel_select import _time_ms
-from .linear import quantized_layer
+from .linear import quantized_layer, requantized_layer
 from .linear_method import LinearMethod, default_device
 from .registry import format_spec, formats, get_method, register_selector
 
@@ -110,6 +110,56 @@ class AutoSelector:
             times[fmt] = self.time_ms(lambda: layer(x))
             del layer
         return times
+
+
+# Measured conversions of a stored format for the process: (device, in, out, dtype, rows, stored, target) ->
+# (target's format or None, reason naming the timings and the error).
+_CONVERSIONS: dict[tuple, tuple[str | None, str]] = {}
+
+#: The most relative error (L2, against fp32) a layer re-quantized from a stored format may have on a probe of
+#: its shape: FP8 with per-channel weights and per-token activations measures 0.037 at H3's shapes; a format
+#: above this bound is not taken in place of the stored one, however fast.
+CONVERSION_ERROR_BOUND = 0.05
+
+
+def faster_than_stored(device: torch.device, layer, stored: LinearMethod) -> tuple[LinearMethod | None, str]:
+    """This device's fastest native format for `layer`'s shape where it runs faster than `stored` (the method
+    of the format the file stores the layer in) and, re-quantized from that format's weight, stays within
+    CONVERSION_ERROR_BOUND; else None. Measured once per shape and process; the reason gives the numbers."""
+    candidates = [m for m in fastest_native_methods(device, layer.in_features, layer.out_features)
+                  if m.name != stored.name]
+    if not candidates or device.type != "cuda":
+        return None, "no faster native format on this device"
+    target = candidates[0]
+    dtype = layer.compute_dtype if layer.compute_dtype in FLOAT_DTYPES else torch.bfloat16
+    rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
+    key = (str(device), layer.in_features, layer.out_features, dtype, rows, stored.describe(), target.describe())
+    if key not in _CONVERSIONS:
+        _CONVERSIONS[key] = _measure_conversion(device, layer.in_features, layer.out_features, dtype, rows,
+                                                stored, target)
+    chosen, reason = _CONVERSIONS[key]
+    return (target if chosen else None), reason
+
+
+def _measure_conversion(device, k: int, n: int, dtype, rows: int, stored: LinearMethod,
+                        target: LinearMethod) -> tuple[str | None, str]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * k ** -0.5
+    x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
+    reference = F.linear(x.float(), weight.float())
+    source = quantized_layer(stored, weight, k, n, None, dtype, device, device)
+    converted = requantized_layer(source, target, device, device)
+    times, errors = {}, {}
+    for name, layer in ((stored.name, source), (target.name, converted)):
+        out = layer(x)  # first call runs any kernel measurement of the format itself
+        errors[name] = float((out.float() - reference).norm() / reference.norm())
+        times[name] = _time_ms(lambda: layer(x), iters=5)
+    text = ", ".join(f"{name} {times[name]:.3f} ms, error {errors[name]:.4f}" for name in times)
+    if times[target.name] >= times[stored.name]:
+        return None, f"{stored.name} as fast or faster at {k}->{n} ({text})"
+    if errors[target.name] > CONVERSION_ERROR_BOUND:
+        return None, f"{target.name} over the error bound {CONVERSION_ERROR_BOUND} at {k}->{n} ({text})"
+    return target.name, f"faster at {k}->{n} ({text})"
 
 
 @register_selector("auto")

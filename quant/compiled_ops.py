@@ -40,30 +40,3 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """comfy_kitchen.int8_linear (its backend dispatch included); one graph node under torch.compile."""
     call = _int8_linear_op if torch.compiler.is_compiling() else _kitchen_int8_linear
     return call(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
-
-
-def _triton_quantize_rows(x, swiglu, inv_fp8_max, fp8_max, min_scale):
-    from . import fp8_rows
-    return fp8_rows.quantize_rows(x, swiglu, inv_fp8_max, fp8_max, min_scale)
-
-
-@torch.library.custom_op("bigdit::fp8_quantize_rows", mutates_args=())
-def _fp8_quantize_rows_op(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max: float,
-                          min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _triton_quantize_rows(x, swiglu, inv_fp8_max, fp8_max, min_scale)
-
-
-@_fp8_quantize_rows_op.register_fake
-def _(x, swiglu, inv_fp8_max, fp8_max, min_scale):
-    rows, width = x.shape[0], x.shape[1] // (2 if swiglu else 1)
-    return (x.new_empty((rows, width), dtype=torch.float8_e4m3fn),
-            x.new_empty((rows, 1), dtype=torch.float32))
-
-
-def fp8_quantize_rows(x: torch.Tensor, swiglu: bool, inv_fp8_max: float, fp8_max: float,
-                      min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_rows.quantize_rows (the one-pass Triton activation quantizer); one graph node under torch.compile."""
-    call = _fp8_quantize_rows_op if torch.compiler.is_compiling() else _triton_quantize_rows
-    return call(x, swiglu, inv_fp8_max, fp8_max, min_scale)
-
-

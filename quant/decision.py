@@ -1,8 +1,12 @@
-"""The one per-layer decision: what a Linear becomes, from what is known of it (as vLLM's get_quant_method).
+"""The one decision: what each Linear becomes (as vLLM's get_quant_method), made once per layer.
 
-The quantization pass (from a model's modules), loading (from a file's header, then
-from the tensor ComfyUI hands over) and a file's quantized layers (block formats off
-their native GPUs) all describe the layer as a `Layer` and call `decide`.
+`decide(config, layer, dominant)` settles one `Layer` (quant/layer.py): kept on
+purpose, a stored format (loaded as stored, or converted: the format's own
+`stored_decision`, asked with the mode the config gives that format), already
+quantized, or the float rules (ignored patterns, fp32 on purpose, auto, rules,
+shape). `decide_all` decides every layer of a model, then, where the config gives
+a byte budget, moves the largest quantized layers to the fit formats (quant/fit.py):
+that move is part of the decision, and nothing after it changes a layer's method.
 """
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES, dtype_name
+from .descriptor import Conversion
+from .layer import CONVERT, KEEP, LOAD, QUANTIZE, Layer
 from .linear_method import LinearMethod, default_device
 from .patterns import first_match
-from .registry import format_spec
+from .registry import format_spec, get_method
 from .selector import Selector
 
 
@@ -34,14 +40,12 @@ class QuantConfig:
     include_fp32: bool = False
     compute_device: torch.device | None = None
     keep: dict[str, str] = field(default_factory=dict)  # module name -> reason to keep it as is
-    # FP8 layers (fp8_format) are dequantized and quantized with `method`, instead of kept as they are.
-    requantize_fp8: bool = False
-    # Layers of a `requantizable` block format off its native GPUs are re-quantized to the fastest native format.
-    requantize_blocks: bool = False
+    # stored format name -> one of its `conversion_modes`: what becomes of layers stored in it (absent: as stored)
+    conversions: dict[str, str] = field(default_factory=dict)
     # Modules that stand in for the tree's at run time (ComfyUI object patches).
     overrides: dict[str, nn.Module] = field(default_factory=dict)
-    # Loading: the most bytes the Linear layers' weights may take, reached by moving the largest quantized
-    # layers to `fit_targets` (quant/fit.py); 0: no limit.
+    # The most bytes the Linear layers' weights may take, reached by moving the largest quantized layers to
+    # `fit_targets` (quant/fit.py); 0: no limit.
     fit_bytes: int = 0
     fit_targets: tuple[LinearMethod, ...] = ()
 
@@ -51,67 +55,83 @@ class QuantConfig:
         return default_device()
 
 
-@dataclass(frozen=True)
-class Layer:
-    """What a decision reads of one Linear."""
-    name: str
-    in_features: int
-    out_features: int
-    dtype: torch.dtype                        # the stored weight's
-    compute_dtype: torch.dtype | None = None  # its QuantLinear's (what a selector measures in); default `dtype`
-    stored: str | None = None                 # the format it is quantized in already
-    fp8: bool = False                         # `stored` is an FP8 one (fp8_format)
+class StoredContext:
+    """What a stored format's `stored_decision` may ask of the config: the device, the choice the config makes
+    for the layer as a full-precision one, and this device's native formats for its shape."""
+
+    def __init__(self, config: QuantConfig, dominant: torch.dtype | None):
+        self.config, self.dominant = config, dominant
+        self.device = config.device()
+
+    def float_choice(self, layer: Layer, dtype: torch.dtype) -> tuple[LinearMethod | None, str]:
+        return _choose(self.config, layer, dtype, self.dominant)
+
+    def fastest_native(self, layer: Layer) -> list[LinearMethod]:
+        from .auto import fastest_native_methods  # auto builds on this module's callers
+        return fastest_native_methods(self.device, layer.in_features, layer.out_features)
+
+    def faster_native(self, layer: Layer, stored: LinearMethod) -> tuple[LinearMethod | None, str]:
+        from .auto import faster_than_stored
+        return faster_than_stored(self.device, layer, stored)
 
 
-@dataclass(frozen=True)
-class Decision:
-    method: LinearMethod | None   # None: the layer stays as it is (or as the file stores it)
-    reason: str
-    path: str | None = None       # a stored block format: how it runs on this device, for the report
-    brief: str | None = None      # the same in a layer's record
+def stored_method(layer: Layer) -> LinearMethod:
+    """The method that runs a layer as its format stores it."""
+    return get_method(layer.stored, **layer.options)
 
 
-def decide(config: QuantConfig, layer: Layer, dominant: torch.dtype | None) -> Decision:
-    """The one decision for a Linear: kept on purpose (`config.keep`), a stored format (block formats off
-    their GPUs, FP8 under requantize_fp8), already quantized, or the float rules (`_choose`). `dominant` is
-    the model's most common float dtype (fp32 in a model of another dtype is kept on purpose)."""
+def decide(config: QuantConfig, layer: Layer, dominant: torch.dtype | None, loading: bool = False) -> Layer:
+    """Settle `layer` (see the module's docstring). `dominant` is the model's most common float dtype (fp32 in a
+    model of another dtype is kept on purpose). `loading`: a stored layer becomes a QuantLinear of its format
+    (LOAD) rather than staying the module it is (KEEP)."""
     if layer.name in config.keep:
-        return Decision(None, config.keep[layer.name])
+        return layer.decided(KEEP, None, config.keep[layer.name])
     if layer.stored is not None:
-        return _stored(config, layer, dominant)
+        return _stored(config, layer, dominant, loading)
     if layer.dtype not in FLOAT_DTYPES:
-        return Decision(None, f"already quantized ({dtype_name(layer.dtype)})")
-    return Decision(*_choose(config, layer, layer.dtype, dominant))
+        return layer.decided(KEEP, None, f"already quantized ({dtype_name(layer.dtype)})")
+    if config.method is None and not config.rules:
+        return layer.decided(KEEP, None, "not quantized in the checkpoint" if loading else "no quantization asked")
+    method, reason = _choose(config, layer, layer.dtype, dominant)
+    return layer.decided(KEEP if method is None else QUANTIZE, method, reason)
 
 
-def _stored(config: QuantConfig, layer: Layer, dominant: torch.dtype | None) -> Decision:
+def decide_all(config: QuantConfig, layers: list[Layer], dominant: torch.dtype | None,
+               loading: bool = False) -> str | None:
+    """Decide every layer, then fit them into `config.fit_bytes`; returns the fit's note for the report."""
+    for layer in layers:
+        decide(config, layer, dominant, loading)
+    if not config.fit_bytes:
+        return None
+    from .fit import fit_layers
+    fit = fit_layers(layers, config.fit_bytes, list(config.fit_targets))
+    for layer in layers:
+        target = fit.moved.get(layer.name)
+        if target is not None:
+            layer.decided(QUANTIZE, target, f"moved to fit: {target.describe()}")
+    return fit.note()
+
+
+def _stored(config: QuantConfig, layer: Layer, dominant: torch.dtype | None, loading: bool) -> Layer:
     spec = format_spec(layer.stored)
-    if spec is not None and spec.dequantized_elsewhere:
-        return _block_format(config, spec, layer)
-    if layer.fp8 and config.requantize_fp8:
-        method, reason = _choose(config, layer, torch.float8_e4m3fn, dominant)
-        return Decision(method, reason if method is None else f"re-quantized from {layer.stored}: {reason}")
-    return Decision(None, "already quantized")
-
-
-def _block_format(config: QuantConfig, spec, layer: Layer) -> Decision:
-    """Formats native only on some GPUs (NVFP4, MXFP8: sm100+) run dequantized per call elsewhere, unless
-    a `requantizable` one is re-quantized now to this device's fastest native format."""
-    from .auto import fastest_native_methods  # auto builds on this module's callers
-    device = config.device()
-    if spec.native(device):
-        return Decision(None, "already quantized", "native comfy-kitchen GEMM", "native GEMM")
-    if spec.requantizable and config.requantize_blocks:
-        targets = fastest_native_methods(device, layer.in_features, layer.out_features)
-        if targets:
-            label = f"re-quantized at load to {targets[0].describe()}"
-            return Decision(targets[0], label, label, label)
-    return Decision(None, "already quantized", "dequantized before each matmul", "dequantized per call")
+    if spec is None:
+        return layer.decided(KEEP, None, "already quantized")
+    mode = config.conversions.get(layer.stored)
+    conversion: Conversion = spec.stored_decision(layer, mode, StoredContext(config, dominant))
+    if not loading:
+        action = KEEP if conversion.target is None else CONVERT
+        return layer.decided(action, conversion.target, conversion.reason, conversion.path)
+    reason = f"{layer.stored} {'from' if conversion.target is None else 'in'} the checkpoint"
+    if conversion.brief is not None:
+        reason += f", {conversion.brief}"
+    if conversion.target is not None:
+        return layer.decided(CONVERT, conversion.target, reason, conversion.path)
+    return layer.decided(LOAD, stored_method(layer), reason, conversion.path)
 
 
 def _choose(config: QuantConfig, layer: Layer, dtype: torch.dtype, dominant: torch.dtype | None
             ) -> tuple[LinearMethod | None, str]:
-    """The method for a full-precision (or FP8, re-quantized) Linear, or None and why it stays as it is.
+    """The method for a full-precision (or stored, re-quantized) Linear, or None and why it stays as it is.
 
     In order: ignored patterns, fp32 kept on purpose (in a model of another
     dtype), the default method or the selector's choice (auto, in the compute

@@ -105,6 +105,16 @@ def read_marker(params: dict[str, MarkerParam], marker: dict) -> tuple[dict, lis
     return values, unknown
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """A stored layer's fate: re-quantized to `target`, or (None) run as stored; the reason for its record, and
+    how it runs on this device for the report (`path`, its short form `brief`)."""
+    target: "LinearMethod | None"
+    reason: str
+    path: str | None = None
+    brief: str | None = None
+
+
 class QuantFormat:
     """A format's declarations; subclasses override what differs and register with `@register_format`."""
     name: str = ""
@@ -128,15 +138,18 @@ class QuantFormat:
     aliases: tuple[str, ...] = ()
     #: Why its layers cannot be saved as a marker checkpoint, where they cannot.
     unsaveable: str | None = None
-    #: Off its native devices the weight is dequantized before each matmul (loaders report the path).
-    dequantized_elsewhere: bool = False
-    #: Off its native devices, loading may re-quantize it to the device's fastest native format instead.
-    requantizable: bool = False
-    #: Older file conventions the loaders read as this format's layers ("scaled_fp8", "quanto").
-    conventions: tuple[str, ...] = ()
-    #: Its layers are FP8 per tensor or channel: the quantization pass keeps them, or re-quantizes them
-    #: under `requantize_fp8`.
-    fp8_layers: bool = False
+    #: What the loaders offer for layers a file stores in this format (the first is their default): the
+    #: modes `stored_decision` takes. None of them: loaded as stored.
+    conversion_modes: tuple[str, ...] = ()
+    #: The node input that sets that mode (e.g. the loaders' "nvfp4"), where a node offers one.
+    conversion_option: str | None = None
+    #: An older file convention whose files hold this format's layers ("scaled_fp8", "quanto"), read by
+    #: `read_convention`.
+    convention: str | None = None
+    #: What marks a file as of that convention, as messages name it ("a scaled_fp8 marker").
+    convention_label: str = ""
+    #: Weights of these (non-float) torch dtypes, in a module of someone else's, are this format's layers.
+    storage_dtypes: tuple[torch.dtype, ...] = ()
     #: auto's preference among the formats a GPU runs natively (lower first; None: never auto's), from the
     #: compute capability `auto_from`, and on CPU where `auto_on_cpu`.
     auto_rank: int | None = None
@@ -159,6 +172,35 @@ class QuantFormat:
     def variants(self) -> tuple[dict, ...]:
         """Option sets for `method`, most preferred first, for picking the first that takes a shape."""
         return ({},)
+
+    def stored_decision(self, layer, mode: str | None, context) -> "Conversion":
+        """What becomes of a layer stored in this format, under one of its `conversion_modes` (None: as stored):
+        a target method to re-quantize it to, or None and how it runs. `context` (decision.StoredContext) gives
+        the device, the config's choice for a full-precision layer, and the device's native formats."""
+        return Conversion(None, "already quantized")
+
+    def convention_keys(self, file) -> list[str]:
+        """The keys (tensors, or metadata) that make `file` (loaders/conventions.py's ConventionFile) one of this
+        format's convention; none: another kind of file."""
+        return []
+
+    def read_convention(self, file):
+        """The file's layers, validated (a ConventionLayers, made with `file.result`); CheckpointError otherwise."""
+        raise NotImplementedError
+
+    def unmarked(self, file) -> tuple[str, list[str]] | None:
+        """(the problem, its layers) of a file that is not of this convention but looks like one (its marker
+        missing), or None."""
+        return None
+
+    def foreign(self, file) -> str | None:
+        """Why a file that names a convention this format does not read cannot load, or None."""
+        return None
+
+    def conversion_note(self, converted: list, kept: int, mode: str | None) -> list[str]:
+        """The quantization pass's report lines on the layers it met in this format: those it `converted`
+        (Layer records) and how many it `kept`, under `mode`."""
+        return []
 
     def marker_meaning(self, marker: dict) -> dict:
         """What a marker makes the loader do (its defaults filled in): two forms of one layer must agree on it."""

@@ -19,6 +19,7 @@ import torch
 
 from ..units import format_gib
 from .kitchen_api import tensor_bytes
+from .layer import Layer
 from .linear_method import LinearMethod
 
 _PROBE_ROWS = (16, 32)
@@ -51,14 +52,6 @@ def _measure(method: LinearMethod, in_features: int, out_features: int) -> int:
     return small + per_row * (out_features - _PROBE_ROWS[0])
 
 
-@dataclass(frozen=True)
-class FitLayer:
-    in_features: int
-    out_features: int
-    stored_bytes: int                # as the file stores it: what a kept layer takes
-    method: LinearMethod | None      # its decision (None: kept)
-
-
 @dataclass
 class Fit:
     """What fitting did: the layers moved to a fit format, and the Linear weights' bytes before and after."""
@@ -81,28 +74,28 @@ class Fit:
         return line
 
 
-def fit_layers(layers: dict[str, FitLayer], budget: int, targets: list[LinearMethod]) -> Fit:
-    """Move the largest quantized layers of `layers` to the first of `targets` that takes each, until their
-    bytes are at most `budget` (see the module's docstring)."""
-    sizes = {name: (layer.stored_bytes if layer.method is None
-                    else quantized_bytes(layer.method, layer.in_features, layer.out_features))
-             for name, layer in layers.items()}
+def fit_layers(layers: list[Layer], budget: int, targets: list[LinearMethod]) -> Fit:
+    """Move the largest quantized full-precision layers of `layers` to the first of `targets` that takes each,
+    until their bytes are at most `budget` (see the module's docstring). Layers a file stores quantized
+    already are not counted: they take what they take."""
+    layers = [layer for layer in layers if layer.stored is None and layer.linear]
+    sizes = {layer.name: (layer.plain_bytes if layer.method is None
+                          else quantized_bytes(layer.method, layer.in_features, layer.out_features))
+             for layer in layers}
     before = total = sum(sizes.values())
     target_names = {t.name for t in targets}
-    movable = sorted((name for name, layer in layers.items()
-                      if layer.method is not None and layer.method.name not in target_names),
-                     key=lambda name: (-layers[name].in_features * layers[name].out_features, name))
+    movable = sorted((layer for layer in layers if layer.method is not None and layer.method.name not in target_names),
+                     key=lambda layer: (-layer.in_features * layer.out_features, layer.name))
     moved: dict[str, LinearMethod] = {}
-    for name in movable:
+    for layer in movable:
         if total <= budget:
             break
-        layer = layers[name]
         target = next((t for t in targets if t.skip_reason(layer.in_features, layer.out_features) is None), None)
         if target is None:
             continue
         size = quantized_bytes(target, layer.in_features, layer.out_features)
-        if size < sizes[name]:
-            total += size - sizes[name]
-            sizes[name] = size
-            moved[name] = target
+        if size < sizes[layer.name]:
+            total += size - sizes[layer.name]
+            sizes[layer.name] = size
+            moved[layer.name] = target
     return Fit(budget, before, total, moved)

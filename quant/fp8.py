@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from ..dtypes import HALF_DTYPES, dtype_name
 from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
-from . import compiled_ops
-from .descriptor import PER_ROW, Contract, QuantFormat
+from .descriptor import PER_ROW, Contract, Conversion, QuantFormat
 from .linear_method import LinearMethod, output_dtype
 from .registry import register_format
 
@@ -31,6 +30,12 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 # (torch's CUDA division by a scalar is itself a product with a reciprocal).
 INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
 _MIN_SCALE = 1e-12  # an all-zero row would otherwise get a zero scale
+
+# ComfyUI's scaled_fp8 files (read_scaled_fp8, at the end)
+SCALED_FP8 = "scaled_fp8"
+_SCALED_ROLES = {"scale_weight": "weight_scale", "scale_input": "input_scale"}   # file suffix -> role
+_SCALED_NAMES = {"weight_scale": "scaled_fp8 scale_weight", "input_scale": "scaled_fp8 scale_input"}
+_SCALED_WEIGHT_DTYPES = {"F8_E4M3": FP8, "F32": FP8, "F8_E5M2": torch.float8_e5m2}
 
 
 def _input_act(x: torch.Tensor, input_act: str | None) -> torch.Tensor:
@@ -89,7 +94,7 @@ def _fast_quantize_rows(x: torch.Tensor, input_act: str | None):
         width = x.shape[1] // (2 if input_act == "swiglu" else 1)
         if fp8_rows.available(x, width):
             try:
-                return compiled_ops.fp8_quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
+                return fp8_rows.quantize_rows(x, input_act == "swiglu", INV_FP8_MAX, FP8_MAX, _MIN_SCALE)
             except Exception as exc:  # a Triton that imports but cannot compile for this GPU
                 _triton_failed = True
                 log.warning("FP8: the Triton activation quantizer failed (%s); using torch.compile or eager "
@@ -190,8 +195,11 @@ class Fp8Format(QuantFormat):
     summary = "FP8 per-channel weights, per-token activations (sm89+ native)"
     aliases = ("fp8_e4m3fn",)   # LoadH3Quantized's option before it took the markers' spelling
     kitchen_layouts = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout")   # ComfyUI registers both names
-    fp8_layers = True
-    conventions = ("scaled_fp8",)
+    # a plain FP8 weight in someone's Linear (ComfyUI's fp8 weight dtypes, scaled or not) is an FP8 layer
+    storage_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+    # FP8 layers stay as they are, or are dequantized and quantized again with the quantization asked for
+    conversion_modes = ("keep", "requantize")
+    conversion_option = "requantize_fp8"   # QuantizeModelINT8's switch
     auto_rank, auto_from = 0, (8, 9)   # its GEMMs outrun INT8 ConvRot's from sm89
     contract = Contract(required=frozenset({"weight", "weight_scale"}), optional=frozenset({"input_scale"}),
                         weight_dtypes=("F8_E4M3",), encodings={"weight_scale": "float", "input_scale": "float"},
@@ -206,3 +214,128 @@ class Fp8Format(QuantFormat):
 
     def weight_format(self, params: dict, storage_dtype: torch.dtype) -> str:
         return dtype_name(storage_dtype)
+
+    def stored_decision(self, layer, mode, context) -> Conversion:
+        if mode != "requantize":
+            return Conversion(None, "already quantized")
+        method, reason = context.float_choice(layer, torch.float8_e4m3fn)
+        return Conversion(method, reason if method is None else f"re-quantized from {layer.stored_label or NAME}: "
+                                                                f"{reason}")
+
+    convention = SCALED_FP8
+    convention_label = "a scaled_fp8 marker"
+
+    def convention_keys(self, file) -> list[str]:
+        return [k for k in file.tensors if k == SCALED_FP8 or k.endswith("." + SCALED_FP8)]
+
+    def unmarked(self, file):
+        """Layers of a file without a marker that still look scaled_fp8 (an F8 weight beside a scale_weight)."""
+        layers = [key.rpartition(".")[0] for key in file.tensors if key.endswith(".scale_weight")
+                  and file.tensors.get(key[:-len("scale_weight")] + "weight", (None, ""))[1].startswith("F8")]
+        return ("FP8 weights with scale_weight but no scaled_fp8 marker: the scales would be ignored",
+                layers) if layers else None
+
+    def read_convention(self, file):
+        return read_scaled_fp8(file, self.convention_keys(file))
+
+    def conversion_note(self, converted, kept, mode) -> list[str]:
+        notes = []
+        if converted:
+            targets = ", ".join(sorted({layer.method.name for layer in converted}))
+            notes.append(f"re-quantized {len(converted)} fp8 layers to {targets}")
+        if kept:
+            notes.append(f"kept {kept} fp8 layers as they were" + ("" if mode == "requantize" else
+                                                                   " (requantize_fp8 is off)"))
+        return notes
+
+
+# ---- ComfyUI's scaled_fp8 files (Comfy-Org's `*_fp8_scaled.safetensors`), read as FP8 layers --------------------
+# As ComfyUI 0.3.75 reads them natively (upstream converts them to float8_e4m3fn markers on load,
+# `comfy.utils.convert_old_quants`):
+#   <prefix>scaled_fp8     a marker tensor; its dtype is the weights' FP8 dtype (F32 stands for F8_E4M3), two
+#                          elements ask for full-precision matmuls
+#   <layer>.weight         F8_E4M3 [N, K], for every layer under <prefix> with a scale_weight
+#   <layer>.scale_weight   a float scalar: the dequantized weight is weight * scale_weight
+#   <layer>.scale_input    optional float scalar, a static activation scale; writers store 1.0 when they have
+#                          none, which upstream drops, and so does this reader
+# Each such layer becomes a float8_e4m3fn layer with a per-tensor weight_scale.
+
+
+
+def read_scaled_fp8(file, markers: list[str]):
+    """The layers of a scaled_fp8 file (loaders/conventions.py's ConventionFile), validated: an E4M3 marker,
+    every scale under a marker's prefix with an F8_E4M3 2-D weight beside it, scales finite, positive float
+    scalars. Raises CheckpointError naming the file and layers."""
+    problems = file.problems
+    prefixes = []
+    for key in markers:
+        dtype = file.tensors[key].dtype
+        fp8 = _SCALED_WEIGHT_DTYPES.get(dtype)
+        if fp8 is None:
+            problems.add(f"bad scaled_fp8 marker: its dtype must name the weights' FP8 type (F8_E4M3, or F32 "
+                         f"for it), found {dtype}", key)
+        elif fp8 != FP8:
+            problems.add(f"unsupported scaled_fp8 weights {dtype_name(fp8)}: the pack's FP8 layers "
+                         f"are {NAME}; load this file with ComfyUI's UNETLoader", key)
+        prefixes.append(key[:-len(SCALED_FP8)])
+    problems.raise_if_any()
+
+    layers, claimed, placeholders = {}, set(markers), 0
+    scaled = sorted({key.rpartition(".")[0] for key in file.tensors if key.rpartition(".")[2] in _SCALED_ROLES})
+    for name in file.checked(scaled):
+        present = file.companions(name)
+        claimed.update(present[suffix] for suffix in _SCALED_ROLES if suffix in present)
+        if not any(name.startswith(prefix) for prefix in prefixes):
+            problems.add(f"scale tensor(s) outside the model the scaled_fp8 marker covers "
+                         f"(prefix {', '.join(repr(p) for p in prefixes)})", name)
+            continue
+        layer = _scaled_layer(file, name, present)
+        if layer is None:
+            continue
+        scale_input = layer.tensors.get("input_scale")
+        if scale_input is not None and float(file.read(scale_input).float().reshape(-1)[0]) == 1.0:
+            layer = file.layer(name, layer.format, {r: k for r, k in layer.tensors.items() if r != "input_scale"},
+                               layer.storage_shape, source=layer.source)
+            placeholders += 1
+        layers[name] = layer
+    problems.raise_if_any()
+    for layer in file.checked(layers.values()):
+        file.check_scales(layer, _SCALED_NAMES)
+    problems.raise_if_any()
+
+    notes = []
+    if placeholders:
+        notes.append(f"scaled_fp8: scale_input 1.0 (a writer's placeholder) on {placeholders} layer(s) ignored, "
+                     f"their activations are scaled per token")
+    if any(file.tensors[key].numel == 2 for key in markers):
+        notes.append("scaled_fp8: the file asks for full-precision matmuls; its layers run as the pack's FP8 "
+                     "layers (FP8 activations, per token)")
+    return file.result("ComfyUI scaled_fp8", layers, claimed, notes)
+
+
+def _scaled_layer(file, name: str, present: dict[str, str]):
+    problems = file.problems
+    if "scale_weight" not in present:
+        problems.add("scaled_fp8 scale_input without a scale_weight", name)
+        return None
+    if "weight" not in present:
+        problems.add("scaled_fp8 scale_weight without a weight", name)
+        return None
+    weight = file.tensors[present["weight"]]
+    if not file.expect_dtype(weight, ("F8_E4M3",), "scaled_fp8 weight", name):
+        return None
+    if len(weight.shape) != 2:
+        problems.add(f"shape mismatch: scaled_fp8 weight must be 2-D, found {list(weight.shape)}", name)
+        return None
+    tensors = {"weight": present["weight"]}
+    for suffix, role in _SCALED_ROLES.items():
+        if suffix not in present:
+            continue
+        info = file.tensors[present[suffix]]
+        if not file.float_scale(info, f"scaled_fp8 {suffix}", name):
+            return None
+        if not file.is_scalar(info):
+            problems.add(f"shape mismatch: scaled_fp8 {suffix} must be a scalar, found {list(info.shape)}", name)
+            return None
+        tensors[role] = present[suffix]
+    return file.layer(name, NAME, tensors, tuple(weight.shape), source=SCALED_FP8)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..hardware import cuda_at_least
 from . import compiled_ops
-from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
+from .descriptor import PER_ROW, Contract, Conversion, MarkerParam, QuantFormat, power_of_4
 from .kernel_select import KernelChooser, rows_bucket
 from .linear_method import LinearMethod, output_dtype
 from .registry import register_format
@@ -176,6 +176,11 @@ class Int8TensorwiseFormat(QuantFormat):
     kitchen_layouts = (LAYOUT,)
     contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
                         encodings={"weight_scale": "float"}, stored_max=128.0)   # int8's -128
+    # auto: re-quantized at load where this GPU's fastest native format is measured faster than the INT8
+    # path at the layer's shape and within its error bound (FP8 on sm89+), else kept; keep; requantize: to
+    # that format wherever there is one
+    conversion_modes = ("auto", "keep", "requantize")
+    conversion_option = "int8"
     marker_params = {
         "convrot": MarkerParam((bool,), False, means="true or false"),
         "convrot_groupsize": MarkerParam((int,), 256, power_of_4, "a power of 4 from 4 up"),
@@ -187,6 +192,20 @@ class Int8TensorwiseFormat(QuantFormat):
 
     def native(self, device: torch.device) -> bool:
         return cuda_at_least(device, (7, 5))
+
+    def stored_decision(self, layer, mode, context) -> Conversion:
+        if mode == "requantize":
+            target = next((m for m in context.fastest_native(layer) if m.name != CONVROT), None)
+            if target is not None:
+                label = f"re-quantized at load to {target.describe()}"
+                return Conversion(target, label, label, label)
+        elif mode == "auto" and context.device.type == "cuda":
+            target, why = context.faster_native(layer, self.method(**layer.options))
+            if target is not None:
+                label = f"re-quantized at load to {target.describe()}"
+                return Conversion(target, f"{label}: {why}", label, label)
+            return Conversion(None, f"already quantized; {why}", "kept as INT8", "kept as INT8")
+        return Conversion(None, "already quantized")
 
     def marker_meaning(self, marker: dict) -> dict:
         meaning = super().marker_meaning(marker)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_capability
+from .descriptor import Conversion, QuantFormat
 from .linear_method import LinearMethod, output_dtype
 
 
@@ -84,3 +85,19 @@ class KitchenLayoutMethod(LinearMethod):
         else:
             out = F.linear(x2d, weight.dequantize().to(out_dtype), bias)
         return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+class BlockFormat(QuantFormat):
+    """A block-scaled format native only on some GPUs (NVFP4, MXFP8: sm100+). Elsewhere its layers run
+    dequantized before each matmul, or, under the mode "requantize" where the format offers it, are
+    re-quantized at load to the device's fastest native format."""
+
+    def stored_decision(self, layer, mode, context) -> Conversion:
+        if self.native(context.device):
+            return Conversion(None, "already quantized", "native comfy-kitchen GEMM", "native GEMM")
+        if mode == "requantize" and mode in self.conversion_modes:
+            targets = context.fastest_native(layer)
+            if targets:
+                label = f"re-quantized at load to {targets[0].describe()}"
+                return Conversion(targets[0], label, label, label)
+        return Conversion(None, "already quantized", "dequantized before each matmul", "dequantized per call")

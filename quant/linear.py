@@ -1,9 +1,17 @@
 """QuantLinear: the module that replaces an nn.Linear whose weight was quantized.
 
 It holds the method's stored tensors as frozen parameters (so `.to()`,
-`state_dict()` and ComfyUI's size accounting see their true bytes) and
+`state_dict()` and a host's size accounting see their true bytes) and
 delegates the forward to the method. `quantized_layer` makes one from a
-full-precision weight, for every caller.
+full-precision weight, for every caller; `requantized_layer` is the one
+dequantize-then-quantize routine (a stored format converted, a LoRA folded in).
+
+Two generic hooks serve a host that manages weights itself (host/ adapts
+ComfyUI's protocols onto them, in a subclass): `weight_pager` (the host pages
+weight and bias, and hands each call the device copies) and per-call weight
+transforms (`weight_patches`, applied to the dequantized weight). A patch
+written into the stored tensors (`write_patched`) keeps the tensors it replaced
+until `restore_unpatched`.
 """
 from __future__ import annotations
 
@@ -12,7 +20,6 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from ..dtypes import FLOAT_DTYPES
 from .descriptor import PRE_QUANT_SCALE
 from .kitchen_api import apply_input_act
 from .witness import count_run
@@ -35,10 +42,10 @@ class LayerMethod(Protocol):
 
 def quantized_layer(method: LayerMethod, weight: torch.Tensor, in_features: int, out_features: int,
                     bias: torch.Tensor | None, compute_dtype: torch.dtype, device: torch.device,
-                    home: torch.device, to_home: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> "QuantLinear":
+                    home: torch.device, to_home: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    layer_type: type["QuantLinear"] | None = None) -> "QuantLinear":
     """`weight` [out, in] quantized by `method` on `device`, as a QuantLinear whose tensors live on `home`
-    (moved there by `to_home` if given: a loader's pinned staging).
+    (moved there by `to_home` if given: a loader's pinned staging), of `layer_type` (a host's subclass).
 
     The one way a quantized layer is made from a full-precision weight: the
     quantization pass, auto's measurement and the loaders all build through it,
@@ -48,7 +55,35 @@ def quantized_layer(method: LayerMethod, weight: torch.Tensor, in_features: int,
         tensors = method.quantize_weight(weight.to(device))
     move = to_home or (lambda t: t.to(home))
     tensors = {k: move(v) for k, v in tensors.items()}
-    return QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype)
+    return (layer_type or QuantLinear)(method, in_features, out_features, tensors, bias, compute_dtype)
+
+
+def dequantized_weight(method: LayerMethod, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
+                       compute_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The full-precision [out, in] weight that `method`'s stored `tensors` represent, computed on `device`,
+    with a smoothing `pre_quant_scale` folded in (the weight then computes without it)."""
+    on_device = {k: v.to(device) for k, v in tensors.items()}
+    stand_in = QuantLinear(method, in_features, out_features, on_device, None, compute_dtype)
+    with torch.no_grad():
+        weight = method.dequantize(stand_in)
+        pre_scale = on_device.get(PRE_QUANT_SCALE)
+        if pre_scale is not None:
+            weight = weight * pre_scale.to(weight.dtype)
+    return weight
+
+
+def requantized_layer(source: "QuantLinear", target: LayerMethod, device: torch.device, home: torch.device,
+                      transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      layer_type: type["QuantLinear"] | None = None) -> "QuantLinear":
+    """`source`'s weight dequantized on `device` (`transform`ed: a LoRA added) and quantized by `target`, as a
+    layer on `home` with `source`'s bias: the one dequantize-then-quantize routine."""
+    weight = dequantized_weight(source.method, source.stored_tensors(), source.in_features, source.out_features,
+                                source.compute_dtype, device)
+    if transform is not None:
+        weight = transform(weight)
+    bias = source._parameters.get("bias")
+    return quantized_layer(target, weight, source.in_features, source.out_features, bias, source.compute_dtype,
+                           device, home, layer_type=layer_type or type(source))
 
 
 class QuantLinear(nn.Module):
@@ -63,21 +98,11 @@ class QuantLinear(nn.Module):
         for key, tensor in tensors.items():
             self.register_parameter(key, nn.Parameter(tensor, requires_grad=False))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # ComfyUI's partial loading marks modules it leaves in RAM with
-        # comfy_cast_weights; such a layer is then moved per call (see tensors_for).
-        self.comfy_cast_weights = False
-        # Where the host pages weight and bias itself (upstream's dynamic VRAM, nodes/dynamic_vram.py):
-        # `weight_pager(layer, device)` is a context manager yielding {"weight", "bias"} on `device` for
-        # one call, or None where the host does not page this layer.
+        # Where the host pages weight and bias itself: `weight_pager(layer, device)` is a context manager
+        # yielding {"weight", "bias"} on `device` for one call, or None where the host does not page this layer.
         self.weight_pager: Callable | None = None
         self._paged: dict[str, torch.Tensor | None] | None = None
-        self.weight_function: list = []
-        self.bias_function: list = []
-        # Upstream's dynamic VRAM attaches a LoRA here instead of in weight_function
-        # (its cast layers apply it while copying the weight in); see _patches.
-        self.weight_lowvram_function = None
-        self.bias_lowvram_function = None
-        # While ComfyUI has a LoRA written into this layer: the tensors it replaced (see set_weight).
+        # While a patch is written into the stored tensors: the tensors it replaced (see write_patched).
         # A plain dict, so that nn.Module does not register them as parameters.
         self._unpatched: dict[str, nn.Parameter] | None = None
         self.runs = 0  # calls, for the run-time witness (quant/witness.py)
@@ -85,8 +110,8 @@ class QuantLinear(nn.Module):
     def tensors_on(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """This layer's parameters on `device` (default: the weight's); a per-call copy of those elsewhere.
 
-        ComfyUI's partial loading leaves whole layers in RAM; upstream's dynamic
-        VRAM leaves the weight and bias there and moves the other tensors.
+        A host's partial loading may leave whole layers in RAM; a host that pages weight and bias leaves those
+        there and moves the other tensors.
         """
         device = self.weight.device if device is None else device
         out = {}
@@ -107,12 +132,16 @@ class QuantLinear(nn.Module):
     def stored_tensors(self) -> dict[str, torch.Tensor]:
         """The method's tensors by role (bias excluded), as a checkpoint stores them.
 
-        Raises while ComfyUI has a weight patch (e.g. a LoRA) written into the
-        layer: the tensors would carry it.
+        Raises while a patch (e.g. a LoRA) is written into the layer: the tensors would carry it.
         """
         if self._unpatched is not None:
             raise RuntimeError("a weight patch (e.g. a LoRA) is written into this layer")
         return {key: param for key, param in self._parameters.items() if param is not None and key != "bias"}
+
+    def unpatched_tensors(self) -> dict[str, torch.Tensor]:
+        """The method's tensors without any patch written in (those the patch replaced, where one is)."""
+        held = {k: v for k, v in self._parameters.items() if v is not None and k != "bias"}
+        return {**held, **(self._unpatched or {})}
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         count_run(self)
@@ -132,20 +161,19 @@ class QuantLinear(nn.Module):
             # under a LoRA too, which patches the stored weight
             x = apply_input_act(x, input_act) * pre_scale.to(x.device, x.dtype)
             input_act = None
-        weight_patches, bias_patches = self._patches("weight"), self._patches("bias")
+        weight_patches, bias_patches = self.weight_patches("weight"), self.weight_patches("bias")
         if weight_patches or bias_patches:
             return self._forward_patched(x, input_act, weight_patches, bias_patches)
         return self.method.apply(self, x, input_act=input_act)
 
-    def _patches(self, name: str) -> list:
-        """ComfyUI's per-call patches of `name`, in the order its own cast layers apply them."""
-        lowvram = getattr(self, f"{name}_lowvram_function")
-        return ([] if lowvram is None else [lowvram]) + list(getattr(self, f"{name}_function"))
+    def weight_patches(self, name: str) -> list:
+        """Per-call transforms of the dequantized `name` ("weight" or "bias"), in order; a host's subclass
+        gives its own (host/layers.py)."""
+        return []
 
     def _forward_patched(self, x: torch.Tensor, input_act: str | None, weight_patches: list,
                          bias_patches: list) -> torch.Tensor:
-        """ComfyUI's per-call weight patches (LoRA under partial loading or dynamic VRAM) act on the
-        dequantized weight."""
+        """Per-call weight transforms act on the dequantized weight."""
         weight = self.method.dequantize(self, x.device).to(x.dtype)
         for patch in weight_patches:
             weight = patch(weight)
@@ -155,69 +183,34 @@ class QuantLinear(nn.Module):
             bias = patch(bias)
         return torch.nn.functional.linear(apply_input_act(x, input_act), weight, bias)
 
-    # ComfyUI's weight-patch protocol (ModelPatcher looks these up by name):
-    # LoRA is computed on the dequantized weight and written back quantized.
-    def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **_) -> torch.Tensor:
-        """The dequantized weight ComfyUI's patches apply to: the unpatched one where this layer holds it.
-
-        ComfyUI computes a weight patch from its backup of the unpatched weight
-        and expects to find that weight in the layer. A layer whose LoRA was
-        folded in while it was offloaded (nodes/lora_fold.py) and that ComfyUI
-        then loads onto the GPU is patched again: from the unpatched weight, or
-        the LoRA would be added twice. `weight` is a float copy for a LoRA, or,
-        in upstream's dynamic VRAM forced load, a copy of the stored tensor
-        (int8, fp8, packed): a float comes back either way, never the storage dtype.
-        """
-        dtype = weight.dtype if weight.dtype in FLOAT_DTYPES else self.compute_dtype
+    def dequantized(self, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                    unpatched: bool = False) -> torch.Tensor:
+        """The full-precision weight (`unpatched`: without a patch written in), on `device`, in `dtype`."""
         source = self
-        if self._unpatched is not None and "weight" in self._unpatched:
-            held = {k: v for k, v in self._parameters.items() if v is not None and k != "bias"}
-            source = QuantLinear(self.method, self.in_features, self.out_features, {**held, **self._unpatched},
+        if unpatched and self._unpatched is not None and "weight" in self._unpatched:
+            source = QuantLinear(self.method, self.in_features, self.out_features, self.unpatched_tensors(),
                                  None, self.compute_dtype)
-        return self.method.dequantize(source, weight.device).to(dtype)
+        return self.method.dequantize(source, device).to(dtype or self.compute_dtype)
 
-    def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed=None, return_weight: bool = False,
-                   **_) -> torch.Tensor | None:
-        """Requantize a patched weight with fresh scales (a LoRA may widen a row's range).
-
-        ComfyUI backs up and later restores only `weight`, so the tensors it
-        replaces are kept here and put back when ComfyUI assigns the weight
-        again (register_parameter). The unpatched weight itself is kept where it
-        costs nothing: in host memory, where ComfyUI's backup is the same tensor.
-        With `return_weight` (0.3.75's partial loading, model saving) nothing is
-        stored: the weight this layer would compute with comes back, in `weight`'s dtype.
-        """
+    def write_patched(self, weight: torch.Tensor, keep_weight: bool = True) -> None:
+        """Quantize a patched full-precision `weight` with fresh scales (a LoRA may widen a row's range) into
+        this layer, keeping the tensors it replaces for `restore_unpatched` (a patch on a patch keeps the first
+        ones). `keep_weight` False: the unpatched weight is kept elsewhere (a host's backup) and is not held
+        twice. New Parameters, never writes into the old storage, which a backup may share."""
         fresh = self.method.quantize_weight(weight.to(self.compute_dtype))
-        if return_weight:
-            stored = QuantLinear(self.method, self.in_features, self.out_features, fresh, None, self.compute_dtype)
-            return self.method.dequantize(stored).to(weight.dtype)
-        if inplace_update:
-            # An in-place restore would bring back the weight but not the scales, unnoticed.
-            raise RuntimeError("in-place weight patching (weight_inplace_update) of a quantized layer is not "
-                               "supported; patch the model before quantizing it instead")
-        if self._unpatched is None:  # else a patch on top of a patch: the originals are still the first ones
-            in_ram = self.weight.device.type == "cpu"
-            self._unpatched = {k: getattr(self, k) for k in fresh if k != "weight" or in_ram}
+        if self._unpatched is None:
+            self._unpatched = {k: getattr(self, k) for k in fresh if k != "weight" or keep_weight}
         for key, tensor in fresh.items():
-            # New Parameters, never writes into the old storage: ComfyUI's backup may share it. Written
-            # into _parameters directly: an assignment of `weight` is ComfyUI restoring it.
+            # written into _parameters directly: a host subclass may read an assignment of `weight` as a restore
             self._parameters[key] = nn.Parameter(tensor.to(getattr(self, key).device), requires_grad=False)
 
-    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
-        """Assigning `weight` while a patch is written in is ComfyUI restoring the unpatched weight
-        (unpatch_model, partially_unload): the scales it replaced come back with it.
-
-        An assignment, not a comparison with the patched tensor: the pack's
-        streaming (offload/streaming.py) swaps a streamed layer's tensors for
-        device copies in `_parameters` for the duration of a block.
-        """
-        unpatched = self.__dict__.get("_unpatched")
-        if name == "weight" and unpatched is not None:
-            self._unpatched = None
-            for key, tensor in unpatched.items():
-                if key != "weight":
-                    self._parameters[key] = tensor
-        super().register_parameter(name, param)
+    def restore_unpatched(self, weight_too: bool = True) -> None:
+        """Put back the tensors `write_patched` replaced (without `weight_too`: all but the weight, which the
+        caller restores)."""
+        unpatched, self._unpatched = self._unpatched, None
+        for key, tensor in (unpatched or {}).items():
+            if key != "weight" or weight_too:
+                self._parameters[key] = tensor
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .descriptor import Contract, QuantFormat
-from .kitchen_layout import KitchenLayoutMethod
+from .descriptor import Contract
+from .kitchen_layout import BlockFormat, KitchenLayoutMethod
 from .registry import register_format
 
 NAME = "mxfp8"
@@ -40,11 +40,10 @@ class Mxfp8Method(KitchenLayoutMethod):
 
 
 @register_format
-class Mxfp8Format(QuantFormat):
+class Mxfp8Format(BlockFormat):
     name = NAME
     marker = True
     kitchen_layouts = (LAYOUT,)
-    dequantized_elsewhere = True
     contract = Contract(
         required=frozenset({"weight", "weight_scale"}), optional=frozenset({"input_scale"}),
         weight_dtypes=("F8_E4M3",), pad=32, block=32, block_scale_dtypes=("F8_E8M0", "U8"),

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .descriptor import PRE_QUANT_SCALE, Contract, QuantFormat
-from .kitchen_layout import KitchenLayoutMethod
+from .descriptor import PRE_QUANT_SCALE, Contract
+from .kitchen_layout import BlockFormat, KitchenLayoutMethod
 from .registry import register_format
 
 NAME = "nvfp4"
@@ -50,12 +50,12 @@ class Nvfp4Method(KitchenLayoutMethod):
 
 
 @register_format
-class Nvfp4Format(QuantFormat):
+class Nvfp4Format(BlockFormat):
     name = NAME
     marker = True
     kitchen_layouts = (LAYOUT,)
-    dequantized_elsewhere = True
-    requantizable = True
+    conversion_modes = ("auto", "requantize")   # requantize: off sm100+, to the GPU's fastest native format
+    conversion_option = NAME
     contract = Contract(
         required=frozenset({"weight", "weight_scale", "weight_scale_2"}),
         optional=frozenset({"input_scale", PRE_QUANT_SCALE}), shapes={PRE_QUANT_SCALE: "K"},

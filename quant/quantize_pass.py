@@ -1,4 +1,5 @@
-"""The quantization pass: each module of a model decided (quant/decision.py), then quantized one at a time.
+"""The quantization pass: each module of a model described as a `Layer`, decided (quant/decision.py), then
+quantized one at a time.
 
 The pass never mutates the model: it returns replacement modules, so a caller
 can install them on a clone (ComfyUI object patches) or in place, and a
@@ -7,8 +8,8 @@ failure half-way leaves the model exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -17,11 +18,14 @@ from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..pack_logging import pack_logger
 from ..units import format_gib
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
-from .registry import format_spec, kitchen_format
+from .keep import keep_patterns
+from .registry import conversion_format, dtype_format, format_spec, get_method, kitchen_format
 from .linear import QuantLinear, quantized_layer
-from .decision import Layer, QuantConfig, decide
+from .decision import QuantConfig, decide
+from .layer import CONVERT, KEEP, Layer
 from .linear_method import LinearMethod
-from .report import LayerRecord, QuantReport
+from .kitchen_api import require_kitchen
+from .report import QuantReport
 
 log = pack_logger(__name__)
 
@@ -30,66 +34,42 @@ class QuantizationError(RuntimeError):
     """A layer could not be quantized; names the layer. The model is unchanged."""
 
 
-@dataclass
-class ModuleDecision:
-    """The decision for one weight-bearing module of a model, with the module."""
-    name: str
-    module: nn.Module
-    method: LinearMethod | None
-    reason: str
-    linear: bool = True
-    existing_format: str | None = None  # the format of a layer quantized before this pass
-    fp8: bool = False  # existing_format is an FP8 one (fp8_format), kept or re-quantized
-    compute_dtype: torch.dtype | None = None  # of the new layer, where the old weight's dtype is not it (FP8)
-
-
 def parameter_bytes(module: nn.Module) -> int:
     """True bytes of a layer's own parameters (a QuantizedTensor by its packed data)."""
     return sum(tensor_bytes(p) for p in module.parameters(recurse=False))
 
 
-def _is_quantized_weight(weight: torch.Tensor) -> bool:
-    # Upstream ComfyUI loads quantized checkpoints as QuantizedTensor weights;
-    # any non-float storage is already someone's quantized format.
-    return is_quantized_tensor(weight) or weight.dtype not in FLOAT_DTYPES
+WeightScale = Callable[[nn.Module], "torch.Tensor | None"]
 
 
-def _format_of(weight: torch.Tensor) -> str:
-    """The format name of a weight someone else quantized."""
-    if not is_quantized_tensor(weight):
-        return dtype_name(weight.dtype)
-    spec = kitchen_format(layout_name(weight))
-    named = None if spec is None else spec.weight_format(layout_params(weight), storage_dtype(weight))
-    return named or layout_name(weight)
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def fp8_format(module: nn.Module) -> str | None:
-    """The format of a layer quantized to FP8 before (the pack's FP8 layers, a ComfyUI Linear with an fp8
-    weight dtype, scaled or not, or with upstream's FP8 QuantizedTensor weight), else None."""
+def _stored_format(module: nn.Module) -> tuple[str | None, str | None]:
+    """(the registered format, or a name for an unregistered one; the report's name of it) of a layer someone
+    quantized before this pass: a QuantLinear, a comfy-kitchen QuantizedTensor weight, or a weight in a
+    non-float dtype (a format that declares that `storage_dtypes` owns it); (None, None) for a float layer."""
     if isinstance(module, QuantLinear):
-        spec = format_spec(module.method.name)
-        return module.method.name if spec is not None and spec.fp8_layers else None
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
+        return module.method.name, None
+    weight = module.weight
     if is_quantized_tensor(weight):
         spec = kitchen_format(layout_name(weight))
-        return _format_of(weight) if spec is not None and spec.fp8_layers else None
-    return _format_of(weight) if weight.dtype in FP8_DTYPES else None
+        if spec is None:
+            return layout_name(weight), None
+        return spec.name, spec.weight_format(layout_params(weight), storage_dtype(weight))
+    if weight.dtype in FLOAT_DTYPES:
+        return None, None
+    owner = dtype_format(weight.dtype)
+    return (dtype_name(weight.dtype), None) if owner is None else (owner.name, dtype_name(weight.dtype))
 
 
-def dequantized_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
-    """The full-precision [out, in] weight of an FP8 layer (see fp8_format), computed on `device`."""
+def stored_weight(module: nn.Module, device: torch.device, weight_scale: WeightScale | None = None) -> torch.Tensor:
+    """The full-precision [out, in] weight of a layer quantized before this pass, computed on `device`;
+    `weight_scale(module)` gives a host's own per-tensor scale of a weight stored in a plain FP8 dtype."""
     if isinstance(module, QuantLinear):
         return module.method.dequantize(module, device)
     weight = module.weight.detach()
     if is_quantized_tensor(weight):
         return weight.dequantize().to(device=device, dtype=torch.float32)
     weight = weight.to(device=device, dtype=torch.float32)
-    scale = getattr(module, "scale_weight", None)  # ComfyUI 0.3.75's scaled_fp8 layers
+    scale = None if weight_scale is None else weight_scale(module)
     return weight if scale is None else weight * scale.detach().to(device=device, dtype=torch.float32)
 
 
@@ -141,105 +121,95 @@ def _linear_like(module: nn.Module) -> bool:
             and tuple(weight.shape) == (outs, ins))
 
 
-def decide_modules(model: nn.Module, config: QuantConfig) -> list[ModuleDecision]:
-    """Decide, for every weight-bearing module, a method or a reason to keep it."""
+def module_layers(model: nn.Module, config: QuantConfig) -> list[tuple[Layer, nn.Module]]:
+    """A `Layer` for every weight-bearing module of the tree as it will run, with the module, decided."""
     dominant = _dominant_dtype(model, config.overrides)
-    decisions = []
+    found = []
     for name, module in iter_weight_modules(model, config.overrides):
-        if name in config.keep:  # before the module checks: a kept module of any kind is recorded as kept
-            decisions.append(ModuleDecision(name, module, None, config.keep[name], linear=_linear_like(module)))
+        linear = isinstance(module, QuantLinear) or _linear_like(module)
+        stored, label = _stored_format(module) if linear or name not in config.keep else (None, None)
+        if name in config.keep or (stored is None and not linear):
+            shape = tuple(module.weight.shape)
+            layer = Layer(name, shape[-1], shape[0], module.weight.dtype, linear=linear)
+            reason = config.keep.get(name) or f"not Linear-like ({type(module).__name__})"
+            found.append((layer.decided(KEEP, None, reason), module))
             continue
-        fmt = fp8_format(module)
-        if fmt is None and not isinstance(module, QuantLinear) and not _linear_like(module):
-            decisions.append(ModuleDecision(name, module, None, f"not Linear-like ({type(module).__name__})",
-                                            linear=False))
-            continue
-        layer = _layer(name, module, fmt, dominant)
-        decision = decide(config, layer, dominant)
-        redone = layer.fp8 and decision.method is not None
-        decisions.append(ModuleDecision(name, module, decision.method, decision.reason, True, layer.stored,
-                                        layer.fp8, layer.compute_dtype if redone else None))
-    return decisions
-
-
-def _layer(name: str, module: nn.Module, fp8: str | None, dominant: torch.dtype | None) -> Layer:
-    """What `decide` reads of a module: an FP8 layer (before the Linear check: upstream's mixed-precision
-    Linear is no nn.Linear), a QuantLinear, a Linear with someone's quantized weight, or a float Linear."""
-    ins, outs, weight = module.in_features, module.out_features, module.weight
-    if fp8 is not None:
-        compute = module.compute_dtype if isinstance(module, QuantLinear) else dominant or torch.bfloat16
-        return Layer(name, ins, outs, weight.dtype, compute, stored=fp8, fp8=True)
-    if isinstance(module, QuantLinear):
-        return Layer(name, ins, outs, module.compute_dtype, stored=module.method.name)
-    if _is_quantized_weight(weight):
-        return Layer(name, ins, outs, weight.dtype, stored=_format_of(weight))
-    return Layer(name, ins, outs, weight.dtype)
+        compute = module.compute_dtype if isinstance(module, QuantLinear) else None
+        if stored is not None and compute is None:  # re-quantized, it computes in the model's dtype
+            compute = dominant or torch.bfloat16
+        layer = Layer(name, module.in_features, module.out_features, module.weight.dtype, compute, stored,
+                      stored_label=label)
+        found.append((decide(config, layer, dominant), module))
+    return found
 
 
 def quantize_linear(module: nn.Module, method: LinearMethod, device: torch.device,
-                    compute_dtype: torch.dtype | None = None) -> QuantLinear:
+                    compute_dtype: torch.dtype | None = None, layer_type: type[QuantLinear] | None = None,
+                    weight_scale: WeightScale | None = None) -> QuantLinear:
     """Quantize one layer on `device` into a QuantLinear that lives where the weight lived.
 
-    A full-precision Linear computes in its weight's dtype; an FP8 layer (fp8_format) is dequantized
-    first and computes in `compute_dtype`. `module` itself is never modified.
+    A full-precision Linear computes in its weight's dtype; a layer quantized before (`compute_dtype` given)
+    is dequantized first (stored_weight) and computes in `compute_dtype`. `module` itself is never modified.
     """
     home = module.weight.device
     bias = None if module.bias is None else module.bias.detach()
     if compute_dtype is None:
         weight, compute_dtype = module.weight.detach(), module.weight.dtype
     else:
-        weight = dequantized_weight(module, device)
+        weight = stored_weight(module, device, weight_scale)
         bias = None if bias is None else bias.to(compute_dtype)
-    return quantized_layer(method, weight, module.in_features, module.out_features, bias, compute_dtype, device, home)
+    return quantized_layer(method, weight, module.in_features, module.out_features, bias, compute_dtype, device, home,
+                           layer_type=layer_type)
 
 
 def quantize_layers(model: nn.Module, config: QuantConfig,
                     progress: Callable[[int, int], None] | None = None,
-                    title: str = "quantization") -> tuple[dict[str, nn.Module], QuantReport]:
-    """Quantize every planned layer, one at a time; returns (replacements, report).
+                    title: str = "quantization", layer_type: type[QuantLinear] | None = None,
+                    weight_scale: WeightScale | None = None) -> tuple[dict[str, nn.Module], QuantReport]:
+    """Quantize every layer the decision quantizes or converts, one at a time; returns (replacements, report).
 
     Only one layer's weight is on the compute device at a time. Raises
     QuantizationError naming the layer if any layer fails; nothing is installed.
+    `layer_type`: the QuantLinear subclass to build (a host's); `weight_scale`: see stored_weight.
     """
-    plans = decide_modules(model, config)
+    found = module_layers(model, config)
     device = config.device()
-    todo = [p for p in plans if p.method is not None]
+    todo = sum(layer.action != KEEP for layer, _ in found)
     replacements: dict[str, nn.Module] = {}
     report = QuantReport(title=title)
     done = 0
-    for plan in plans:
-        before = parameter_bytes(plan.module)
-        if plan.method is None:
-            report.records.append(LayerRecord(plan.name, plan.existing_format, plan.reason, before, before,
-                                              plan.linear, earlier=plan.existing_format is not None))
+    for layer, module in found:
+        layer.bytes_before = layer.bytes_after = parameter_bytes(module)
+        report.records.append(layer)
+        if layer.action == KEEP:
             continue
         try:
-            new = quantize_linear(plan.module, plan.method, device, plan.compute_dtype)
+            new = quantize_linear(module, layer.method, device, layer.compute_dtype if layer.stored else None,
+                                  layer_type, weight_scale)
         except Exception as exc:
-            raise QuantizationError(f"quantizing layer {plan.name!r} with {plan.method.describe()} failed: {exc}") from exc
-        replacements[plan.name] = new
-        report.records.append(LayerRecord(plan.name, plan.method.name, plan.reason, before, parameter_bytes(new)))
+            raise QuantizationError(f"quantizing layer {layer.name!r} with {layer.method.describe()} failed: "
+                                    f"{exc}") from exc
+        replacements[layer.name] = new
+        layer.bytes_after = parameter_bytes(new)
         done += 1
         if progress is not None:
-            progress(done, len(todo))
-    report.notes.extend(_fp8_notes(plans, config))
+            progress(done, todo)
+    report.notes.extend(conversion_notes([layer for layer, _ in found], config))
     log.info("%s: %s, %s -> %s", title, report.summary_line(),
              format_gib(report.bytes_before(), ".3f"), format_gib(report.bytes_after(), ".3f"))
     return replacements, report
 
 
-def _fp8_notes(plans: list[ModuleDecision], config: QuantConfig) -> list[str]:
-    """What the pass did with the FP8 layers it found, in plain words."""
-    fp8 = [p for p in plans if p.fp8]
-    redone = [p for p in fp8 if p.method is not None]
-    kept = len(fp8) - len(redone)
+def conversion_notes(layers: list[Layer], config: QuantConfig) -> list[str]:
+    """What the pass did with the layers that came in a stored format, in the format's own words."""
     notes = []
-    if redone:
-        formats = ", ".join(sorted({p.method.name for p in redone}))
-        notes.append(f"re-quantized {len(redone)} fp8 layers to {formats}")
-    if kept:
-        notes.append(f"kept {kept} fp8 layers as they were" + ("" if config.requantize_fp8 else
-                                                                " (requantize_fp8 is off)"))
+    for fmt in sorted({layer.stored for layer in layers if layer.stored is not None}):
+        spec = format_spec(fmt)
+        if spec is not None:
+            mine = [layer for layer in layers if layer.stored == fmt and layer.linear]
+            notes.extend(spec.conversion_note([layer for layer in mine if layer.action == CONVERT],
+                                              sum(layer.action != CONVERT for layer in mine),
+                                              config.conversions.get(fmt)))
     return notes
 
 
@@ -252,3 +222,64 @@ def apply_replacements(model: nn.Module, replacements: dict[str, nn.Module]) -> 
         previous[name] = getattr(parent, child)
         setattr(parent, child, new)
     return previous
+
+
+def stored_conversions(options: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """{format: mode} of a loader's conversion inputs; ValueError naming the input for a mode its format lacks."""
+    conversions = {}
+    for option, mode in options:
+        spec = conversion_format(option)
+        if mode not in spec.conversion_modes:
+            raise ValueError(f"{option} must be one of {', '.join(spec.conversion_modes)}, got {mode!r}")
+        conversions[spec.name] = mode
+    return conversions
+
+
+def online_method(name: str, group_size: int, device, **options):
+    """The registered method for a quantizing node's choice (get_method names the valid ones for any other),
+    or a clear error if its comfy-kitchen lacks what it needs."""
+    method = get_method(name, group_size=group_size, device=device, **options)
+    lacking = method.missing() if isinstance(method, LinearMethod) else None
+    if lacking is not None:
+        raise ValueError(f"quantization {name!r} needs {lacking}")
+    return method
+
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What QuantizeModelINT8 asks for: the online format, its group size and row split, the layers it keeps
+    (patterns, beside the architecture's), and its conversions of layers quantized before (by input name)."""
+    quantization: str
+    group_size: int = 256
+    ignored_layers: str = ""
+    row_split: str = "auto"
+    conversions: tuple[tuple[str, str], ...] = ()
+
+
+class ModelHost(Protocol):
+    """What quantizing a live model needs of its host."""
+    #: The QuantLinear subclass the host's model runs.
+    layer_type: type[QuantLinear]
+
+    def progress(self) -> Callable[[int, int], None]:
+        """Reports (done, total) layers on the host's progress bar."""
+
+    def weight_scale(self, module: nn.Module) -> "torch.Tensor | None":
+        """The host's own per-tensor scale of a weight it stores in a plain FP8 dtype, if any."""
+
+
+def quantize_model(root: nn.Module, overrides: dict[str, nn.Module], options: QuantizeOptions,
+                   device: torch.device, host: ModelHost, keep: dict[str, str] | None = None,
+                   title: str = "quantization") -> tuple[dict[str, nn.Module], QuantReport]:
+    """QuantizeModelINT8's pass over the module tree as it will run (`root` with `overrides`): the
+    architecture's keep patterns from the module names, then the user's, `keep` (layers the host must leave
+    as they are, with reasons), then quantize_layers. Returns (replacements, report); the model is unchanged."""
+    require_kitchen(title)
+    names = (name for name, _ in walk_modules(root, overrides))
+    config = QuantConfig(
+        method=online_method(options.quantization, options.group_size, device, row_split=options.row_split),
+        ignored=keep_patterns(names, options.ignored_layers), compute_device=device,
+        conversions=stored_conversions(options.conversions), overrides=overrides, keep=dict(keep or {}))
+    return quantize_layers(root, config, progress=host.progress(), title=title, layer_type=host.layer_type,
+                           weight_scale=host.weight_scale)

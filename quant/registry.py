@@ -56,9 +56,27 @@ def kitchen_format(layout: str) -> QuantFormat | None:
     return next((spec for spec in _FORMATS.values() if layout in spec.kitchen_layouts), None)
 
 
-def convention_format(convention: str) -> QuantFormat:
-    """The format whose layers a file of an older convention (scaled_fp8, quanto) holds."""
-    return next(spec for spec in _FORMATS.values() if convention in spec.conventions)
+def convention_formats() -> dict[str, QuantFormat]:
+    """The formats that read an older file convention (scaled_fp8, quanto), by convention."""
+    return {spec.convention: spec for spec in _FORMATS.values() if spec.convention}
+
+
+def conversion_format(option: str) -> QuantFormat:
+    """The format whose stored layers a loader input named `option` converts (its `conversion_option`)."""
+    found = next((spec for spec in _FORMATS.values() if spec.conversion_option == option), None)
+    if found is None:
+        raise ValueError(f"no format converts under the option {option!r}")
+    return found
+
+
+def conversion_options() -> dict[str, QuantFormat]:
+    """The loaders' conversion inputs by name, each with the format it converts (its modes are the choices)."""
+    return {spec.conversion_option: spec for spec in _FORMATS.values() if spec.conversion_option}
+
+
+def dtype_format(dtype) -> QuantFormat | None:
+    """The format whose layers a weight stored in this (non-float) torch dtype is, or None."""
+    return next((spec for spec in _FORMATS.values() if dtype in spec.storage_dtypes), None)
 
 
 def online_formats() -> tuple[str, ...]:

@@ -1,37 +1,27 @@
-"""What a quantization pass did, layer by layer, rendered for people."""
+"""What a quantization pass or a load did, layer by layer (its `Layer` records), rendered for people."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..units import GIB, format_gib
-
-
-@dataclass(frozen=True)
-class LayerRecord:
-    name: str
-    method: str | None          # None: kept in its original precision
-    reason: str                 # why kept, or a short description of the format
-    bytes_before: int
-    bytes_after: int
-    linear: bool = True         # False for weight-bearing modules that are not Linear-like
-    earlier: bool = False       # quantized before this pass (method: its format); not counted as this pass's
+from .layer import Layer
 
 
 @dataclass
 class QuantReport:
     title: str = "quantization"
-    records: list[LayerRecord] = field(default_factory=list)
+    records: list[Layer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # notes the short report shows too: where layers run otherwise than stored (e.g. NVFP4 re-quantized at load)
     headline_notes: list[str] = field(default_factory=list)
 
     @property
-    def quantized(self) -> list[LayerRecord]:
+    def quantized(self) -> list[Layer]:
         """The layers this pass quantized (or loaded quantized)."""
-        return [r for r in self.records if r.method is not None and not r.earlier]
+        return [r for r in self.records if r.format is not None and not r.earlier]
 
     @property
-    def earlier(self) -> list[LayerRecord]:
+    def earlier(self) -> list[Layer]:
         """The layers that came to this pass already quantized, left as they were."""
         return [r for r in self.records if r.earlier]
 
@@ -40,8 +30,8 @@ class QuantReport:
         return sum(r.linear for r in self.records)
 
     @property
-    def kept(self) -> list[LayerRecord]:
-        return [r for r in self.records if r.method is None]
+    def kept(self) -> list[Layer]:
+        return [r for r in self.records if r.format is None]
 
     def bytes_before(self) -> int:
         return sum(r.bytes_before for r in self.records)
@@ -53,10 +43,10 @@ class QuantReport:
         """How many bytes fewer the layers `names` take than before (the ones a caller installs)."""
         return sum(r.bytes_before - r.bytes_after for r in self.records if r.name in names)
 
-    def method_counts(self, records: list[LayerRecord] | None = None) -> dict[str, int]:
+    def method_counts(self, records: list[Layer] | None = None) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.quantized if records is None else records:
-            counts[r.method] = counts.get(r.method, 0) + 1
+            counts[r.format] = counts.get(r.format, 0) + 1
         return counts
 
     def summary_line(self) -> str:

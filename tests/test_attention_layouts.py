@@ -3,7 +3,8 @@ against a float64 attention written out by hand."""
 import pytest
 import torch
 
-from bigdit.attention import Router, install
+from bigdit.attention import Router
+from bigdit.host.attention import install
 from probes import snapshot
 
 B, H, D = 2, 3, 64

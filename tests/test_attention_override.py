@@ -5,7 +5,9 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from bigdit.attention import Router, install, is_ours, override as override_module
+from bigdit.attention import Router
+from bigdit.host import attention as override_module
+from bigdit.host.attention import install, is_ours
 from probes import snapshot
 
 KEY = "optimized_attention_override"

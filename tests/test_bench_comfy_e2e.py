@@ -282,7 +282,7 @@ def test_step_breakdown_sorts_kernels_by_kind(monkeypatch):
 
 
 def test_format_configs_name_each_loadh3quantized_choice(tmp_path):
-    from bigdit.nodes.options import QUANTIZATIONS
+    from bigdit.host.options import QUANTIZATIONS
     configs = comfy_e2e.make_configs("fa3_fp8")
     chosen = {name: configs[name].loader[1]["quantization"] for name in comfy_e2e.FORMAT_CONFIGS[1:]
               if configs[name].model_format == "bf16"}

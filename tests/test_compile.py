@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigdit.attention import Constraints, Router, auto as attention_auto, install, registry
+from bigdit.attention import Constraints, Router, auto as attention_auto, registry
+from bigdit.host.attention import install
 from bigdit.attention.base import Backend, Impl
 from bigdit.attention.kernels import Sdpa
 from bigdit.quant import QuantConfig, apply_replacements, quantize_layers

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from bigdit.nodes.options import QUANTIZATIONS
+from bigdit.host.options import QUANTIZATIONS
 from bigdit.quant.registry import format_aliases, formats, marker_formats, rotation_formats
 
 DOCS = Path(__file__).resolve().parent.parent / "web" / "docs"

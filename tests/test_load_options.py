@@ -8,12 +8,12 @@ from safetensors.torch import save_file
 
 from bigdit.loaders import inspect_checkpoint
 from bigdit.loaders.load import online_config, online_method, parse_prefix_rules, progress_total
-from bigdit.nodes.options import OFFLOAD_MODES, QUANTIZATIONS
+from bigdit.host.options import OFFLOAD_MODES, QUANTIZATIONS
 from bigdit.quant.keep import keep_patterns
 
 
 def test_old_spellings_read_as_todays_and_are_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="bigdit.nodes.options"):
+    with caplog.at_level(logging.INFO, logger="bigdit.host.options"):
         assert QUANTIZATIONS.read("fp8_e4m3fn", "LoadH3Quantized") == "float8_e4m3fn"
         assert OFFLOAD_MODES.read("layerwise") == "auto"
         assert QUANTIZATIONS.read("mxfp4", "LoadH3Quantized") == "mxfp4"

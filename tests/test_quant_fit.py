@@ -8,12 +8,19 @@ from bigdit.loaders import inspect_checkpoint
 from bigdit.loaders.build import LayerBuilder
 from bigdit.loaders.load import LoadOptions, load
 from bigdit.quant import get_method
-from bigdit.quant.fit import FitLayer, fit_layers, quantized_bytes
+from bigdit.quant.fit import fit_layers, quantized_bytes
+from bigdit.quant.layer import KEEP, QUANTIZE, Layer
 from bigdit.quant.registry import fit_formats
 
 pytest.importorskip("comfy_kitchen")
 
 W4A8, W4A4 = fit_formats()  # W4A8 first: its activations are INT8
+
+
+def fit_layer(name, in_features, out_features, method):
+    """A bf16 layer decided for `method` (None: kept), as the fit meets it."""
+    layer = Layer(name, in_features, out_features, torch.bfloat16)
+    return layer.decided(KEEP if method is None else QUANTIZE, method, "")
 
 
 def stored(method, out_features, in_features):
@@ -32,11 +39,12 @@ def test_quantized_bytes_are_what_quantizing_stores(fmt):
 def test_fit_moves_the_largest_layers_first_until_the_weights_fit():
     int8 = get_method("int8_convrot", group_size=64)
     targets = [get_method(name, group_size=64) for name in fit_formats()]
-    layers = {"big": FitLayer(512, 256, 512 * 256 * 2, int8), "mid": FitLayer(256, 256, 256 * 256 * 2, int8),
-              "small": FitLayer(256, 64, 256 * 64 * 2, int8), "kept": FitLayer(256, 64, 256 * 64 * 2, None)}
+    layers = {"big": fit_layer("big", 512, 256, int8), "mid": fit_layer("mid", 256, 256, int8),
+              "small": fit_layer("small", 256, 64, int8), "kept": fit_layer("kept", 256, 64, None)}
     eight = {n: quantized_bytes(int8, l.in_features, l.out_features) for n, l in layers.items() if l.method}
     four = quantized_bytes(targets[0], 512, 256)
-    total = sum(eight.values()) + layers["kept"].stored_bytes
+    total = sum(eight.values()) + layers["kept"].plain_bytes
+    layers = list(layers.values())
 
     nothing = fit_layers(layers, total, targets)
     assert nothing.moved == {} and nothing.before == nothing.after == total and "moved" not in nothing.note()
@@ -57,7 +65,7 @@ def test_fit_takes_the_next_format_where_the_first_refuses_the_shape():
     width = 96  # not a multiple of 256: the 4-bit ConvRot formats at group 256 refuse it
     refusals = [t.skip_reason(width, 64) for t in targets]
     assert all(refusals), refusals
-    fit = fit_layers({"odd": FitLayer(width, 64, width * 64 * 2, int8)}, 1, targets)
+    fit = fit_layers([fit_layer("odd", width, 64, int8)], 1, targets)
     assert fit.moved == {} and fit.after == fit.before  # nothing takes it: it keeps its format
 
 

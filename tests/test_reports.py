@@ -1,13 +1,24 @@
 """The short reports a node shows (1-3 lines) against the full ones, and a plan before any run."""
 from bigdit.offload.plan import plan_placement
-from bigdit.quant.report import GIB, LayerRecord, QuantReport
+import torch
+
+from bigdit.quant import get_method
+from bigdit.quant.layer import KEEP, QUANTIZE, Layer
+from bigdit.quant.report import GIB, QuantReport
 from offload_helpers import h3_shape
 
 
+def record(name, action, method, reason, before, after, stored=None):
+    layer = Layer(name, 64, 64, torch.bfloat16, stored=stored).decided(action, method, reason)
+    layer.bytes_before, layer.bytes_after = before, after
+    return layer
+
+
 def report() -> QuantReport:
-    records = [LayerRecord("a", "int8_convrot", "", 2 * GIB, GIB), LayerRecord("b", "int8_convrot", "", 2 * GIB, GIB),
-               LayerRecord("c", "float8_e4m3fn", "", 2 * GIB, GIB, earlier=True),
-               LayerRecord("head", None, "ignored (matches 'head*')", GIB, GIB)]
+    int8 = get_method("int8_convrot")
+    records = [record("a", QUANTIZE, int8, "", 2 * GIB, GIB), record("b", QUANTIZE, int8, "", 2 * GIB, GIB),
+               record("c", KEEP, None, "", 2 * GIB, GIB, stored="float8_e4m3fn"),
+               record("head", KEEP, None, "ignored (matches 'head*')", GIB, GIB)]
     return QuantReport("test", records, notes=["checkpoint x.safetensors: plain"],
                        headline_notes=["nvfp4 layers on cpu: dequantized before each matmul x1"])
 

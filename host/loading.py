@@ -1,16 +1,17 @@
-"""The node side of the loaders' one load path (loaders/load.py): ComfyUI builds the model, then what a model
+"""The host side of the loaders' one load path (loaders/load.py): ComfyUI builds the model, then what a model
 with quantized layers needs after each load and sampling is installed, and the report goes on the node."""
 from __future__ import annotations
 
 import folder_paths
 
 from ..loaders.load import LoadOptions, load
-from .comfy_compat import compute_device, quantized_layers
-from .comfy_host import ComfyHost
+from ..quant.quantize_pass import QuantizeOptions
+from .model import compute_device, quantize_on_clone, quantized_layers
+from .building import ComfyHost
 from .dynamic_vram import prepare_dynamic_vram
 from .file_backed import back_with_file
 from .lora_fold import install_lora_fold
-from .node_report import NodeRun, node_output, watch_quantized_layers
+from .report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
 
 
@@ -27,15 +28,16 @@ def reload_patcher(path: str, options: LoadOptions, clip_type: str | None, disab
     return loaded if clip_type is None else loaded.patcher
 
 
-def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None, nvfp4: str = "auto",
-                    quantization: str = "none", group_size: str = "256", ignored_layers: str = "",
+def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None,
+                    conversions: tuple[tuple[str, str], ...] = (), quantization: str = "none", group_size: str = "256", ignored_layers: str = "",
                     rename_prefixes: str = "", fit_gib: float = 0.0, offload_input: str | None = None,
                     node_id=None) -> dict:
     """The one load path of the three loaders: a diffusion model, or with `clip_type` a text encoder
-    (loaders.load.load). `offload_input` is the node's offload mode ("none" a mode too); without the input
-    (None) no offload is installed, as on a text encoder."""
+    (loaders.load.load). `conversions`: the node's inputs that convert the file's stored formats, by name
+    (LoadOptions.conversions). `offload_input` is the node's offload mode ("none" a mode too); without the
+    input (None) no offload is installed, as on a text encoder."""
     path = folder_paths.get_full_path_or_raise(folder, file_name)
-    options = LoadOptions(title, text_encoder=clip_type is not None, nvfp4=nvfp4, quantization=quantization,
+    options = LoadOptions(title, text_encoder=clip_type is not None, conversions=conversions, quantization=quantization,
                           group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes,
                           fit_gib=float(fit_gib))
     loaded, report = load(path, options, compute_device(), comfy_host(clip_type))
@@ -52,7 +54,23 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
         if offload_input is not None:
             offload_report = install_offload(loaded, offload_input, on_run=lambda line: run.add("offload", line))
             short, full = f"{short}\n{offload_report.brief}", "\n".join([full, offload_report.full])
-        watch_quantized_layers(loaded, run, quantized_layers(loaded), title)
-        install_lora_fold(loaded)
-        prepare_dynamic_vram(loaded)
+        attach_quantized(loaded, run, quantized_layers(loaded), title)
     return node_output(title, short, full, (loaded, full))
+
+
+def attach_quantized(patcher, run: NodeRun, layers: dict, title: str) -> None:
+    """What a model with the pack's quantized `layers` needs after each load and sampling: the count of the
+    layers that ran on the node, a LoRA folded into offloaded layers, the host's paging of them under dynamic
+    VRAM."""
+    watch_quantized_layers(patcher, run, layers, title)
+    install_lora_fold(patcher)
+    prepare_dynamic_vram(patcher)
+
+
+def quantize_model_node(model, options: QuantizeOptions, title: str, node_id):
+    """QuantizeModelINT8: `model`'s diffusion model quantized on a clone (host.model.quantize_on_clone), with
+    what its layers need attached; the node's output."""
+    patched, report, layers = quantize_on_clone(model, options, title)
+    short, full = "\n".join(report.brief()), report.render()
+    attach_quantized(patched, NodeRun(node_id, short), layers, title)
+    return node_output(title, short, full, (patched, full))

@@ -34,7 +34,7 @@ from ..loaders.host_memory import trim_heap
 from ..loaders.safetensors_writer import data_bytes, write_safetensors
 from ..quant.linear import QuantLinear
 from ..units import format_gib
-from .comfy_compat import is_dynamic
+from .model import is_dynamic
 
 try:  # upstream's dynamic VRAM: whether its loader maps files through comfy-aimdo
     import comfy.memory_management as comfy_memory

@@ -21,8 +21,9 @@ import comfy.utils
 
 from ..loaders import CheckpointError, CheckpointContents, LayerBuilder
 from ..quant.quantize_pass import apply_replacements
-from .comfy_compat import set_model_size
 from .file_backed import file_slice_marker
+from .layers import ComfyQuantLinear
+from .model import set_model_size
 
 
 def progress_counter(total: int):
@@ -108,6 +109,7 @@ def load_diffusion_model(contents: CheckpointContents, builder: LayerBuilder, st
 
 class ComfyHost:
     """loaders.load's Host: a diffusion model, or with `clip_type` a text encoder of that type."""
+    layer_type = ComfyQuantLinear
 
     def __init__(self, clip_type: str | None = None, embedding_directory=None, disable_dynamic: bool = False):
         self.clip_type, self.embedding_directory = clip_type, embedding_directory

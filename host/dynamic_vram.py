@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .comfy_compat import is_dynamic, quantized_layers
+from .model import is_dynamic, quantized_layers
 
 KEY = "bigdit_dynamic_vram"
 _RECORD = "_bigdit_dynamic_record"  # on an object-patched layer: its backups, and the Linear it replaced

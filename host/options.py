@@ -1,6 +1,7 @@
 """The nodes' option values and the old spellings saved workflows may hold (`Choices`), in plain data."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from ..pack_logging import pack_logger
@@ -46,3 +47,15 @@ OFFLOAD_MODES = Choices("offload mode", ("auto", "none"), {"layerwise": "auto"},
 # LoadH3Quantized's `quantization`; old values are the spellings of earlier versions (today's is the markers' and
 # the reports').
 QUANTIZATIONS = Choices("quantization", ("auto", *online_formats(), "none"), format_aliases())
+
+
+def validates(*names: str):
+    """For a node's `validate_inputs(cls, **inputs)`: ComfyUI hands a validate function the inputs its signature
+    names and skips its own range or list check of those (all of them for one that takes **kwargs), so the
+    signature is made to name exactly `names` (e.g. settings a registry declares)."""
+    def named(function):
+        parameters = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        parameters += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for name in names]
+        function.__signature__ = inspect.Signature(parameters)
+        return function
+    return named

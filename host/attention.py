@@ -1,4 +1,4 @@
-"""ComfyUI's attention hook, without importing ComfyUI.
+"""ComfyUI's attention hook, spoken by duck typing (this module imports no ComfyUI, so it is unit-tested alone).
 
 ComfyUI (0.3.75 and later) runs every `optimized_attention*` call through
 transformer_options["optimized_attention_override"] when it is set, as

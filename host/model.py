@@ -14,9 +14,9 @@ from torch import nn
 import comfy.model_management
 import comfy.utils
 
-from ..quant import QuantConfig, quantize_layers
-from ..quant.quantize_pass import walk_modules
 from ..quant.linear import QuantLinear
+from ..quant.quantize_pass import QuantizeOptions, quantize_model, walk_modules
+from .layers import ComfyQuantLinear
 
 DIFFUSION_PREFIX = "diffusion_model."
 
@@ -102,21 +102,34 @@ def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dic
     return root, overrides
 
 
-def quantize_on_clone(model, config: QuantConfig, title: str):
+class ComfyModelHost:
+    """quant.quantize_pass.ModelHost for a ComfyUI model: the pack's layer with ComfyUI's protocols, its
+    progress bar, and the per-tensor scale of ComfyUI 0.3.75's scaled_fp8 Linear (`scale_weight`)."""
+    layer_type = ComfyQuantLinear
+
+    def progress(self):
+        bar = comfy.utils.ProgressBar(1)
+        return lambda done, total: bar.update_absolute(done, total)
+
+    def weight_scale(self, module: nn.Module):
+        return getattr(module, "scale_weight", None)
+
+
+def quantize_on_clone(model, options: QuantizeOptions, title: str):
     """Quantize `model`'s diffusion model into a clone through object patches.
 
     The input ModelPatcher and its modules are untouched, so other graph
     branches still see the original weights; the cost is that the original
     weights stay in RAM next to the quantized ones while both are referenced.
     Reads the modules as `model` defines them (module_view), whichever clone
-    ComfyUI has loaded. Returns (clone, report, the new quantized layers by name).
+    ComfyUI has loaded; layers with pending weight patches (a LoRA) are kept so
+    the patches apply to real weights. Returns (clone, report, the new quantized
+    layers by name).
     """
     patched = model.clone()
-    root, config.overrides = module_view(model)
-    config.keep.update(_layers_with_weight_patches(model))
-    bar = comfy.utils.ProgressBar(1)
-    replacements, report = quantize_layers(
-        root, config, progress=lambda done, total: bar.update_absolute(done, total), title=title)
+    root, overrides = module_view(model)
+    replacements, report = quantize_model(root, overrides, options, compute_device(), ComfyModelHost(),
+                                          keep=_layers_with_weight_patches(model), title=title)
     if replacements and hasattr(patched, "patches_uuid"):
         # ComfyUI re-patches weights on load only when patches_uuid changed, and its marks of patched
         # weights stay on the modules an object patch swaps out: a LoRA clone loaded after this one

@@ -24,7 +24,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 
 from ..pack_logging import pack_logger
-from .comfy_compat import is_dynamic, weight_patched_quant_tensors
+from .model import is_dynamic, weight_patched_quant_tensors
 
 log = pack_logger(__name__)
 
