@@ -95,14 +95,12 @@ def is_dense(name: str) -> bool:
 
 def create(name: str, **settings) -> Backend:
     """A backend by (any accepted spelling of) its name, with `settings` (each backend takes its declared ones
-    and ignores the others; ValueError for a declared one out of its range)."""
+    and ignores the others; ValueError for a declared one that is no finite number). Their ranges are the
+    node's (BackendParam.problem): a kernel takes any finite value."""
     name = parse(name)
     for param in _PARAMS[name]:
         value = settings.get(param.name, param.default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{param.name} must be a finite number, got {value!r}")  # NaN passes every comparison
-        problem = param.problem(value)
-        if problem is not None:
-            raise ValueError(problem)
     factory = _SELECTORS[name] if name in _SELECTORS else _BACKENDS[name][0]
     return factory(**settings)

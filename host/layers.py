@@ -87,3 +87,9 @@ class ComfyQuantLinear(QuantLinear):
         if name == "weight" and self.__dict__.get("_unpatched") is not None:
             self.restore_unpatched(weight_too=False)
         super().register_parameter(name, param)
+
+
+def fp8_weight_scale(module: nn.Module) -> torch.Tensor | None:
+    """The per-tensor scale of ComfyUI 0.3.75's scaled_fp8 Linear (`scale_weight`), which a plain FP8 weight is
+    multiplied by; None for any other layer."""
+    return getattr(module, "scale_weight", None)

@@ -16,7 +16,7 @@ import comfy.utils
 
 from ..quant.linear import QuantLinear
 from ..quant.quantize_pass import QuantizeOptions, quantize_model, walk_modules
-from .layers import ComfyQuantLinear
+from .layers import ComfyQuantLinear, fp8_weight_scale
 
 DIFFUSION_PREFIX = "diffusion_model."
 
@@ -104,15 +104,13 @@ def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dic
 
 class ComfyModelHost:
     """quant.quantize_pass.ModelHost for a ComfyUI model: the pack's layer with ComfyUI's protocols, its
-    progress bar, and the per-tensor scale of ComfyUI 0.3.75's scaled_fp8 Linear (`scale_weight`)."""
+    progress bar, and the per-tensor scale of ComfyUI 0.3.75's scaled_fp8 Linear."""
     layer_type = ComfyQuantLinear
+    weight_scale = staticmethod(fp8_weight_scale)
 
     def progress(self):
         bar = comfy.utils.ProgressBar(1)
         return lambda done, total: bar.update_absolute(done, total)
-
-    def weight_scale(self, module: nn.Module):
-        return getattr(module, "scale_weight", None)
 
 
 def quantize_on_clone(model, options: QuantizeOptions, title: str):

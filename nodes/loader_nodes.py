@@ -15,16 +15,14 @@ _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native t
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
                   "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
                   "the report says which happened.")
-_INT8_TOOLTIP = ("INT8 layers (int8_tensorwise markers, with or without ConvRot, as Comfy-Org's files). auto: where "
+_INT8_TOOLTIP = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: where "
                  "this GPU's fastest native format (FP8 on sm89+) is measured faster than INT8 at the layer's shape "
                  "and stays within its error bound, re-quantize the layer to it while loading, on the GPU, layer by "
                  "layer; else keep INT8. keep: always INT8. requantize: to that format wherever the GPU has one. "
                  "The report says what was converted, why, and the timings.")
-
-
-def _int8_input():
-    modes = conversion_format("int8").conversion_modes
-    return io.Combo.Input("int8", options=list(modes), default=modes[0], optional=True, tooltip=_INT8_TOOLTIP)
+_INT8_MODES = conversion_format("int8").conversion_modes
+_INT8_INPUT = io.Combo.Input("int8", options=list(_INT8_MODES), default=_INT8_MODES[0], optional=True,
+                             tooltip=_INT8_TOOLTIP)
 
 
 class MixedCheckpointLoader(io.ComfyNode):
@@ -50,7 +48,7 @@ class MixedCheckpointLoader(io.ComfyNode):
                             "a scaled_fp8 marker or a Quanto quantization map."),
                 io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
                                tooltip=_NVFP4_TOOLTIP),
-                _int8_input(),
+                _INT8_INPUT,
             ],
             outputs=[
                 io.Model.Output(display_name="model",
@@ -111,7 +109,7 @@ class LoadH3Quantized(io.ComfyNode):
                     tooltip="The most GiB the quantized Linear layers may take (0: no limit). Where the chosen "
                             f"quantization needs more, the largest layers move to {' then '.join(fit_formats())}, "
                             "largest first, until they fit: 4-bit, less exact; the report lists what moved."),
-                _int8_input(),
+                _INT8_INPUT,
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The quantized diffusion model."),
@@ -163,7 +161,7 @@ class QuantizedCLIPLoader(io.ComfyNode):
                             "(empty new strips the prefix). Two names mapping to one is refused."),
                 io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
                                tooltip=_NVFP4_TOOLTIP),
-                _int8_input(),
+                _INT8_INPUT,
             ],
             outputs=[
                 io.Clip.Output(display_name="clip", tooltip="The text encoder."),

@@ -1,6 +1,7 @@
-"""ARCHITECTURE.md's checkable claims, read from the source with `ast` (nothing is imported): nodes/ is the only
-package that imports ComfyUI, the packages import each other in one direction (the core never imports nodes/),
-no node module is over 200 lines, and the layout's tree names every top-level module and package."""
+"""ARCHITECTURE.md's checkable claims, read from the source with `ast` (nothing is imported): only host/ and nodes/
+import ComfyUI, the packages import each other in one direction (the core never imports host/ or nodes/), nodes/
+holds only node classes, one per-layer record crosses from the decision to the built layer, no node module is
+over 200 lines, and the layout's tree names every top-level module and package."""
 import ast
 from pathlib import Path
 
@@ -11,15 +12,18 @@ COMFYUI = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_path
            "node_helpers", "latent_preview"}
 # unit -> the pack's units it may import (ARCHITECTURE.md's layers)
 BASE = {"dtypes", "hardware", "units", "pack_logging"}
+CORE = {"quant", "attention", "offload", "loaders"}
 ALLOWED = {
     **{base: set() for base in BASE},
     "quant": BASE,
     "attention": BASE,
     "offload": BASE | {"quant"},
     "loaders": BASE | {"quant"},
-    "nodes": BASE | {"quant", "attention", "offload", "loaders"},
+    "host": BASE | CORE,
+    "nodes": BASE | CORE | {"host"},
     "__init__": {"nodes"},
 }
+COMFY_UNITS = {"host", "nodes"}
 NODE_MODULE_LINES = 200
 
 
@@ -54,16 +58,51 @@ def test_every_module_is_in_a_known_layer():
     assert units == set(ALLOWED), "a new package or top-level module: give it its layer here and in ARCHITECTURE.md"
 
 
-def test_only_nodes_imports_comfyui():
-    found = {(str(rel), name) for rel, tree in pack_modules() if unit_of(rel) != "nodes"
+def test_only_host_and_nodes_import_comfyui():
+    found = {(str(rel), name) for rel, tree in pack_modules() if unit_of(rel) not in COMFY_UNITS
              for _, name in imports(rel, tree) if name in COMFYUI}
     assert not found
 
 
-def test_nodes_imports_comfyui():
-    """The check above can fail: nodes/ does import ComfyUI under these names."""
-    names = {name for rel, tree in pack_modules() if unit_of(rel) == "nodes" for _, name in imports(rel, tree)}
-    assert {"comfy", "comfy_api", "folder_paths"} <= names
+def test_host_and_nodes_import_comfyui():
+    """The check above can fail: host/ and nodes/ do import ComfyUI under these names."""
+    for unit in COMFY_UNITS:
+        names = {name for rel, tree in pack_modules() if unit_of(rel) == unit for _, name in imports(rel, tree)}
+        assert {"comfy", "comfy_api"} & names, unit
+
+
+def test_nodes_holds_only_node_classes():
+    """Each module of nodes/ defines node classes (io.ComfyNode subclasses) and its NODES tuple, and nothing
+    else: no function, no other class; its __init__ builds the node tables from those tuples."""
+    for path in sorted((PACK_ROOT / "nodes").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        functions = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        others = [n.name for n in classes if not any(ast.unparse(base) == "io.ComfyNode" for base in n.bases)]
+        assert not functions and not others, (path.name, functions, others)
+        if path.name != "__init__.py":
+            names = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            assert classes and "NODES" in names, path.name
+
+
+def test_one_record_crosses_from_decision_to_build():
+    """The one-pipeline rule: `decide` is defined once (quant/decision.py) and returns the one per-layer record,
+    `Layer` (quant/layer.py); the builders that carry decisions out (the quantization pass, the loaders' builder)
+    call it, and no other class of the core holds a decided method beside a reason."""
+    decides = [(str(rel), n) for rel, tree in pack_modules() for n in ast.walk(tree)
+               if isinstance(n, ast.FunctionDef) and n.name == "decide"]
+    assert [rel for rel, _ in decides] == ["quant/decision.py"]
+    assert ast.unparse(decides[0][1].returns) == "Layer"
+    callers = {str(rel) for rel, tree in pack_modules() for n in ast.walk(tree)
+               if isinstance(n, ast.Call) and ast.unparse(n.func) in ("decide", "decide_all")}
+    assert callers == {"quant/decision.py", "quant/quantize_pass.py", "loaders/build.py"}
+    records = set()
+    for rel, tree in pack_modules():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            fields = {t.target.id for t in cls.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+            if {"method", "reason"} <= fields:
+                records.add(f"{rel}:{cls.name}")
+    assert records == {"quant/layer.py:Layer"}
 
 
 def test_packages_import_in_one_direction():
@@ -86,10 +125,13 @@ def test_the_layout_names_every_top_level_module_and_package():
     assert units <= listed
 
 
-def test_the_loader_nodes_call_the_core_load_pipeline_once():
-    """nodes/loading.py takes from the core only the load pipeline: the rest of a load (inspect, decide, build,
-    release) runs in loaders/load.py, which calls back only through its Host (tests/test_load_pipeline.py)."""
-    tree = ast.parse((PACK_ROOT / "nodes" / "loading.py").read_text())
-    core = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 2
-            for alias in node.names}
-    assert core == {"LoadOptions", "load"}
+def test_the_host_calls_the_core_pipelines_through_their_entry_points():
+    """host/loading.py takes from the core only the two pipelines' entry points: the rest of a load (inspect,
+    decide, build, release) runs in loaders/load.py, which calls back only through its Host
+    (tests/test_load_pipeline.py), and QuantizeModelINT8's pass in quant/quantize_pass.py (host/model.py)."""
+    def core_names(path):
+        tree = ast.parse((PACK_ROOT / "host" / path).read_text())
+        return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 2
+                and node.module.split(".")[0] in CORE for alias in node.names}
+    assert core_names("loading.py") == {"LoadOptions", "load", "QuantizeOptions"}
+    assert {"QuantizeOptions", "quantize_model"} <= core_names("model.py")

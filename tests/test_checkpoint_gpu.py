@@ -91,7 +91,7 @@ def test_quanto_on_cuda(plain_file, tmp_path):
 
 def test_nvfp4_requantized_for_this_gpu(plain_file, tmp_path):
     path = write_markers(plain_file, tmp_path / "nvfp4.safetensors", {"blocks.0.ffn.2": {"format": "nvfp4"}})
-    model, report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda", nvfp4="requantize")
+    model, report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda", conversions={"nvfp4": "requantize"})
     layer = model.get_submodule("blocks.0.ffn.2")
     if capability() >= (10, 0):
         expected = "nvfp4"            # native NVFP4 is already the fastest

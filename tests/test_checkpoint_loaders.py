@@ -195,7 +195,7 @@ def test_nvfp4_and_mxfp8_pad_odd_shapes(tmp_path):
 
 def test_nvfp4_requantized_to_fastest_native_format(plain_file, tmp_path):
     path = write_markers(plain_file, tmp_path / "nvfp4.safetensors", {"blocks.0.ffn.2": {"format": "nvfp4"}})
-    model, report, _ = build(path, nvfp4="requantize")
+    model, report, _ = build(path, conversions={"nvfp4": "requantize"})
     layer = model.get_submodule("blocks.0.ffn.2")
     # On CPU the fastest native format is INT8 ConvRot, at the largest group size dividing 256.
     assert layer.method.describe() == "int8_convrot(g=256)" and layer.weight.dtype == torch.int8
@@ -288,10 +288,10 @@ def test_online_layers_are_decided_from_the_header_before_building(plain_file):
         name: "ignored (matches 'head.*')" if name == "head.head" else "chosen from the header" for name in LINEARS}
 
 
-def test_selector_decides_again_in_the_dtype_comfyui_computes_in(plain_file):
-    """ComfyUI may compute a bf16 file in fp16: the plan (from the header) asked the selector for bfloat16; a
-    layer built with another compute dtype is decided again for that one, and its record gives that reason.
-    A fixed method is not decided again."""
+def test_a_layer_is_decided_once_from_the_header_in_the_files_dtype(plain_file):
+    """ComfyUI may compute a bf16 file in fp16: each plain layer is decided once, from the header, the selector
+    measuring in the file's dtype; a layer then built in another compute dtype keeps that decision (its record
+    gives the header's reason) and computes in the dtype ComfyUI gives it."""
     int8, fp8 = get_method("int8_convrot", group_size=64), get_method("float8_e4m3fn")
 
     class ByDtype:  # a selector whose choice depends on the dtype, as auto's measurement may
@@ -311,18 +311,10 @@ def test_selector_decides_again_in_the_dtype_comfyui_computes_in(plain_file):
         sd = plan.state_dict(source)
         built = builder.build("blocks.0.ffn.0", sd["blocks.0.ffn.0.weight"], 128, 256, None, torch.float16, None)
         same = builder.build("blocks.0.ffn.2", sd["blocks.0.ffn.2.weight"], 256, 128, None, torch.bfloat16, None)
-    assert selector.dtypes[planned:] == [torch.float16]
-    assert built.method.name == "float8_e4m3fn" and built.compute_dtype == torch.float16
+    assert len(selector.dtypes) == planned  # nothing decided again
+    assert built.method.name == "int8_convrot" and built.compute_dtype == torch.float16
     assert same.method.name == "int8_convrot"
-    assert [r.reason for r in builder.report.records] == ["fp8 for float16", "int8 for bfloat16"]
-
-    fixed = QuantConfig(method=int8)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device("cpu"), online=fixed)
-        builder.online_plan["blocks.0.ffn.0"] = replace(builder.online_plan["blocks.0.ffn.0"], reason="planned")
-        sd = plan.state_dict(source)
-        builder.build("blocks.0.ffn.0", sd["blocks.0.ffn.0.weight"], 128, 256, None, torch.float16, None)
-    assert [r.reason for r in builder.report.records] == ["planned"]
+    assert [r.reason for r in builder.report.records] == ["int8 for bfloat16", "int8 for bfloat16"]
 
 
 def test_online_layer_the_header_does_not_name_is_decided_from_its_tensor(plain_file):
@@ -333,7 +325,7 @@ def test_online_layer_the_header_does_not_name_is_decided_from_its_tensor(plain_
     weight = (torch.randn(128, 128, generator=torch.Generator().manual_seed(3)) / 16).to(torch.bfloat16)
     with plan.open() as source:
         builder = LayerBuilder(plan, source, torch.device("cpu"), online=config)
-        assert "converted.q" not in builder.online_plan
+        assert "converted.q" not in builder.layers
         built = builder.build("converted.q", weight, 128, 128, None, torch.float32, None)
         kept = builder.build("converted.kept", weight, 128, 128, None, torch.float32, None)
     assert built.method.name == "int8_convrot" and kept is None
@@ -567,7 +559,7 @@ def test_nvfp4_awq_pre_quant_scale_multiplies_the_input(plain_file, tmp_path):
 def test_nvfp4_awq_requantized_folds_the_scale_into_the_weight(plain_file, tmp_path):
     name = "blocks.0.ffn.2"
     write_nvfp4_awq(plain_file, tmp_path / "awq.safetensors", [name])
-    model, _, _ = build(tmp_path / "awq.safetensors", nvfp4="requantize")
+    model, _, _ = build(tmp_path / "awq.safetensors", conversions={"nvfp4": "requantize"})
     layer = model.get_submodule(name)
     assert layer.method.describe() == "int8_convrot(g=256)" and not hasattr(layer, "pre_quant_scale")
     x = layer_input(name)

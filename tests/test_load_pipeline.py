@@ -12,6 +12,7 @@ from torch import nn
 
 from bigdit.loaders import build as build_module
 from bigdit.loaders.load import LoadOptions, load
+from bigdit.quant.linear import QuantLinear
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 HOST_FILE = Path(__file__).resolve()
@@ -19,7 +20,8 @@ SHAPES = {"blocks.0.ffn.0": (256, 128), "blocks.0.ffn.2": (128, 256)}
 
 
 class StubHost:
-    """The Host protocol as nodes/comfy_host.ComfyHost implements it, on a plain torch model."""
+    """The Host protocol as host/building.ComfyHost implements it, on a plain torch model."""
+    layer_type = QuantLinear
 
     def __init__(self):
         self.calls = []
@@ -82,7 +84,7 @@ def test_the_walk_to_a_quantized_layer_crosses_back_to_the_host_once(tmp_path, m
     host = StubHost()
     options = LoadOptions("LoadH3Quantized", quantization="int8_convrot", group_size=64)
     model, report = load(str(tmp_path / "model.safetensors"), options, torch.device("cpu"), host)
-    assert len(stacks) == len(SHAPES) and report.records[0].method == "int8_convrot"
+    assert len(stacks) == len(SHAPES) and report.records[0].format == "int8_convrot"
     for stack in stacks:
         sides = [s for s in stack if s is not None]
         back_to_host = sum(1 for a, b in zip(sides, sides[1:]) if (a, b) == ("core", "host"))

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.quant import QuantConfig, quantize_layers
 from bigdit.quant.int8_convrot import DEFAULT_SPLIT_ROWS, Int8ConvRotMethod
 
@@ -17,7 +18,8 @@ def quantized(k, n, device="cuda"):
     torch.manual_seed(0)
     layer = nn.Linear(k, n, device=device, dtype=torch.bfloat16)
     nn.init.normal_(layer.weight, std=k ** -0.5)
-    replacements, _ = quantize_layers(nn.Sequential(layer), QuantConfig(method=Int8ConvRotMethod(256)))
+    replacements, _ = quantize_layers(nn.Sequential(layer), QuantConfig(method=Int8ConvRotMethod(256)),
+                                      layer_type=ComfyQuantLinear)
     return layer, replacements["0"]
 
 
@@ -98,7 +100,7 @@ def test_row_split_off_is_its_own_choice(monkeypatch):
 
 
 def test_lora_patch_math_on_the_gpu_keeps_an_offloaded_layer_in_ram(device="cuda"):
-    """nodes/lora_fold.py has ComfyUI patch a layer left in RAM with device_to = the GPU: convert_weight and
+    """host/lora_fold.py has ComfyUI patch a layer left in RAM with device_to = the GPU: convert_weight and
     set_weight compute there, the patched tensors stay in host memory, the layer computes from them per call,
     convert_weight still gives the unpatched base, and ComfyUI's restore brings back the very originals."""
     layer, q = quantized(1024, 2048, device="cpu")

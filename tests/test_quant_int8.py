@@ -3,6 +3,8 @@ import pytest
 import torch
 from torch import nn
 
+from bigdit.host.layers import ComfyQuantLinear, fp8_weight_scale
+from bigdit.quant.quantize_pass import stored_conversions
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, quantize_layers
 from bigdit.quant.quantize_pass import QuantizationError
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
@@ -30,7 +32,8 @@ def make_linear(k, n, bias=True, seed=0, outliers=False, dtype=torch.bfloat16):
 
 def quantize_one(layer, group_size=256, **method_kw):
     model = nn.Sequential(layer)
-    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(group_size, **method_kw)))
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(group_size, **method_kw)),
+                                           layer_type=ComfyQuantLinear)
     return replacements.get("0"), report
 
 
@@ -244,7 +247,7 @@ def test_kitchen_weights_of_upstream_are_already_quantized():
     model.proj.weight = nn.Parameter(QuantizedTensor(qdata, "TensorWiseINT8Layout", params), requires_grad=False)
     replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256)))
     assert "proj" not in replacements and report.summary_line() == "quantized 0/3 linear layers"
-    assert [(r.name, r.method, r.reason) for r in report.earlier] == [("proj", "int8_convrot", "already quantized")]
+    assert [(r.name, r.format, r.reason) for r in report.earlier] == [("proj", "int8_convrot", "already quantized")]
     assert report.earlier[0].bytes_after == 256 * 512 + params.scale.nbytes + 512 * 2  # packed, not 256 * 512 * 2
 
 
@@ -379,7 +382,8 @@ def test_per_call_weight_functions_apply_on_dequantized_weight():
 
 
 def quantize_one_with(layer, method):
-    replacements, report = quantize_layers(nn.Sequential(layer), QuantConfig(method=method))
+    replacements, report = quantize_layers(nn.Sequential(layer), QuantConfig(method=method),
+                                           layer_type=ComfyQuantLinear)
     return replacements["0"], report
 
 
@@ -428,11 +432,17 @@ class Fp8Layers(nn.Module):
             self.add_module(name, layer)
 
 
+def requantize_fp8(on: bool) -> dict:
+    """QuantizeModelINT8's requantize_fp8 switch as the config's conversion of FP8 layers."""
+    return stored_conversions((("requantize_fp8", "requantize" if on else "keep"),))
+
+
 @pytest.mark.parametrize("requantize", [False, True])
 def test_fp8_layers_kept_or_requantized(requantize):
     model = Fp8Layers()
     replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256),
-                                                              requantize_fp8=requantize))
+                                                              conversions=requantize_fp8(requantize)),
+                                           weight_scale=fp8_weight_scale)
     lines = report.render().splitlines()
     if not requantize:
         assert set(replacements) == {"bf16"}
@@ -455,9 +465,10 @@ def test_fp8_layers_kept_or_requantized(requantize):
 
 def test_ignored_fp8_layers_stay_fp8_under_requantize():
     model = Fp8Layers()
-    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256), requantize_fp8=True,
-                                                              ignored=("scaled",)))
+    replacements, report = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(256),
+                                                              conversions=requantize_fp8(True), ignored=("scaled",)),
+                                           weight_scale=fp8_weight_scale)
     assert "scaled" not in replacements
     assert "re-quantized 3 fp8 layers to int8_convrot" in report.render()
     assert "kept 1 fp8 layers as they were" in report.render().splitlines()
-    assert [(r.name, r.method) for r in report.earlier] == [("scaled", "float8_e4m3fn")]
+    assert [(r.name, r.format) for r in report.earlier] == [("scaled", "float8_e4m3fn")]

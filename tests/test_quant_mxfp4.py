@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.quant import QuantConfig, get_method, quantize_layers
 from bigdit.quant import mxfp4
 from bigdit.quant.mxfp4 import (
@@ -264,7 +265,8 @@ def make_linear(k, n, bias=True, dtype=torch.bfloat16, seed=0):
 
 
 def quantize_one(layer, **method_kw):
-    replacements, _ = quantize_layers(nn.Sequential(layer), QuantConfig(method=Mxfp4Method(**method_kw)))
+    replacements, _ = quantize_layers(nn.Sequential(layer), QuantConfig(method=Mxfp4Method(**method_kw)),
+                                      layer_type=ComfyQuantLinear)
     return replacements["0"]
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.quant import fp8
 from bigdit.quant.quantize_pass import quantize_linear
 from bigdit.quant.registry import get_method
@@ -36,7 +37,8 @@ def rel_err(out, ref):
 def layer_pair(name, compute_dtype):
     torch.manual_seed(0)
     plain = nn.Linear(128, 64).to(compute_dtype)
-    return plain, quantize_linear(plain, get_method(name, **METHODS[name]), torch.device("cpu"))
+    return plain, quantize_linear(plain, get_method(name, **METHODS[name]), torch.device("cpu"),
+                                  layer_type=ComfyQuantLinear)
 
 
 @pytest.mark.parametrize("compute_dtype", DTYPES, ids=str)

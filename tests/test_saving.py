@@ -17,6 +17,7 @@ from torch import nn
 
 from test_checkpoint_loaders import LINEARS, WanShaped, build, layer_input, plain_state_dict
 
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.loaders import inspect_checkpoint
 from bigdit.loaders.saving import SaveError, pack_version, save_contents
 from bigdit.loaders.safetensors_writer import write_safetensors
@@ -48,7 +49,7 @@ def quantized_model(methods=METHODS):
     rules = [(name, get_method(fmt, **kw)) for name, (fmt, kw) in methods.items()]
     config = QuantConfig(method=get_method("int8_convrot", group_size=64), rules=rules,
                          ignored=PLAIN, compute_device=torch.device("cpu"))
-    replacements, _ = quantize_layers(model, config)
+    replacements, _ = quantize_layers(model, config, layer_type=ComfyQuantLinear)
     apply_replacements(model, replacements)
     return model
 
@@ -97,7 +98,7 @@ def test_saved_file_loads_back_bit_identical(tmp_path):
     # The plan holds the model's own tensors (the writer reads them one by one): no copy of the model.
     own = {t.data_ptr() for t in model.state_dict(keep_vars=True).values()}
     assert all(t.data_ptr() in own for key, t in plan.tensors if not key.endswith(".comfy_quant"))
-    loaded, report, checkpoint = build(path)
+    loaded, report, checkpoint = build(path, layer_type=ComfyQuantLinear)
     assert checkpoint.kind == "ComfyUI per-layer markers"
     assert {name: layer.format for name, layer in checkpoint.layers.items()} == \
         {name: marker["format"] for name, marker in MARKERS.items()}

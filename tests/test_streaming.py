@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.offload.plan import plan_placement, size_text
 from bigdit.offload.session import StreamSession
 from bigdit.quant.kitchen_api import tensor_bytes
@@ -168,7 +169,7 @@ def test_weight_patched_quantized_blocks_stream_exactly():
     """A LoRA written into a streamed QuantLinear (set_weight, as ComfyUI and the pack's fold do) survives the
     streamer swapping its tensors for copies, and ComfyUI's restore of the weight still brings the scales back."""
     model = Stack(n=4, d=256)
-    quantized, _ = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(64)))
+    quantized, _ = quantize_layers(model, QuantConfig(method=Int8ConvRotMethod(64)), layer_type=ComfyQuantLinear)
     apply_replacements(model, quantized)
     layer = model.blocks[2].fc1
     unpatched = {k: v for k, v in layer.named_parameters()}
