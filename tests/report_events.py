@@ -1,7 +1,7 @@
 """The `bigdit.report` events a ComfyUI server sends: what a node of the pack shows after a sampling.
 
 The web extension replaces a node's report with the text of such an event
-(nodes/node_report.py `show_on_node`). Prompts the harness queues carry no
+(host/report.py `show_on_node`). Prompts the harness queues carry no
 client id, so ComfyUI sends these events to every connected websocket; a
 `ReportEvents` connected before the prompt runs receives them.
 

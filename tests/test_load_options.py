@@ -1,4 +1,4 @@
-"""nodes/options.py: the nodes' option values and old spellings; loaders/load.py: prefix rules, the online config,
+"""host/options.py: the nodes' option values and old spellings; loaders/load.py: prefix rules, the online config,
 progress."""
 import logging
 

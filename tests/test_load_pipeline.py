@@ -1,7 +1,7 @@
 """loaders/load.py, the one load pipeline, and how often it calls back into the host (nodes/ in ComfyUI).
 
 The walk of LoadH3Quantized's `quantization` input, from the node to the quantized layer, is the call stack
-at the moment the layer is made. Here a stub host stands where nodes/comfy_host.py stands in ComfyUI; the
+at the moment the layer is made. Here a stub host stands where host/building.py stands in ComfyUI; the
 stack is read when `quantized_layer` runs and every step from a core frame into a host frame is counted."""
 import traceback
 from pathlib import Path
@@ -54,13 +54,13 @@ class StubHost:
 
 
 def side(filename: str) -> str | None:
-    """"core" for the pack outside nodes/ and tests/, "host" for this stub (nodes/ in ComfyUI), else None."""
+    """"core" for the pack outside host/, nodes/ and tests/, "host" for this stub (host/ in ComfyUI), else None."""
     path = Path(filename).resolve()
     if not path.is_file():  # frozen modules
         return None
     if path == HOST_FILE:
         return "host"
-    if PACK_ROOT in path.parents and path.relative_to(PACK_ROOT).parts[0] not in ("nodes", "tests"):
+    if PACK_ROOT in path.parents and path.relative_to(PACK_ROOT).parts[0] not in ("host", "nodes", "tests"):
         return "core"
     return None
 

@@ -294,7 +294,7 @@ def test_restored_weight_is_read_with_its_own_scales(method_name):
 
 @pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_patched_layer_computes_without_per_call_work_and_restores_bit_exactly(method_name, monkeypatch):
-    """A LoRA folded in once (what nodes/lora_fold.py has ComfyUI do for an offloaded layer): forwards run the
+    """A LoRA folded in once (what host/lora_fold.py has ComfyUI do for an offloaded layer): forwards run the
     method's own kernel on the patched tensors, with no dequantize or requantize per call; convert_weight still
     gives the unpatched weight (the base ComfyUI patches from, were it to patch the layer again); ComfyUI's
     restore of `weight` brings back every original tensor, bit for bit."""

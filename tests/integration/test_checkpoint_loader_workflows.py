@@ -549,7 +549,7 @@ args.cpu = True
 import torch
 import comfy.model_patcher, folder_paths
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
-from bigdit.nodes.loading import load_checkpoint
+from bigdit.host.loading import load_checkpoint
 from bigdit.quant.linear import QuantLinear
 cpu = torch.device("cpu")
 def on_cpu_dynamic(model):  # the patcher upstream makes for a GPU under dynamic VRAM, retargeted to the CPU

@@ -4,7 +4,7 @@ Upstream 0.33.0 (dynamic VRAM): its real `ModelPatcherDynamic.load`, retargeted 
 device-selector nodes retarget a patcher (`load_device`, `register_load_device`), so that it runs here
 without comfy-aimdo's virtual VRAM. It loads whole only what it would load whole on a GPU (modules that
 are not cast layers, small layers, the quantized layers' scales); weight and bias of every other cast
-layer, the pack's QuantLinear included (nodes/dynamic_vram.py), are left to the cast path (a page on a
+layer, the pack's QuantLinear included (host/dynamic_vram.py), are left to the cast path (a page on a
 GPU; here, with no virtual VRAM, read from RAM). Before issue 19 the pack took `comfy_cast_weights` off its layers, and this load copied every
 quantized layer whole (the OOM on a 12 GiB card). ComfyUI 0.3.75: its real partial load
 (`ModelPatcher.load` with `lowvram_model_memory`), which leaves the layers past the budget in RAM.
@@ -41,8 +41,9 @@ import torch
 import comfy.model_management, comfy.model_patcher, comfy.sd
 import nodes
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
-from bigdit.nodes.dynamic_vram import prepare_dynamic_vram
+from bigdit.host.dynamic_vram import prepare_dynamic_vram
 from bigdit.quant import QuantConfig, get_method
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
 from bigdit.quant.linear import QuantLinear
@@ -57,7 +58,7 @@ def quantized():
     names = [name for name, _ in diffusion.named_modules()]
     config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=cpu,
                          ignored=keep_patterns(names, None))
-    replacements, _ = quantize_layers(diffusion, config, title="test")
+    replacements, _ = quantize_layers(diffusion, config, title="test", layer_type=ComfyQuantLinear)
     apply_replacements(diffusion, replacements)
     return patcher, replacements
 

@@ -31,7 +31,7 @@ args.cpu = True
 import torch
 import comfy.model_management, comfy.model_patcher, comfy.sd, comfy.utils
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
-from bigdit.nodes import comfy_compat, offload
+from bigdit.host import model as comfy_compat, offload
 from bigdit.quant import QuantConfig, get_method
 from bigdit.quant.linear import QuantLinear
 
@@ -46,8 +46,7 @@ out["pack_sees_dynamic"] = comfy_compat.is_dynamic(patcher)
 out["plain_pack_sees_dynamic"] = comfy_compat.is_dynamic(plain)
 size_before = patcher.model_size()
 
-config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=torch.device("cpu"))
-quantized, report, layers = comfy_compat.quantize_on_clone(patcher, config, title="test")
+quantized, report, layers = comfy_compat.quantize_on_clone(patcher, QuantizeOptions("int8_convrot", 16), title="test")
 out["clone_class"], out["clone_is_dynamic"] = type(quantized).__name__, quantized.is_dynamic()
 out["clone_pack_sees_dynamic"] = comfy_compat.is_dynamic(quantized)
 out["layers"] = len(layers)
@@ -134,8 +133,10 @@ args.cpu = True
 import torch
 import comfy.model_patcher, comfy.sd, comfy.utils
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
-from bigdit.nodes import comfy_compat
-from bigdit.nodes.dynamic_vram import prepare_dynamic_vram
+from bigdit.host import model as comfy_compat
+from bigdit.host.dynamic_vram import prepare_dynamic_vram
+from bigdit.host.layers import ComfyQuantLinear
+from bigdit.quant.quantize_pass import QuantizeOptions
 from bigdit.quant import QuantConfig, get_method
 from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.linear import QuantLinear
@@ -187,7 +188,7 @@ def with_lora(p, path, layer, gen):
 
 plain = comfy.sd.load_diffusion_model(unet)
 patcher = Dynamic(plain.model, load_device=cuda, offload_device=cpu)
-quantized, _, layers = comfy_compat.quantize_on_clone(patcher, config(), title="test")
+quantized, _, layers = comfy_compat.quantize_on_clone(patcher, QuantizeOptions("int8_convrot", 16), title="test")
 prepare_dynamic_vram(quantized)
 name, layer = next(iter(layers.items()))
 path = comfy_compat.DIFFUSION_PREFIX + name
@@ -231,7 +232,7 @@ out["switch_layer_restored"] = same(layer, layer_saved)
 
 # 3. a loader's layers, built in place: the LoRA applied per call, the backups restored by ComfyUI
 own = comfy.sd.load_diffusion_model(unet)
-replacements, _ = quantize_layers(own.model.diffusion_model, config(), title="test")
+replacements, _ = quantize_layers(own.model.diffusion_model, config(), title="test", layer_type=ComfyQuantLinear)
 apply_replacements(own.model.diffusion_model, replacements)
 in_place = Dynamic(own.model, load_device=cuda, offload_device=cpu)
 prepare_dynamic_vram(in_place)
@@ -252,7 +253,7 @@ with torch.no_grad():
 out["cast_layers"] = sorted(cast_seen)  # the prepared layers only
 
 # 4. the same load and unload on a clone without the callbacks: upstream's order of restoring
-bare, _, bare_layers = comfy_compat.quantize_on_clone(patcher, config(), title="test")
+bare, _, bare_layers = comfy_compat.quantize_on_clone(patcher, QuantizeOptions("int8_convrot", 16), title="test")
 bare_original = comfy.utils.get_attr(patcher.model, path)
 bare_saved = snapshot(bare_original)
 dynamic_load(retarget(bare))
@@ -284,4 +285,4 @@ def test_dynamic_vram_pages_quantized_layers_and_restores_them(comfy, tiny_wan):
     assert out["in_place_restored"] and out["in_place_output_restored"], out
     # what the callbacks prevent; if upstream restores in the other order one day, this says so
     assert not out["without_original_kept"] and out["without_stray"], (
-        "upstream no longer puts QuantLinear backups on the original Linear: nodes/dynamic_vram.py may go", out)
+        "upstream no longer puts QuantLinear backups on the original Linear: host/dynamic_vram.py may go", out)

@@ -1,4 +1,4 @@
-"""Quantized weights ComfyUI pages from a file, as from its own files (issue 19, item 3; nodes/file_backed.py).
+"""Quantized weights ComfyUI pages from a file, as from its own files (issue 19, item 3; host/file_backed.py).
 
 Under upstream's dynamic VRAM the host copies a layer's weight into its own pinned memory, reading the
 model file, so a loader's quantized weights in process memory would be held twice. `back_with_file`
@@ -44,7 +44,7 @@ import torch
 import comfy.memory_management, comfy.model_management, comfy.model_patcher, comfy.sd
 import folder_paths, nodes
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
-from bigdit.nodes.file_backed import back_with_file, paged_tensors
+from bigdit.host.file_backed import back_with_file, paged_tensors
 from bigdit.quant.linear import QuantLinear
 exec(sys.argv[5])
 """
@@ -61,6 +61,7 @@ def run_probe(comfy, probe, model_path, kind, text_dim) -> dict:
 
 PROBE = r"""
 from bigdit.quant import QuantConfig, get_method
+from bigdit.host.layers import ComfyQuantLinear
 from bigdit.quant.quantize_pass import apply_replacements, quantize_layers
 from bigdit.quant.keep import keep_patterns
 
@@ -72,7 +73,7 @@ def quantized():
         p.data = p.data.clone()
     config = QuantConfig(method=get_method("int8_convrot", group_size=16), compute_device=cpu,
                          ignored=keep_patterns([n for n, _ in diffusion.named_modules()], None))
-    replacements, _ = quantize_layers(diffusion, config, title="test")
+    replacements, _ = quantize_layers(diffusion, config, title="test", layer_type=ComfyQuantLinear)
     apply_replacements(diffusion, replacements)
     return on_cpu_dynamic(patcher.model)
 
@@ -149,7 +150,7 @@ def test_h3_weights_paged_from_a_file(comfy, tiny_h3):
 KEPT_AS_STORED = r"""
 from bigdit.dtypes import SAFETENSORS_TO_TORCH
 from bigdit.loaders.load import LoadOptions, load
-from bigdit.nodes.comfy_host import ComfyHost
+from bigdit.host.building import ComfyHost
 
 
 # the patcher ComfyUI makes for a GPU under dynamic VRAM, which loads the file's tensors with assign=True

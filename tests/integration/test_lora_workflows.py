@@ -141,7 +141,7 @@ def test_partial_loading_and_unloading_with_lora(comfy, tiny_wan2, lora_name, fl
     assert offloaded["lowvram_lora"] == len(TARGETS) and offloaded_reloaded["lowvram_modules"] == 0
 
     # Every load patches each LoRA layer once, offloaded ones included (the pack folds the LoRA into the
-    # quantized weight, nodes/lora_fold.py), and no forward patches anything.
+    # quantized weight, host/lora_fold.py), and no forward patches anything.
     for name in ("full", "offloaded", "offloaded_reloaded", "partial", "reloaded"):
         state = report[name]
         assert state["patch_calls_load"] == len(TARGETS), (name, state)

@@ -1,7 +1,7 @@
 """A model from LoadH3Quantized under ComfyUI's own TorchCompileModel, sampled through its KSampler path on CPU:
 compiled once, at the first step; under upstream's dynamic VRAM too, where the node loads the model again.
 
-Offload's DIFFUSION_MODEL wrapper (nodes/offload.py) runs inside the compiled forward. The session state it read
+Offload's DIFFUSION_MODEL wrapper (host/offload.py) runs inside the compiled forward. The session state it read
 there (`started`, the call count) became guards, and the next step compiled the whole model again: Wan 2.1 14B
 on the H200 (ComfyUI 0.3.75) took 109 s, 107 s, then 1.95 s for its 3 steps. tests/test_compile.py covers the
 layers, the attention router and the streamer under compile alone.
@@ -31,7 +31,7 @@ import comfy.model_patcher, folder_paths, nodes
 from comfy_extras.nodes_torch_compile import TorchCompileModel
 from torch._dynamo.utils import counters, guard_failures
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
-from bigdit.nodes.loading import load_checkpoint
+from bigdit.host.loading import load_checkpoint
 from bigdit.quant.linear import QuantLinear
 exec(sys.argv[3])  # tests/cpu_sampling.py: sample, on_cpu_dynamic
 if dynamic:  # the patcher upstream makes for a GPU under dynamic VRAM, retargeted to the CPU
