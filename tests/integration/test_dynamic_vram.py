@@ -32,6 +32,7 @@ import torch
 import comfy.model_management, comfy.model_patcher, comfy.sd, comfy.utils
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.host import model as comfy_compat, offload
+from bigdit.quant.quantize_pass import QuantizeOptions
 from bigdit.quant import QuantConfig, get_method
 from bigdit.quant.linear import QuantLinear
 

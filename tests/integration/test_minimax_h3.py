@@ -274,7 +274,7 @@ def test_h3s_swiglu_on_quantized_layers(comfy, tiny_h3, baseline, producer):
     assert set(mlps) == MLPS
     storage = {"int8_convrot": "int8", "float8_e4m3fn": "float8_e4m3fn"}[fmt]
     for name, found in mlps.items():
-        assert found["fc2"] == f"QuantLinear/Parameter({storage})", (name, found)
+        assert found["fc2"] == f"ComfyQuantLinear/Parameter({storage})", (name, found)
         assert found["fused"] == 0 and found["unfused"] == 0.0, (name, found)
     for ours, reference in ((video, baseline[0]), (audio, baseline[1])):
         assert DIFFERS < rel_l2(ours, reference) < ONLINE_TOLERANCE[fmt]

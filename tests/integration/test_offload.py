@@ -130,7 +130,7 @@ args.cpu = True
 import torch
 import comfy.model_management
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
-from bigdit.nodes import offload
+from bigdit.host import offload
 from bigdit.offload.streaming import HostPins
 functions = offload.host_pin_functions()
 pins = HostPins(**functions)
