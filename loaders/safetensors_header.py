@@ -137,7 +137,8 @@ def read_header(path, max_header_bytes: int = MAX_HEADER_BYTES,
     Checks: the header length is bounded and inside the file; the header is a
     JSON object; metadata is str -> str and bounded; every tensor has a known
     dtype, a shape whose byte size matches its offsets, and data that lies
-    inside the file (a truncated file fails here, naming the missing tensors).
+    inside the file (a truncated file fails here, naming the missing tensors);
+    the tensors' data covers the data section exactly, as safetensors requires.
     """
     path = os.fspath(path)
     try:
@@ -182,7 +183,35 @@ def read_header(path, max_header_bytes: int = MAX_HEADER_BYTES,
     if beyond_end:
         raise CheckpointError(path, f"truncated file: {len(beyond_end)} tensor(s) end past the file's last byte "
                                     f"({file_size} bytes)", beyond_end)
+    _check_layout(path, tensors, data_size)
     return SafetensorsHeader(path, metadata, tensors, data_start, file_size, children)
+
+
+def _check_layout(path: str, tensors: dict[str, TensorInfo], data_size: int) -> None:
+    """safetensors' own rule (safe_open refuses anything else): ordered by offsets, the tensors fill the data
+    section back to back from its first byte to the file's last, with no overlap and no gap."""
+    end, previous = 0, None
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end, t.name)):
+        if info.begin != end:
+            if info.begin < end:
+                where = f"start inside tensor {previous.name!r} ({_span(previous)})"
+            elif previous is None:
+                where = f"leave the data section's first {info.begin} bytes to no tensor"
+            else:
+                where = f"leave a gap of {info.begin - end} bytes after tensor {previous.name!r} ({_span(previous)})"
+            raise CheckpointError(path, f"invalid offset for tensor {info.name!r}: its data_offsets {_span(info)} "
+                                        f"{where}; safetensors requires the tensors to fill the data section back "
+                                        "to back", [info.name] + ([previous.name] if previous else []))
+        end, previous = info.end, info
+    if end != data_size:
+        after = f", after tensor {previous.name!r} ({_span(previous)})," if previous else ""
+        raise CheckpointError(path, f"incomplete metadata, file not fully covered: the data section's last "
+                                    f"{data_size - end} bytes{after} belong to no tensor",
+                              [previous.name] if previous else [])
+
+
+def _span(info: TensorInfo) -> str:
+    return f"[{info.begin}, {info.end}]"
 
 
 def _tensor_info(path: str, name: str, entry) -> TensorInfo:

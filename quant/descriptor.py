@@ -9,6 +9,7 @@ loaders/layers.py), so adding a format touches no loader.
 """
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -87,11 +88,14 @@ def read_marker(params: dict[str, MarkerParam], marker: dict) -> tuple[dict, lis
     """(the options `params` declares, defaults filled in; the marker's keys no format reads).
 
     A key at the top level wins over the same key under "params", as in upstream ComfyUI's loader. A declared
-    key whose value no writer could mean (a group size of 0) is a ValueError, used or not."""
-    nested = marker.get("params")
-    unknown = [] if isinstance(nested, dict) or "params" not in marker else ["params"]
-    nested = nested if isinstance(nested, dict) else {}
-    unknown += [f"params.{key}" for key in nested if key not in params]
+    key whose value no writer could mean (a group size of 0), or a "params" that is no object, is a ValueError,
+    used or not."""
+    nested = marker.get("params", {})
+    if not isinstance(nested, dict):
+        # upstream reads such a marker as having no options: ConvRot data would run as plain INT8
+        raise ValueError(f"bad marker: params {reprlib.repr(nested)} is not a JSON object (expected an object "
+                         "of the format's options)")
+    unknown = [f"params.{key}" for key in nested if key not in params]
     unknown += [key for key in marker if key not in params and key not in MARKER_KEYS]
     values = {}
     for key, param in params.items():

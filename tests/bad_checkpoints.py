@@ -8,6 +8,7 @@ through a real ComfyUI and check that the server keeps serving.
 """
 import json
 import struct
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,27 @@ def write_raw(dst, header: bytes, data: bytes = b""):
     with open(dst, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header + data)
     return dst
+
+
+def relaid(shift=0, trailing=0):
+    """A bad-file writer: the plain file with LAYER's weight moved to the end of the data section, `shift` bytes
+    past the end of the tensor before it (negative: inside that tensor), then `trailing` bytes no tensor holds."""
+    def write(src, workdir, dst):
+        raw = Path(src).read_bytes()
+        (size,) = struct.unpack("<Q", raw[:8])
+        header, data = json.loads(raw[8:8 + size]), raw[8 + size:]
+        moved = f"{LAYER}.weight"
+        keys = sorted((key for key in header if key not in ("__metadata__", moved)),
+                      key=lambda key: header[key]["data_offsets"]) + [moved]
+        out = bytearray()
+        for key in keys:
+            begin, end = header[key]["data_offsets"]
+            at = len(out) + (shift if key == moved else 0)
+            out += bytes(max(0, at - len(out)))
+            out[at:] = data[begin:end]
+            header[key]["data_offsets"] = [at, at + end - begin]
+        return write_raw(dst, json.dumps(header).encode(), bytes(out) + bytes(trailing))
+    return write
 
 
 def _with_scale(writer, role, change):
@@ -315,6 +337,9 @@ BAD_FILES = {
     # marker values no writer means, used by the format or not (an unknown key is only warned about)
     "int8 group size 0": (_with_marker(_int8_file, {"format": "int8_tensorwise", "convrot_groupsize": 0}),
                           "bad marker: convrot_groupsize 0 is a value no writer means", LAYER),
+    # upstream reads it as no options: this ConvRot data would run as plain INT8
+    "params not an object": (_with_marker(_int8_file, {"format": "int8_tensorwise", "params": "convrot"}),
+                             "bad marker: params 'convrot' is not a JSON object", LAYER),
     "int8 convrot as text": (_with_marker(_int8_file, {"format": "int8_tensorwise", "convrot": "yes"}),
                              "bad marker: convrot 'yes' is a value no writer means (expected true or false)", LAYER),
     "per_row as text": (_with_marker(_int8_file, {"format": "int8_tensorwise", "convrot": True,
@@ -371,6 +396,11 @@ BAD_FILES = {
     "deep marker JSON": (bad_deep_marker, f"nested more than {MAX_MARKER_DEPTH} levels deep", LAYER),
     "nested Quanto map": (bad_nested_quanto_map, "quantization_map_base64", "nested too deeply"),
     "oversized marker": (bad_oversized_marker, "oversized marker", LAYER),
+    # data sections safetensors' own reader refuses
+    "overlapping tensors": (relaid(shift=-2), "start inside tensor", f"{LAYER}.weight"),
+    "gap between tensors": (relaid(shift=8), "leave a gap of 8 bytes after tensor", f"{LAYER}.weight"),
+    "bytes after the last tensor": (relaid(trailing=16), "incomplete metadata, file not fully covered: the data "
+                                                         "section's last 16 bytes", f"{LAYER}.weight"),
 }
 
 # Cases the unit tests cover alone: the integration tests load one of each kind through a real server (its
@@ -379,4 +409,4 @@ UNIT_ONLY = ("int8 convrot as text", "per_row as text", "W4A4 group size 0", "W4
              "W4A4 linear dtype", "W4A8 group size 0", "W4A8 group size 12", "W4A4 per-tensor layout scale",
              "W4A4 bf16 weight", "W4A4 zero scale", "W4A8 missing s_channel", "W4A8 bf16 s_channel",
              "W4A8 NaN group scale", "W4A8 huge s_channel", "W4A8 codebook shape", "W4A8 correction layout",
-             "AWQ zero scale", "AWQ integer scale")
+             "AWQ zero scale", "AWQ integer scale", "gap between tensors", "bytes after the last tensor")

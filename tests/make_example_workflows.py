@@ -1,6 +1,7 @@
 """Write the pack's example workflows: example_workflows/<name>.json (UI format, what ComfyUI's
 template browser lists and what drag-and-drop loads), <name>.jpg (its preview) and
-example_workflows/api/<name>.json (API format, for POST /prompt).
+example_workflows/api/<name>.json (API format, for POST /prompt), and example_workflows/input/ the pictures
+the examples' Load Image nodes name (tests/example_inputs.py draws them).
 
     python tests/make_example_workflows.py [NAME ...]   (default: every example)
 
@@ -14,6 +15,7 @@ gives its API file. Each example is built on the first host that has every featu
 Needs /usr/bin/chromium (Debian package 'chromium') and the hosts of .ci/setup_env.sh.
 """
 import json
+import shutil
 import sys
 import tempfile
 import uuid
@@ -22,6 +24,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
+import example_inputs  # noqa: E402
 import template_workflows  # noqa: E402
 from browser import Browser  # noqa: E402
 from comfy_harness import HOSTS, ComfyServer  # noqa: E402
@@ -30,10 +33,16 @@ from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, screens
 OUT = TESTS.parent / "example_workflows"
 PREVIEW_MAX_BYTES = 200_000
 
-# Files as Comfy-Org's Wan 2.1 repackage names them (models/diffusion_models, text_encoders, vae).
+# Files as Comfy-Org's Wan 2.1 repackage names them (models/diffusion_models, text_encoders, vae), and where
+# it publishes them: each loader carries its file's download hint (`properties.models`, as Comfy-Org's own
+# Wan 2.1 templates do), so the front end offers the download and knows the folder of a file it misses.
 WAN_UNET_BF16 = "wan2.1_t2v_14B_bf16.safetensors"
+WAN_UNET_FP8_SCALED = "wan2.1_t2v_14B_fp8_scaled.safetensors"
 WAN_TEXT_ENCODER = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 WAN_VAE = "wan_2.1_vae.safetensors"
+WAN_REPACKAGED = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
+# Loader inputs naming a model file -> its models/ folder.
+MODEL_FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae"}
 PROMPT = "A red fox trotting through a snowy pine forest at dawn, soft light, snow falling, cinematic."
 NEGATIVE = "blurry, low quality, static, distorted, watermark, text"
 
@@ -65,7 +74,17 @@ def wan_t2v(model_chain, loader, title_suffix="", prefix="bigdit/wan"):
             "images": ["decode", 0], "filename_prefix": prefix, "fps": 16.0, "lossless": False,
             "quality": 90, "method": "default"}},
     })
+    for node in graph.values():
+        hints = [download_hint(name, value) for name, value in node["inputs"].items() if name in MODEL_FOLDERS]
+        if hints:
+            node["models"] = hints
     return graph
+
+
+def download_hint(input_name, file_name):
+    """Where Comfy-Org publishes a Wan 2.1 file, and the models/ folder the loader's input reads."""
+    folder = MODEL_FOLDERS[input_name]
+    return {"name": file_name, "url": f"{WAN_REPACKAGED}/{folder}/{file_name}", "directory": folder}
 
 
 def quantize_while_loading():
@@ -80,8 +99,7 @@ def quantize_online():
 
 
 def mixed_checkpoint():
-    loader = {"class_type": "MixedCheckpointLoader", "inputs": {
-        "unet_name": "wan2.1_t2v_14B_mixed_int8_fp8.safetensors", "nvfp4": "auto"}}
+    loader = {"class_type": "MixedCheckpointLoader", "inputs": {"unet_name": WAN_UNET_FP8_SCALED, "nvfp4": "auto"}}
     return wan_t2v([], loader, prefix="bigdit/wan_mixed")
 
 
@@ -119,22 +137,24 @@ GiB saved, the memory plan and how many quantized layers ran.
 
 Files: models/diffusion_models/wan2.1_t2v_14B_bf16.safetensors,
 models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors,
-models/vae/wan_2.1_vae.safetensors (Comfy-Org's Wan 2.1 repackage).
-Any other model ComfyUI loads works the same way. To skip the quantization
-at the next load, save the result once with Save Quantized Model and load
-that file with "Load Quantized Diffusion Model"."""),
+models/vae/wan_2.1_vae.safetensors (Comfy-Org's Wan 2.1 repackage; the
+loaders carry their download links). Any other model ComfyUI loads works
+the same way. To skip the quantization at the next load, save the result
+once with Save Quantized Model and load that file with "Load Quantized
+Diffusion Model"."""),
     "bigdit-2-load-mixed-quantized-checkpoint": (mixed_checkpoint, """\
 Load a checkpoint whose layers are stored quantized (BigDiT).
 
 "Load Quantized Diffusion Model" reads ComfyUI per-layer markers (INT8 with or without
-ConvRot, FP8, NVFP4, MXFP8, mixed in one file) or a self-describing Quanto qint8
-file, checks the whole file first, and builds each layer in its format. The
-architecture is detected by ComfyUI, so this works for any model ComfyUI knows,
-also on ComfyUI versions without these formats.
+ConvRot, FP8, NVFP4, MXFP8, mixed in one file), ComfyUI's scaled_fp8 files or a
+self-describing Quanto qint8 file, checks the whole file first, and builds each
+layer in its format. The architecture is detected by ComfyUI, so this works for
+any model ComfyUI knows, also on ComfyUI versions without these formats.
 
-Put your quantized file in models/diffusion_models and pick it in the loader
-(the name here is a placeholder). The report lists layers per format and how
-block formats run on this GPU (native or dequantized).
+The file here is Comfy-Org's FP8 Wan 2.1 T2V 14B (a scaled_fp8 file; the loaders
+carry their download links); put your own quantized file in
+models/diffusion_models and pick it in the loader. The report lists layers per
+format and how block formats run on this GPU (native or dequantized).
 
 nvfp4 = requantize: on GPUs without an NVFP4 GEMM (before sm100), re-quantize
 NVFP4 layers to this GPU's fastest native format at load."""),
@@ -159,9 +179,6 @@ def preview_jpeg(browser, path: Path):
     raise RuntimeError(f"{path} stays over {PREVIEW_MAX_BYTES} bytes")
 
 
-# Loader inputs naming a model file -> its models/ folder.
-MODEL_FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae"}
-
 
 def placeholder_models(base: Path, graphs) -> None:
     """Empty files named as the examples' models: the front end then lists them in the loaders, and newer
@@ -176,9 +193,8 @@ def placeholder_models(base: Path, graphs) -> None:
 
 
 def placeholder_template_files(base: Path, workflows) -> None:
-    """Empty files named as the templates' download hints (properties.models), in their folders, and grey
-    pictures named as their input images, so that the previews show no missing file."""
-    from PIL import Image
+    """Empty files named as the templates' download hints (properties.models), in their folders, and the
+    pack's input pictures in the input folder, so that the previews show no missing file."""
     for workflow in workflows:
         nodes = workflow["nodes"] + [n for s in workflow.get("definitions", {}).get("subgraphs", []) for n in s["nodes"]]
         for node in nodes:
@@ -187,9 +203,8 @@ def placeholder_template_files(base: Path, workflows) -> None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
             if node["type"] == "LoadImage":
-                path = base / "input" / node["widgets_values"][0]
-                path.parent.mkdir(parents=True, exist_ok=True)
-                Image.new("RGB", (512, 512), (96, 96, 96)).save(path)
+                (base / "input").mkdir(parents=True, exist_ok=True)
+                shutil.copy(example_inputs.INPUT_DIR / node["widgets_values"][0], base / "input")
 
 
 def host_for(name):
@@ -212,6 +227,9 @@ def main(chosen):
             continue
         graphs = {name: EXAMPLES[name][0]() for name in names if name in EXAMPLES}
         workflows = {name: template_workflows.build(name) for name in names if name in template_workflows.EXAMPLES}
+        for workflow in workflows.values():
+            for image in example_inputs.load_image_files(workflow):
+                example_inputs.write(image)
         with tempfile.TemporaryDirectory(prefix="bigdit-examples-") as base:
             placeholder_models(Path(base), graphs.values())
             placeholder_template_files(Path(base), workflows.values())

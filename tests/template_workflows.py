@@ -273,16 +273,26 @@ per-channel input scales included). `nvfp4` requantize re-quantizes it at load t
 format where the GPU has no NVFP4 GEMM (before sm100); auto keeps NVFP4 and dequantizes each layer before \
 its matmul there.
 
-{turbo}"""
+{turbo}{inputs}"""
 
 IN_SUBGRAPH = " inside its subgraph (open it with the icon at the top right of the node)"
 PROMOTED = " (shown on the subgraph's node as `attention_backend`)"
 
 
+INPUTS = ("\n\nThe input {pictures} {names} {ship} with BigDiT as placeholder drawings in its "
+          "`example_workflows/input/` folder: copy {them} into ComfyUI's `input` folder to run this workflow as it "
+          "is, or pick your own picture in Load Image.")
+
+
 def note(template, where, attention, turbo):
-    bf16 = next(n for n in template_nodes(template) if n["type"] == "UNETLoader")["widgets_values"][0]
+    nodes = template_nodes(template)
+    bf16 = next(n for n in nodes if n["type"] == "UNETLoader")["widgets_values"][0]
+    images = [f"`{n['widgets_values'][0]}`" for n in nodes if n["type"] == "LoadImage"]
+    inputs = INPUTS.format(pictures="pictures" if len(images) > 1 else "picture", names=" and ".join(images),
+                           ship="ship" if len(images) > 1 else "ships",
+                           them="them" if len(images) > 1 else "it") if images else ""
     return NOTE.format(template=template, package=TEMPLATES_PACKAGE, where=where,
-                       bf16=bf16.replace("_int8_convrot", "_bf16"), attention=attention, turbo=turbo)
+                       bf16=bf16.replace("_int8_convrot", "_bf16"), attention=attention, turbo=turbo, inputs=inputs)
 
 
 # name -> (template, SetAttentionBackend's backend, its position where it is added, note)

@@ -169,9 +169,39 @@ def test_summary_follows_issue_12():
         "comfy_fp8_fast" and detail["tokens"] == 32760
     assert detail["fastest_pack_dense"]["config"] == "pack_auto_fp8attn"
     assert detail["fastest_pack_dense_speedup"] == pytest.approx(3.0 / 2.0)
+    assert detail["missing"] == []
     _, partial = comfy_e2e.summarize(results[3:4], {"wan14b": {}})
     assert partial == {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": 16.8,
                        "lora_cost": None}
+
+
+def test_summary_of_runs_each_on_its_own_card_names_what_is_missing():
+    """--configs pack_auto_12g (or pack_auto_12g,comfy_fp8_marker_12g without comfy_resident): every run at the
+    length has its own card, so issue 12's numbers have nothing to compare; the LoRA cost still comes out."""
+    results = [_rec("pack_auto_12g", 2.4, "pack", peak=11.0, cosine=None, own_cap=True),
+               _rec("comfy_fp8_marker_12g", 2.9, "comfy", peak=11.5, cosine=None, own_cap=True),
+               _rec("pack_auto_lora_12g", 2.52, "pack", peak=11.2, cosine=None, lora=True, own_cap=True)]
+    detail, summary = comfy_e2e.summarize(results, {"wan14b": {}})
+    assert summary == {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": None,
+                       "lora_cost": None}
+    assert detail["length"] == "x" and detail["tokens"] == 32760 and detail["reference"] is None
+    assert [(x["config"], x["base"]) for x in detail["lora"]] == [("pack_auto_lora_12g", "pack_auto_12g")]
+    assert detail["missing"] == [
+        "no comfy_resident run: dense_speedup and sol_speedup need it",
+        "no capped pack dense run: dense_speedup and vs_comfy_best need one",
+        "no pack Sol run: sol_speedup needs one",
+        "no capped ComfyUI run: vs_comfy_best needs one",
+        "no capped pack run with a peak at any length: peak_gib_capped needs one"]
+    # the reference alone: a pack run under the run's cap without a cosine is not counted as the best
+    detail, summary = comfy_e2e.summarize(results + [_rec("comfy_resident", 3.0, "comfy", capped=False),
+                                                     _rec("pack_auto", 2.5, "pack", peak=16.8, cosine=None)],
+                                          {"wan14b": {}})
+    assert summary["dense_speedup"] is None and summary["peak_gib_capped"] == 16.8
+    assert detail["reference"]["config"] == "comfy_resident" and detail["missing"] == [
+        "no capped pack dense run with a latent cosine of at least 0.999 against its reference: dense_speedup and "
+        "vs_comfy_best need one",
+        "no pack Sol run: sol_speedup needs one",
+        "no capped ComfyUI run: vs_comfy_best needs one"]
 
 
 def test_lora_configs_chain_the_bench_lora_and_keep_their_card():

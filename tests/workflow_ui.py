@@ -3,11 +3,13 @@
 `open_comfy(browser, url)` opens the graph editor of a running ComfyUI with the
 first-run dialogs off and waits until the node definitions are registered.
 `build_ui_workflow(browser, graph, note)` creates the graph's nodes through the
-front end (LiteGraph.createNode, widget values by name, links by input name),
-lays them out in columns by depth, and returns what the front end saves and
-queues for it: {"workflow": UI format (drag-and-drop JSON), "prompt": API format
-(graphToPrompt)}. Because the front end writes both, they always agree with
-each other and with the front end's widget order.
+front end (LiteGraph.createNode, widget values by name, links by input name, a
+node's `models` as its download hints, properties.models), lays them out in
+columns by depth, each node wide enough for its whole title, clear of the
+sidebar and the top bar when the workflow opens at 100 %, and returns what the
+front end saves and queues for it: {"workflow": UI format (drag-and-drop JSON),
+"prompt": API format (graphToPrompt)}. Because the front end writes both, they
+always agree with each other and with the front end's widget order.
 """
 import json
 import urllib.request
@@ -18,10 +20,14 @@ READY = ("window.comfyAPI?.app?.app?.graph && window.LiteGraph?.registered_node_
          " && window.comfyAPI.app.app.extensions.some(e => e.name === 'bigdit.report')"
          " && window.comfyAPI.app.app.graph.nodes.length > 0")
 
-# Arguments: graph {key: {class_type, inputs, title?}} with links as [key, output index], and note
-# text. Node ids follow the graph's order (the Note first).
+# Where the first column's first node goes, at 100 % from the page's top left: right of the front end's
+# sidebar and below its tabs and menu bar (newer front ends draw the canvas under both).
+ORIGIN = (100, 150)
+
+# Arguments: graph {key: {class_type, inputs, title?, models?}} with links as [key, output index], note
+# text and the origin. Node ids follow the graph's order (the Note first).
 BUILD_JS = r"""
-async ({graph, note}) => {
+async ({graph, note, origin}) => {
   const app = window.comfyAPI.app.app;
   await app.loadGraphData({last_node_id: 0, last_link_id: 0, nodes: [], links: [], groups: [],
                            config: {}, extra: {}, version: 0.4}, true, false, null,
@@ -47,7 +53,13 @@ async ({graph, note}) => {
   for (const [key, spec] of Object.entries(graph)) {
     nodes[key] = add(spec.class_type);
     if (spec.title) nodes[key].title = spec.title;
+    if (spec.models) nodes[key].properties.models = spec.models;
   }
+  // newer front ends cut a title longer than the node's width less a title bar's height on each side;
+  // 40 px more for a front end whose title font is wider than this one's
+  const ctx = document.createElement("canvas").getContext("2d");
+  ctx.font = app.canvas.title_text_font;
+  const titleWidth = (node) => Math.ceil(ctx.measureText(node.title).width) + 2 * LiteGraph.NODE_TITLE_HEIGHT + 40;
   for (const [key, spec] of Object.entries(graph)) {
     const node = nodes[key];
     for (const [name, value] of Object.entries(spec.inputs)) {
@@ -65,7 +77,7 @@ async ({graph, note}) => {
     // seeds stay as written instead of changing after every run
     for (const w of node.widgets ?? []) if (w.name === "control_after_generate") w.value = "fixed";
     const [w, h] = node.computeSize();
-    node.setSize([Math.max(w, 300), h]);
+    node.setSize([Math.max(w, 300, titleWidth(node)), h]);
   }
   // columns by depth: a node sits right of every node it takes an input from, and a node
   // without inputs (a loader) sits just left of its first consumer
@@ -85,9 +97,9 @@ async ({graph, note}) => {
   const columns = [];
   for (const key of Object.keys(graph)) (columns[depth[key]] ??= []).push(nodes[key]);
   if (noteNode) (columns[0] ??= []).unshift(noteNode);
-  let x = 0;
+  let x = origin[0];
   for (const column of columns.filter(Boolean)) {
-    let y = 0;
+    let y = origin[1];
     for (const node of column) {
       node.pos = [x, y];
       y += node.size[1] + 70;
@@ -96,6 +108,7 @@ async ({graph, note}) => {
   }
   graphRef.setDirtyCanvas(true, true);
   const workflow = graphRef.serialize();
+  workflow.extra.ds = {scale: 1, offset: [0, 0]};  // the view it opens at, whatever the canvas showed last
   const {output} = await app.graphToPrompt();
   return {workflow, prompt: output};
 }
@@ -156,7 +169,7 @@ def open_comfy(browser, url: str, timeout=60.0):
 
 
 def build_ui_workflow(browser, graph: dict, note: str = "") -> dict:
-    return call(browser, BUILD_JS, {"graph": graph, "note": note})
+    return call(browser, BUILD_JS, {"graph": graph, "note": note, "origin": ORIGIN})
 
 
 def load_ui_workflow(browser, workflow: dict) -> dict:

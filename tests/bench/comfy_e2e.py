@@ -53,7 +53,8 @@ pack_auto's - 1: a random rank-32 LoRA on every block linear (e2e_models.make_lo
 written beside the model), not in the default set (--configs ...,pack_auto,pack_auto_lora;
 pack_auto_12g and pack_auto_lora_12g on a 12 GiB card, where ComfyUI loads the model
 partially; issue 19: pack_auto_8g on an 8 GiB card, and comfy_fp8_marker_12g / comfy_fp8_marker_8g,
-ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurations behind each number.
+ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurations behind each number, and
+under "missing" the run each number left None lacks (the run's last lines print them).
 
 Issue 21's formats table (tests/doc_tables.py formats_table) is one run of FORMAT_CONFIGS, not in the
 default set (--configs formats): comfy_resident (bf16) and LoadH3Quantized with each format named, on the
@@ -666,6 +667,10 @@ class Bench:
                     old.unlink()
         self.write()
         print(f"wrote {self.out}\nsummary: {json.dumps(self.payload['summary'])}", flush=True)
+        detail = self.payload["summary_detail"]
+        for line in detail.get("missing", []):
+            print(f"summary at {detail['model']} {detail['length']} (LoRA and own-card runs left out): {line}",
+                  flush=True)
 
 
 def result_line(rec) -> str:
@@ -692,7 +697,8 @@ def summarize(results, models) -> tuple[dict, dict]:
     """(detail, summary): issue 12's summary on the first model at its longest length (see the module doc),
     and issue 13's LoRA cost there: lora_cost = pack_auto_lora's step / pack_auto's - 1 (detail "lora": every
     LoRA configuration against the same configuration without it). Configurations with a LoRA or their own
-    card size are kept out of issue 12's numbers."""
+    card size are kept out of issue 12's numbers; detail "missing" says which run each number that stays None
+    lacks."""
     summary = {"dense_speedup": None, "sol_speedup": None, "vs_comfy_best": None, "peak_gib_capped": None,
                "lora_cost": None}
     ok = [r for r in results if r["status"] == "ok" and r.get("step_s")]
@@ -738,7 +744,23 @@ def summarize(results, models) -> tuple[dict, dict]:
                          "base_peak_gib": base.get("peak_gib"), "cost": r["step_s"] / base["step_s"] - 1})
     summary["lora_cost"] = next((x["cost"] for x in lora if x["config"] == "pack_auto_lora"), None)
 
-    detail = {"model": model, "length": at[0]["length"], "tokens": tokens, "reference": who(ref),
+    length = at_all[0]["length"]
+    # what each None lacks, among the runs issue 12 counts (no LoRA, no card of its own)
+    missing = []
+    if ref is None:
+        missing.append(f"no {REFERENCE} run: dense_speedup and sol_speedup need it")
+    if not pack_dense:
+        missing.append("no capped pack dense run: dense_speedup and vs_comfy_best need one")
+    elif best is None:
+        missing.append(f"no capped pack dense run with a latent cosine of at least {MIN_COSINE} against its "
+                       "reference: dense_speedup and vs_comfy_best need one")
+    if sol is None:
+        missing.append("no pack Sol run: sol_speedup needs one")
+    if comfy is None:
+        missing.append("no capped ComfyUI run: vs_comfy_best needs one")
+    if not peaks:
+        missing.append("no capped pack run with a peak at any length: peak_gib_capped needs one")
+    detail = {"model": model, "length": length, "tokens": tokens, "reference": who(ref), "missing": missing,
               "min_cosine": MIN_COSINE,
               "best_pack_dense": who(best), "fastest_pack_dense": who(fastest),
               "fastest_pack_dense_speedup": ref["step_s"] / fastest["step_s"] if ref and fastest else None,

@@ -8,7 +8,10 @@
   They run with the turbo LoRA on (a tiny one), against the same graph without it and against
   upstream's own loader.
 - example_workflows/*.json (UI format) load in the front end to exactly the API graphs, and
-  have their preview picture.
+  have their preview picture; the Wan ones open with their first column clear of the front end's
+  sidebar and bars, and no title cut. Each download hint (properties.models) names the folder its
+  loader lists files from; the pictures the examples' LoadImage nodes name ship in
+  example_workflows/input/ (served beside the examples) and pass validation copied to the input folder.
 - Every node of the pack has a description, a tooltip on every input, and a help page that
   the front end finds where it looks (/extensions/<pack>/docs/<Node>.md).
 - In headless Chromium: a workflow with QuantizeModelINT8, queued from the page, shows the
@@ -30,6 +33,7 @@ import torch
 from browser import CHROMIUM, Browser
 from checkpoint_files import write_lora, write_markers
 from comfy_harness import PromptError
+import example_inputs
 import template_workflows
 from graphs import H3_TEXT_LENGTH, node_report, rel_l2, wan_t2v_graph
 from workflow_ui import build_ui_workflow, load_ui_workflow, open_comfy, screenshot_node
@@ -130,14 +134,13 @@ def validation_problems(graph, specs):
 
 @pytest.fixture(scope="module")
 def example_images(comfy):
-    """Grey pictures in the server's input folder, named as the examples' LoadImage nodes name theirs."""
-    from PIL import Image
+    """The pictures the pack ships for the examples' LoadImage nodes, copied into the server's input folder
+    as the examples' note tells a user to."""
+    (comfy.base_dir / "input").mkdir(parents=True, exist_ok=True)
     for path in API_FILES:
         for node in load_json(path).values():
             if node["class_type"] == "LoadImage":
-                target = comfy.base_dir / "input" / node["inputs"]["image"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                Image.new("RGB", (64, 64), (96, 96, 96)).save(target)
+                shutil.copy(example_inputs.INPUT_DIR / node["inputs"]["image"], comfy.base_dir / "input")
 
 
 def test_every_example_comes_in_both_formats_with_a_preview():
@@ -410,6 +413,40 @@ def test_templates_are_listed_and_served(comfy):
         url = f"{comfy.url}/api/workflow_templates/bigdit/{name}{suffix}"
         with urllib.request.urlopen(url, timeout=10) as response:
             assert response.read() == (EXAMPLES / f"{name}{suffix}").read_bytes()
+    for picture in example_inputs.INPUT_DIR.iterdir():  # the examples' input pictures, served beside them
+        with urllib.request.urlopen(f"{comfy.url}/api/workflow_templates/bigdit/input/{picture.name}",
+                                    timeout=10) as response:
+            assert response.read() == picture.read_bytes()
+
+
+def combo_options(declaration) -> list:
+    """The values of a combo input's declaration (V1: a list first; V3: "COMBO" and its options)."""
+    if isinstance(declaration[0], list):
+        return declaration[0]
+    return declaration[1].get("options", []) if declaration[0] == "COMBO" and len(declaration) > 1 else []
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_download_hints_name_the_folder_the_loader_reads(comfy, path):
+    """A file put where a node's download hint (properties.models) says is one the node then offers: the
+    front end shows the hint's folder for a missing file, and a user downloads it there."""
+    skip_unless_host_runs(comfy, path)
+    workflow = load_json(path)
+    nodes = workflow["nodes"] + [n for s in workflow.get("definitions", {}).get("subgraphs", []) for n in s["nodes"]]
+    hinted = [(node["type"], hint) for node in nodes for hint in node.get("properties", {}).get("models", [])]
+    assert hinted
+    placed = [comfy.models_dir / hint["directory"] / hint["name"] for _, hint in hinted]
+    try:
+        for file in placed:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.touch()
+        specs = comfy.object_info()
+        for node_type, hint in hinted:
+            declared = {**specs[node_type]["input"]["required"], **specs[node_type]["input"].get("optional", {})}
+            assert any(hint["name"] in combo_options(d) for d in declared.values()), (node_type, hint)
+    finally:
+        for file in placed:
+            file.unlink(missing_ok=True)
 
 
 # ---- the front end in Chromium -----------------------------------------------
@@ -497,6 +534,43 @@ def test_ui_workflow_loads_to_the_api_workflow(browser, comfy, path):
     assert load_ui_workflow(browser, load_json(path)) == expected
     nodes = queued_nodes(load_json(path)).values()
     assert Counter(n["type"] for n in nodes) == Counter(n["class_type"] for n in api.values())
+
+
+# Each node of the graph in view: its title's width in the front end's title font and its own width, and
+# whether the point just inside its title bar's top-left corner shows the canvas (not the sidebar or a bar).
+LAYOUT_JS = r"""
+(() => {
+  const app = window.comfyAPI.app.app;
+  const {scale, offset} = app.canvas.ds;
+  const box = app.canvas.canvas.getBoundingClientRect();
+  const ctx = document.createElement("canvas").getContext("2d");
+  ctx.font = app.canvas.title_text_font;
+  return app.graph.nodes.map((n) => {
+    const x = box.left + (n.pos[0] + offset[0]) * scale + 4;
+    const y = box.top + (n.pos[1] - LiteGraph.NODE_TITLE_HEIGHT + offset[1]) * scale + 4;
+    return {title: n.title, pos: [...n.pos], width: n.size[0], titleWidth: ctx.measureText(n.title).width,
+            titleBar: LiteGraph.NODE_TITLE_HEIGHT, onCanvas: document.elementFromPoint(x, y) === app.canvas.canvas};
+  });
+})()
+"""
+
+
+@needs_chromium
+@pytest.mark.parametrize("path", [p for p in UI_FILES if p.stem not in template_workflows.EXAMPLES],
+                         ids=lambda p: p.stem)
+def test_wan_example_opens_with_its_first_column_in_view_and_whole_titles(browser, comfy, path):
+    """The Wan examples are laid out by tests/workflow_ui.py: opened (the saved view restored), the note and
+    the loaders in the first column show clear of the sidebar and the top bars, and no title is cut (newer
+    front ends cut one longer than the node's width less a title bar's height on each side)."""
+    load_ui_workflow(browser, load_json(path))
+    nodes = browser.evaluate(LAYOUT_JS)
+    left = min(node["pos"][0] for node in nodes)
+    first_column = [node for node in nodes if node["pos"][0] == left]
+    assert {node["title"] for node in first_column} >= {"Read me", "Load CLIP"}, first_column
+    for node in nodes:
+        assert node["titleWidth"] <= node["width"] - 2 * node["titleBar"], node
+    for node in first_column:
+        assert node["onCanvas"], node
 
 
 @needs_chromium
