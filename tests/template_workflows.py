@@ -30,9 +30,10 @@ TEMPLATES_PACKAGE = "comfyui-workflow-templates-json 0.1.123"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SUBGRAPH_INPUT = -10  # the id links from a subgraph's inputs originate at
 
-LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256", "ignored_layers": "", "fit_gib": 0.0}
+LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256", "ignored_layers": "", "fit_gib": 0.0,
+          "int8": "auto"}
 ATTENTION = {"dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0, "dense_layers": ""}
-TEXT_ENCODER = {"rename_prefixes": "", "nvfp4": "auto"}
+TEXT_ENCODER = {"rename_prefixes": "", "nvfp4": "auto", "int8": "auto"}
 
 
 def node_specs() -> dict:
