@@ -216,7 +216,60 @@ def test_tiny_whole_job_times_every_stage_and_saves_the_video(tmp_path):
     # the same INT8 ConvRot layers through the pack's loader, the LoRA on both: close, not the same run
     video = pack["latent"]["vs_template"]["video"]
     assert video["cosine"] > 0.999 and video["finite"] and "vs_template" not in by["template"].get("latent", {})
+    # QuantizedCLIPLoader on the encoder file's layer kinds, checked once after the first job: it loads them, or
+    # the refusal names the INT8 token embedding no Linear takes (the pack configurations then use CLIPLoader)
+    check = data["encoder_check"]
+    assert check["loads"] is True or (check["loads"] is False and "token_embedding" in check["error"]), check
+    assert "encoder_check_before_the_job" not in pack and "encoder_loader" not in pack  # --tiny has no encoder
     ratio = data["summary"]["turbo_64g"]["speedup"]["pack_fast_vs_template"]
     assert ratio["whole"] == pytest.approx(by["template"]["wall_s"] / pack["wall_s"])
     assert "pack_fast vs template: whole job" in run.stdout
     assert not list((tmp_path / "w").rglob("*.safetensors")) and not list((tmp_path / "w").rglob("*.mp4"))
+
+
+# ---- the memory limit (on a model of /sys/fs/cgroup: a write the kernel refuses is a folder in the way) -----
+
+def cgroup_tree(tmp_path, own: str, self_cgroup: str, controllers: dict):
+    """A /sys/fs/cgroup of folders and files, a /proc whose PID 1 is no systemd; `controllers`: {cgroup:
+    subtree_control text, or None where writing it fails}."""
+    root, proc = tmp_path / "cgroup", tmp_path / "proc"
+    (root / own.lstrip("/")).mkdir(parents=True)
+    for cgroup, text in controllers.items():
+        target = root / cgroup.lstrip("/") / "cgroup.subtree_control"
+        target.mkdir() if text is None else target.write_text(text)
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(self_cgroup)
+    (proc / "1").mkdir()
+    (proc / "1" / "comm").write_text("init\n")
+    return root, proc
+
+
+def test_a_v2_limit_is_a_sibling_where_our_own_cgroup_holds_processes(tmp_path):
+    root, proc = cgroup_tree(tmp_path, "/job/run", "0::/job/run\n", {"/job/run": None, "/job": "cpu memory\n"})
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    limit, why = whole_job.MemoryLimit.make(32 * 2 ** 30, "bigdit-job-1", root, proc)
+    assert why == "" and limit.path == root / "job" / "bigdit-job-1" and limit.launcher == ()
+    assert (limit.path / "memory.max").read_text() == str(32 * 2 ** 30)
+    assert (limit.path / "memory.swap.max").read_text() == "0"
+    (limit.path / "memory.peak").write_text(str(3 * 2 ** 30))
+    (limit.path / "memory.events").write_text("low 0\noom 1\noom_kill 1\n")
+    assert limit.stats() == {"cgroup_peak_gib": 3.0, "oom_kills": 1}
+    for name in ("memory.max", "memory.swap.max", "memory.peak", "memory.events"):  # the kernel's, not files
+        (limit.path / name).unlink()
+    limit.remove()
+    assert not limit.path.exists()
+
+
+def test_a_parents_controllers_are_never_changed(tmp_path):
+    root, proc = cgroup_tree(tmp_path, "/job/run", "0::/job/run\n", {"/job/run": None, "/job": "cpu\n"})
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    limit, why = whole_job.MemoryLimit.make(2 ** 30, "x", root, proc)
+    assert limit is None and (root / "job" / "cgroup.subtree_control").read_text() == "cpu\n"
+    assert "its children have no memory controller" in why and why.endswith("no systemd to run a scope")
+
+
+def test_a_v1_limit_is_a_child_in_the_memory_hierarchy(tmp_path):
+    root, proc = cgroup_tree(tmp_path, "/memory/job/run", "4:memory:/job/run\n0::/\n", {})
+    limit, why = whole_job.MemoryLimit.make(64 * 2 ** 30, "b", root, proc)
+    assert why == "" and limit.version == 1 and limit.path == root / "memory" / "job" / "run" / "b"
+    assert (limit.path / "memory.limit_in_bytes").read_text() == str(64 * 2 ** 30)

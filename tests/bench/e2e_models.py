@@ -429,12 +429,16 @@ def video_vae_int8_convrot(name: str, shape) -> tuple[dict, bool] | None:
     return (FORMATS["int8_convrot"], False) if _VAE_DECODER_LINEAR.fullmatch(name) else None
 
 
+ENCODER_PROBE_LAYERS = ("text_model.embeddings.token_embedding", "text_model.encoder.layers.0.self_attn.out_proj")
+
+
 def encoder_probe(name: str, shape) -> tuple[dict, bool] | None:
-    """A CLIP-L with the two layer kinds of qwen3vl_nvfp4_awq that a loader may not know: the token embedding in
-    INT8 rows, and one NVFP4 layer with AWQ's scale and `full_precision_matrix_mult`."""
-    if name == "text_model.embeddings.token_embedding.weight":
+    """A CLIP-L with the two layer kinds of qwen3vl_nvfp4_awq that a loader may not know (ENCODER_PROBE_LAYERS):
+    the token embedding in INT8 rows, and one NVFP4 layer with AWQ's scale and `full_precision_matrix_mult`."""
+    embedding, linear = (f"{layer}.weight" for layer in ENCODER_PROBE_LAYERS)
+    if name == embedding:
         return INT8_ROWS, False
-    return (NVFP4_AWQ, True) if name == "text_model.encoder.layers.0.self_attn.out_proj.weight" else None
+    return (NVFP4_AWQ, True) if name == linear else None
 
 
 LAYOUTS = {"nvfp4_awq": qwen3vl_nvfp4_awq, "int8_convrot_decoder": video_vae_int8_convrot,

@@ -22,9 +22,10 @@ us make one, and the JSON says which was done), with ComfyUI's default cache:
 - pack: the pack's version (LoadH3Quantized, QuantizedCLIPLoader, SetAttentionBackend auto), as shipped;
 - pack_fast: the pack's fastest: MixedCheckpointLoader on the INT8 file (its `int8` input, where /object_info
   lists it), QuantizedCLIPLoader, SetAttentionBackend sage.
-The pack's configurations first check, on a small CLIP-L with the encoder file's two unusual layer kinds (an
-INT8 token embedding, NVFP4 with `full_precision_matrix_mult`), whether QuantizedCLIPLoader loads them; where it
-does not, they load the encoder with upstream's CLIPLoader and the record says why (--pack-encoder).
+Whether QuantizedCLIPLoader loads the encoder file's two unusual layer kinds (an INT8 token embedding, NVFP4 with
+`full_precision_matrix_mult`) is checked once, on a small CLIP-L with them, in the first server after its job
+(`encoder_check`); where it does not, the pack's configurations load the encoder with upstream's CLIPLoader and
+their records say so (`encoder_loader`; --pack-encoder chooses instead).
 
 Measured per run (`stages`, seconds; they partition the wall clock from POST /prompt to execution_success, by
 which the video file is written): the time of each node from ComfyUI's websocket (`executing` messages, each
@@ -69,6 +70,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -132,7 +134,7 @@ STAGE_OF = {
     **dict.fromkeys(("CreateVideo", "SaveVideo"), "save"),
     **dict.fromkeys(("LTXVSeparateAVLatent", "SaveLatent", "BigditRunReport"), "capture"),
 }
-HOST_STAGES = ("encoder", "vae_decode")  # host code: the same upstream code in every configuration
+HOST_STAGES = ("encoder", "vae_decode")  # host code: upstream's encoder and VAEs run in every configuration
 
 # what the template's notes give for each file (GiB), to set the generated sizes against
 PUBLISHED_GIB = {"dit": 19.53, "text_encoder": 14.61, "video_vae": 2.62, "audio_vae": 577.2 / 1024, "lora": 1.82}
@@ -335,63 +337,87 @@ class Monitor(threading.Thread):
         self.join()
 
 
-class MemoryCgroup:
-    """A memory cgroup of `cap` bytes for one server, under this process's own cgroup (v2, or v1's memory
-    hierarchy), or the reason there is none (`make`). `join` is the server's preexec_fn."""
+class MemoryLimit:
+    """A memory limit of `cap` bytes for one server (`make` gives one, or the reason there is none): a cgroup v2
+    child of this process's cgroup, else a sibling of it (v2 forbids controllers under a cgroup holding
+    processes), else a child in v1's memory hierarchy, else a systemd scope where systemd runs. The server
+    starts with `launcher` before its command and `preexec_fn` run in it; `stats` are read before it stops."""
 
-    def __init__(self, path: Path, version: int):
-        self.path, self.version = path, version
+    def __init__(self, how: str, cap: int, path: Path | None = None, version: int = 2, unit: str | None = None):
+        self.how, self.path, self.version, self.unit = how, path, version, unit
+        self.launcher = ("systemd-run", "--scope", "--quiet", f"--unit={unit}", f"-pMemoryMax={cap}",
+                         "-pMemorySwapMax=0", "--") if unit else ()
+        self.preexec_fn = self._join if path else None
 
     @classmethod
-    def make(cls, cap: int, name: str) -> tuple["MemoryCgroup | None", str]:
-        root = Path("/sys/fs/cgroup")
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    def make(cls, cap: int, name: str, root=Path("/sys/fs/cgroup"), proc=Path("/proc")
+             ) -> tuple["MemoryLimit | None", str]:
+        why = []
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
         if (root / "cgroup.controllers").exists():
-            own = next(line.split("::", 1)[1] for line in lines if line.startswith("0::"))
-            parent, version, limit = root / own.lstrip("/"), 2, "memory.max"
-            try:
-                if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
-                    (parent / "cgroup.subtree_control").write_text("+memory")
-            except OSError as e:
-                return None, f"cgroup v2: no memory controller for a child of {own} ({e})"
+            own = root / next(line.split("::", 1)[1] for line in lines if line.startswith("0::")).lstrip("/")
+            # our own cgroup may take the controller for its children; a parent's is used only as it is
+            for parent in dict.fromkeys((own, own.parent if own != root else own)):
+                try:
+                    if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+                        if parent != own:
+                            raise OSError("its children have no memory controller")
+                        (parent / "cgroup.subtree_control").write_text("+memory")
+                    return cls._child(parent / name, 2, cap), ""
+                except OSError as e:
+                    why.append(f"cgroup v2 under {parent}: {e}")
         elif (root / "memory").is_dir():
             own = next((line.split(":", 2)[2] for line in lines if ":memory:" in line), "/")
-            parent, version, limit = root / "memory" / own.lstrip("/"), 1, "memory.limit_in_bytes"
-        else:
-            return None, "no cgroup memory controller mounted at /sys/fs/cgroup"
-        path = parent / name
-        try:
-            path.mkdir(exist_ok=True)
-            (path / limit).write_text(str(cap))
-        except OSError as e:
-            if path.exists():
-                path.rmdir()
-            return None, f"cgroup v{version}: cannot make {path} ({e})"
-        for swap in ("memory.swap.max", "memory.memsw.limit_in_bytes"):  # no swapping past the cap where it can
             try:
-                (path / swap).write_text("0" if swap == "memory.swap.max" else str(cap))
-            except OSError:
-                pass
-        return cls(path, version), f"cgroup v{version} {path} ({limit} {cap})"
+                return cls._child(root / "memory" / own.lstrip("/") / name, 1, cap), ""
+            except OSError as e:
+                why.append(f"cgroup v1 memory under {own}: {e}")
+        else:
+            why.append("no cgroup memory controller at /sys/fs/cgroup")
+        if shutil.which("systemd-run") and (proc / "1" / "comm").read_text().strip() == "systemd":
+            return cls(f"systemd scope {name}.scope MemoryMax {cap}", cap, unit=name), ""
+        return None, "; ".join(why + ["no systemd to run a scope"])
 
-    def join(self):
+    @classmethod
+    def _child(cls, path: Path, version: int, cap: int) -> "MemoryLimit":
+        limit = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        path.mkdir(exist_ok=True)
+        try:
+            (path / limit).write_text(str(cap))
+        except OSError:
+            path.rmdir()
+            raise
+        try:  # no swapping past the cap, where the kernel accounts swap
+            if version == 2:
+                (path / "memory.swap.max").write_text("0")
+            else:
+                (path / "memory.memsw.limit_in_bytes").write_text(str(cap))
+        except OSError:
+            pass
+        return cls(f"cgroup v{version} {path} {limit} {cap}", cap, path, version)
+
+    def _join(self):
         with open(self.path / "cgroup.procs", "w") as f:
             f.write(str(os.getpid()))
 
     def stats(self) -> dict:
+        if self.unit:
+            show = subprocess.run(["systemctl", "show", "-p", "MemoryPeak", "--value", f"{self.unit}.scope"],
+                                  capture_output=True, text=True).stdout.strip()
+            return {"cgroup_peak_gib": int(show) / GIB if show.isdigit() else None}
+
         def read(name):
             try:
                 return (self.path / name).read_text()
             except OSError:
-                return None
-        peak = read("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
-        events = read("memory.events" if self.version == 2 else "memory.oom_control") or ""
+                return ""
+        peak = read("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes").strip()
+        events = read("memory.events" if self.version == 2 else "memory.oom_control")
         kills = [int(line.split()[1]) for line in events.splitlines() if line.startswith("oom_kill ")]
-        return {"cgroup_peak_gib": int(peak) / GIB if peak and peak.strip().isdigit() else None,
-                "oom_kills": kills[0] if kills else None}
+        return {"cgroup_peak_gib": int(peak) / GIB if peak.isdigit() else None, "oom_kills": kills[0] if kills else None}
 
     def remove(self):
-        for _ in range(50):  # the server's exit is seen by the cgroup a moment after its wait()
+        for _ in range(50 if self.path else 0):  # the cgroup sees the server's exit a moment after its wait()
             try:
                 self.path.rmdir()
                 return
@@ -558,6 +584,10 @@ class Job:
                       + (f" (published {made['published_gib']:.2f})" if made["published_gib"] else "")
                       + f", written in {made['seconds']:.1f} s on {made['device']}", flush=True)
             stamp.write_text(json.dumps({"wanted": wanted, "info": info}))
+        if self.needs_encoder_check():
+            e2e_models.generate_component(e2e_models.COMPONENTS["encoder_probe"], self.base / "models" /
+                                          "text_encoders" / "bigdit_encoder_probe.safetensors", opts.comfyui,
+                                          cpu=opts.cpu)
         info["disk_free_gib_after"] = disk_free_gib(self.work)
         self.payload["files"] = info
         self.paths = paths
@@ -567,29 +597,35 @@ class Job:
         return time.time() - self.started
 
     # -- the pack's encoder loader --
-    def pack_encoder(self, server) -> tuple[str, dict | None]:
-        """QuantizedCLIPLoader, or CLIPLoader where QuantizedCLIPLoader refuses the encoder file's layer kinds
-        (checked once, on e2e_models' encoder_probe, a CLIP-L in 2 s)."""
+    def needs_encoder_check(self) -> bool:
+        return (self.encoder_check is None and self.opts.pack_encoder == "auto"
+                and any(CONFIGS[name].prompt == "pack" for name in self.opts.configs))
+
+    def check_encoder(self, server) -> None:
+        """Whether QuantizedCLIPLoader loads the encoder file's layer kinds, from e2e_models' encoder_probe (a
+        CLIP-L with them: a 2-second load), once per run, in the first server after its job (before it where that
+        is a pack configuration's, and its record says so)."""
+        name = "bigdit_encoder_probe.safetensors"
+        path = self.base / "models" / "text_encoders" / name
+        graph = {"clip": {"class_type": "QuantizedCLIPLoader", "inputs": {
+                     "clip_name": name, "type": "stable_diffusion", "rename_prefixes": "", "nvfp4": "auto"}},
+                 "report": {"class_type": "PreviewAny", "inputs": {"source": ["clip", 1]}}}
+        t0 = time.monotonic()
+        try:
+            server.run(graph, timeout=120)
+            self.encoder_check = {"loads": True}
+        except PromptError as e:  # a refusal of the probe's own layers says no; any other failure says nothing
+            named = any(layer in e.message for layer in e2e_models.ENCODER_PROBE_LAYERS)
+            self.encoder_check = {"loads": False if named else None,
+                                  "error": e.message[:1000].replace(str(self.work), "<work>")}
+        self.encoder_check["seconds"] = time.monotonic() - t0
+        self.payload["encoder_check"] = self.encoder_check
+        path.unlink(missing_ok=True)
+
+    def pack_encoder(self) -> str:
         if self.opts.pack_encoder != "auto":
-            return self.opts.pack_encoder, None
-        if self.encoder_check is None:
-            name = "bigdit_encoder_probe.safetensors"
-            path = self.base / "models" / "text_encoders" / name
-            if not path.exists():
-                e2e_models.generate_component(e2e_models.COMPONENTS["encoder_probe"], path, self.opts.comfyui,
-                                              cpu=self.opts.cpu)
-            graph = {"clip": {"class_type": "QuantizedCLIPLoader", "inputs": {
-                         "clip_name": name, "type": "stable_diffusion", "rename_prefixes": "", "nvfp4": "auto"}},
-                     "report": {"class_type": "PreviewAny", "inputs": {"source": ["clip", 1]}}}
-            t0 = time.monotonic()
-            try:
-                server.run(graph, timeout=120)
-                self.encoder_check = {"loads": True}
-            except PromptError as e:
-                self.encoder_check = {"loads": False, "error": e.message[:1000]}
-            self.encoder_check["seconds"] = time.monotonic() - t0
-            path.unlink(missing_ok=True)
-        return ("QuantizedCLIPLoader" if self.encoder_check["loads"] else "CLIPLoader"), self.encoder_check
+            return self.opts.pack_encoder
+        return "CLIPLoader" if self.encoder_check["loads"] is False else "QuantizedCLIPLoader"
 
     # -- one configuration --
     def run_one(self, config: Config, setting: str, ram_gib: float) -> dict:
@@ -604,9 +640,9 @@ class Job:
         if opts.budget_s and self.elapsed() + estimate > opts.budget_s:
             return {**rec, "status": "skipped", "error": f"time budget ({opts.budget_s:.0f} s) would be exceeded "
                                                          f"(this one estimated at {estimate:.0f} s)"}
-        cgroup, how = (MemoryCgroup.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(done)}")
-                       if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
-        rec["ram"] = {"comfyui_sees_gib": ram_gib, "enforced": cgroup is not None, "how": how}
+        limit, why = (MemoryLimit.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(done)}")
+                      if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
+        rec["ram"] = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
         rec["disk_free_gib"] = disk_free_gib(self.work)
         if not opts.warm:
             evict_page_cache(self.paths.values())
@@ -617,15 +653,17 @@ class Job:
         try:
             server = BenchServer(self.base, opts.comfyui, run_log, None if opts.cpu else opts.cap_gib, cpu=opts.cpu,
                                  extra_args=config.comfy_args, ram_gib=ram_gib, cache_none=False,
-                                 preexec_fn=cgroup.join if cgroup else None, env={"BIGDIT_BENCH_PROFILE": "0"})
+                                 launcher=limit.launcher if limit else (),
+                                 preexec_fn=limit.preexec_fn if limit else None, env={"BIGDIT_BENCH_PROFILE": "0"})
             rec["server_start_s"] = time.monotonic() - t0
             object_info = server.object_info()
             encoder = "QuantizedCLIPLoader"
-            if not opts.tiny and config.prompt == "pack":
-                encoder, check = self.pack_encoder(server)
-                rec["encoder_loader"] = encoder
-                if check is not None:
-                    rec["encoder_check"] = check
+            if config.prompt == "pack":
+                if self.needs_encoder_check():
+                    self.check_encoder(server)
+                    rec["encoder_check_before_the_job"] = True
+                if not opts.tiny:  # --tiny has no encoder to load
+                    encoder = rec["encoder_loader"] = self.pack_encoder()
             graph, rec["left_out"] = job_graph(config, setting, object_info, encoder,
                                                e2e_models.TINY_H3.text_dim if opts.tiny else None)
             why = unoffered_choice(graph, object_info)
@@ -633,17 +671,20 @@ class Job:
                 return {**rec, "status": "skipped", "error": why}
             rec.update(self.run_job(server, graph, (setting, ram_gib, config.name)))
             rec["status"] = "ok"
+            if self.needs_encoder_check():
+                self.check_encoder(server)
         except PromptError as e:
             rec.update(status="error", error=e.message[:3000], failed_node=e.node_type, traceback=e.traceback[-3000:])
         except Exception as e:  # the server died (an OOM kill?) or hung: record it, go on with the next one
             rec.update(status="error", error=f"{type(e).__name__}: {e}"[-3000:])
         finally:
+            if limit is not None:
+                rec["ram"].update(limit.stats())
             if server is not None:
                 rec["host_rss_hwm_gib"] = server_hwm(server.pid)
                 server.stop()
-            if cgroup is not None:
-                rec["ram"].update(cgroup.stats())
-                cgroup.remove()
+            if limit is not None:
+                limit.remove()
             rec["duration_s"] = time.monotonic() - t0
             text = run_log.read_text(errors="replace") if run_log.exists() else ""
             rec["log_lines"] = log_lines(text, self.work)
@@ -814,6 +855,7 @@ def parse_args(argv=None):
     parser.add_argument("--prompt-timeout", type=float, default=560.0)
     opts = parser.parse_args(argv)
     opts.cpu = opts.cpu or opts.tiny
+    opts.ram_cgroup = opts.ram_cgroup and not opts.tiny  # a CPU check never limits this machine's processes
     opts.configs = opts.configs.split(",")
     opts.settings = opts.settings.split(",")
     opts.ram_gib = [float(v) for v in opts.ram_gib.split(",")]

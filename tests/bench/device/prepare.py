@@ -31,9 +31,11 @@ the rest of the list above (the frontend, templates, docs, kornia, spandrel). No
 the 0.3.75 bundle carries it.
 
 `--job` packs what the whole-job benchmark (tests/bench/whole_job.py) needs beyond .e2e-033/, into .e2e-job/:
-PyAV (its SaveVideo writes the video file; the image lacks it, and the stub stands in only for imports) and the
-Qwen tokenizer data of upstream 0.33.0 (the H3 text encoder tokenizes the prompt; the host bundle leaves
-tokenizer data out). run_e2e.sh --job puts the first on PYTHONPATH and copies the second into the host's source.
+PyAV (its SaveVideo writes the video file; the image lacks it, and the stub stands in only for imports),
+simpleeval (the template's Math Expression node: upstream's nodes_math does not import without it) and
+upstream 0.33.0's tokenizer data for the Qwen encoder (the H3 text encoder tokenizes the prompt) and CLIP-L (the
+benchmark's check of QuantizedCLIPLoader loads one); the host bundle leaves tokenizer data out. run_e2e.sh --job
+puts the wheels on PYTHONPATH and copies the tokenizer data into the host's source.
 
 Wheels are downloaded once into the test cache ($BIGDIT_CACHE, ~/.cache/bigdit)
 under e2e-wheels/. The folder .e2e/ is added to git's info/exclude, so it travels
@@ -84,9 +86,9 @@ DROP_IN_COMFYUI = ("tests", "tests-unit", "script_examples", ".git", ".github", 
 CARRY_LIMIT = 64 * 2 ** 20
 # --job: the whole-job benchmark's wheels, and the files of upstream 0.33.0's source it needs that the host bundle
 # leaves out
-JOB_WHEELS = ("av==19.0.2",)
+JOB_WHEELS = ("av==19.0.2", "simpleeval==1.0.8")
 JOB_HOST = "0.33.0"
-JOB_FILES = ("comfy/text_encoders/qwen25_tokenizer",)
+JOB_FILES = ("comfy/text_encoders/qwen25_tokenizer", "comfy/sd1_tokenizer")
 # what a job call carries besides .e2e-job/ (tests/bench/device/README.md)
 JOB_CARRIED = (".e2e-033", ".sage2")
 
@@ -230,8 +232,8 @@ def prepare_job(opts):
     source = Path(opts.comfyui or shared_dir() / "hosts" / f"comfyui-{JOB_HOST}.tar.gz")
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp) / "staging"
-        for wheel in wheels:
-            unpack_wheel(wheel, staging / "site")
+        for wheel in wheels:  # compiled ones apart: a Python older than theirs (the check here) keeps its own
+            unpack_wheel(wheel, staging / ("site-py312" if "-cp312-" in wheel.name else "site"))
         comfyui = unpack_source(source, Path(tmp) / "source", JOB_HOST)
         if comfyui_version(comfyui) != JOB_HOST:
             raise SystemExit(f"{source} does not hold ComfyUI {JOB_HOST}")

@@ -10,8 +10,8 @@
 # unpacks and stops. The model file and the servers' folders go to $E2E_WORK, by default on the disk filesystem
 # (not tmpfs) with the most room among /tmp and the repository's parent folder. --job runs tests/bench/whole_job.py
 # instead (upstream 0.33.0 only), with .e2e-job/'s PyAV first on PYTHONPATH and its tokenizer data copied into the
-# host's source, in memory cgroups where the machine allows (--ram-cgroup), its budget counted from this script's
-# start (E2E_STARTED).
+# host's source (a Python older than 3.12, as in the check here, keeps its own PyAV), in memory cgroups where the
+# machine allows (--ram-cgroup), its budget counted from this script's start (E2E_STARTED).
 set -euo pipefail
 : "${OUT:?OUT must name the folder for the results}"
 host=0.3.75 job=
@@ -64,8 +64,13 @@ fi
 if [ ! -e "$own/bundle.tar.xz" ]; then
   echo "no $own/ carried (ComfyUI $host): unpacked only"; exit 0
 fi
-site=$PWD/tests/bench/device/stubs:$root/${own#.}/site
-[ -d "$root/e2e-job/site" ] && site=$root/e2e-job/site:$site  # the real PyAV ahead of the stub
+site=$root/${own#.}/site
+if [ -z "$job" ]; then
+  site=$PWD/tests/bench/device/stubs:$site
+else  # the job writes a video: the bundle's PyAV (a Python 3.12 build; an older Python keeps its own), no stub
+  site=$root/e2e-job/site:$site
+  if "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then site=$root/e2e-job/site-py312:$site; fi
+fi
 [ -d "$root/e2e-sage2/site" ] && site=$root/e2e-sage2/site:$site  # first: it shadows any sageattention 1.x
 [ -d "$root/e2e-fa3/site" ] && site=$site:$root/e2e-fa3/site
 if [ -z "${E2E_WORK:-}" ]; then
