@@ -198,7 +198,8 @@ def test_tiny_whole_job_times_every_stage_and_saves_the_video(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
     by = {r["config"]: r for r in data["results"]}
-    assert [by[c]["status"] for c in ("template", "pack_fast")] == ["ok", "ok"], {c: r.get("error") for c, r in by.items()}
+    assert [by[c]["status"] for c in ("template", "pack_fast")] == ["ok", "ok"], \
+        {c: r.get("error") for c, r in by.items()}
     assert set(data["files"]) >= {"dit", "video_vae", "audio_vae", "lora"} and "text_encoder" not in data["files"]
     for rec in by.values():
         stages = rec["stages"]
@@ -208,6 +209,7 @@ def test_tiny_whole_job_times_every_stage_and_saves_the_video(tmp_path):
         assert rec["video"]["frames"] == 22 and rec["video"]["audio_streams"] == 1 and rec["video"]["bytes"] > 0
         assert rec["latent_shape"] == [1, 24, 7, 4, 4]  # 64x64, 22 frames: 7 latent frames of 4x4
         assert rec["host_rss_peak_gib"] > 0 and rec["ram"]["enforced"] is False
+        assert rec["ram_budgets"]["32g"] == {"unreclaimable_fits": True, "rss_fits": True}
         assert any("total RAM 65536 MB" in line for line in rec["log_lines"])  # ComfyUI saw the emulated 64 GiB
     pack = by["pack_fast"]
     assert pack["reports"]["140:127"].startswith("quantized 8/20 linear layers")  # MixedCheckpointLoader ran

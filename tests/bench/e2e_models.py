@@ -449,8 +449,9 @@ LAYOUTS = {"nvfp4_awq": qwen3vl_nvfp4_awq, "int8_convrot_decoder": video_vae_int
 class Component:
     """A template file other than the DiT, built by upstream's own class on the meta device (the audio VAE on
     the CPU, for its filter buffers) and written in `layout` (LAYOUTS), the rest in `dtype`. `kind`:
-    "text_encoder", "video_vae", "audio_vae" or "clip_l" (ComfyUI's CLIP-L, 123 M parameters); `norm_names`: norm modules init_kind would not recognise;
-    `tiny`: tests/fixtures/bigdit_testnodes/tiny_vae.py's config, written into the file's metadata."""
+    "text_encoder", "video_vae", "audio_vae" or "clip_l" (ComfyUI's CLIP-L, 123 M parameters); `norm_names`: norm
+    modules init_kind would not recognise; `tiny`: tests/fixtures/bigdit_testnodes/tiny_vae.py's config, written
+    into the file's metadata."""
     name: str
     kind: str
     layout: str
@@ -580,7 +581,8 @@ def _build(job):
             import comfy.ldm.minimax.vae as video
             with torch.device("meta"):
                 module = video.MiniMaxH3VideoVAE(operations=ops)
-            constants = {"latents_mean": torch.tensor(video.LATENTS_MEAN), "latents_std": torch.tensor(video.LATENTS_STD)}
+            constants = {"latents_mean": torch.tensor(video.LATENTS_MEAN),
+                         "latents_std": torch.tensor(video.LATENTS_STD)}
         else:
             import comfy.ldm.minimax.audio_vae as audio
             module = audio.MiniMaxH3AudioVAE()  # on the CPU (0.6 GB): its anti-aliasing filters are computed buffers

@@ -39,8 +39,9 @@ resolution, math, switches, scheduler, noise) and capture (the benchmark's own n
 latent is captured without changing what runs: LTXVSeparateAVLatent and SaveLatent on the sampler's output, and
 BigditRunReport; its cosine against `template`'s (and `template_sage`'s) at the same setting is `latent`.
 Memory: the device's used memory (NVML, polled every 20 ms) and the server's process tree (psutil: RSS, and
-anonymous + shared pages, which a machine could not reclaim), peaks over the job and per stage; the cgroup's
-peak where there is one. The video file is opened with PyAV (frames, streams) and deleted.
+anonymous + shared pages, which a machine could not reclaim), peaks over the job and per stage, set against
+hosts of 64 and 32 GiB (`ram_budgets`); the cgroup's peak and OOM kills where there is one. The video file is
+opened with PyAV (frames, streams) and deleted.
 
 The JSON (tests/bench/results/whole-job-<gpu>-comfyui-<version>-<date>.json, or --out/--out-dir) is rewritten
 after every configuration; `summary` holds, per setting, each pack configuration against template_sage and
@@ -134,6 +135,7 @@ STAGE_OF = {
     **dict.fromkeys(("CreateVideo", "SaveVideo"), "save"),
     **dict.fromkeys(("LTXVSeparateAVLatent", "SaveLatent", "BigditRunReport"), "capture"),
 }
+RAM_BUDGETS_GIB = (64, 32)  # the host RAM sizes each record's peaks are set against
 HOST_STAGES = ("encoder", "vae_decode")  # host code: upstream's encoder and VAEs run in every configuration
 
 # what the template's notes give for each file (GiB), to set the generated sizes against
@@ -414,7 +416,8 @@ class MemoryLimit:
         peak = read("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes").strip()
         events = read("memory.events" if self.version == 2 else "memory.oom_control")
         kills = [int(line.split()[1]) for line in events.splitlines() if line.startswith("oom_kill ")]
-        return {"cgroup_peak_gib": int(peak) / GIB if peak.isdigit() else None, "oom_kills": kills[0] if kills else None}
+        return {"cgroup_peak_gib": int(peak) / GIB if peak.isdigit() else None,
+                "oom_kills": kills[0] if kills else None}
 
     def remove(self):
         for _ in range(50 if self.path else 0):  # the cgroup sees the server's exit a moment after its wait()
@@ -524,7 +527,7 @@ class Job:
             "environment": {"gpu": gpu_name(), "comfyui": version, "python": sys.version.split()[0],
                             **{name.replace("-", "_"): package_version(name) for name in
                                ("torch", "comfy-kitchen", "comfy-aimdo", "sageattention", "av")}},
-            "settings": {k: v for k, v in vars(opts).items() if k not in ("work",)},
+            "settings": {k: v for k, v in vars(opts).items() if k not in ("work", "comfyui", "out", "out_dir")},
             "files": {}, "results": [], "summary": {},
         }
 
@@ -593,6 +596,10 @@ class Job:
         self.paths = paths
         return info
 
+    def here(self, text: str) -> str:
+        """`text` with this machine's work folder written as <work>."""
+        return text.replace(str(self.work), "<work>")
+
     def elapsed(self) -> float:
         return time.time() - self.started
 
@@ -616,8 +623,7 @@ class Job:
             self.encoder_check = {"loads": True}
         except PromptError as e:  # a refusal of the probe's own layers says no; any other failure says nothing
             named = any(layer in e.message for layer in e2e_models.ENCODER_PROBE_LAYERS)
-            self.encoder_check = {"loads": False if named else None,
-                                  "error": e.message[:1000].replace(str(self.work), "<work>")}
+            self.encoder_check = {"loads": False if named else None, "error": self.here(e.message[:1000])}
         self.encoder_check["seconds"] = time.monotonic() - t0
         self.payload["encoder_check"] = self.encoder_check
         path.unlink(missing_ok=True)
@@ -645,7 +651,9 @@ class Job:
         rec["ram"] = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
         rec["disk_free_gib"] = disk_free_gib(self.work)
         if not opts.warm:
+            t_evict = time.monotonic()
             evict_page_cache(self.paths.values())
+            rec["page_cache_evict_s"] = time.monotonic() - t_evict
         t0 = time.monotonic()
         run_log = self.work / "logs" / f"{setting}_{ram_gib:g}g_{config.name}.log"
         run_log.unlink(missing_ok=True)
@@ -668,15 +676,17 @@ class Job:
                                                e2e_models.TINY_H3.text_dim if opts.tiny else None)
             why = unoffered_choice(graph, object_info)
             if why:
-                return {**rec, "status": "skipped", "error": why}
+                rec.update(status="skipped", error=why)
+                return rec
             rec.update(self.run_job(server, graph, (setting, ram_gib, config.name)))
             rec["status"] = "ok"
             if self.needs_encoder_check():
                 self.check_encoder(server)
         except PromptError as e:
-            rec.update(status="error", error=e.message[:3000], failed_node=e.node_type, traceback=e.traceback[-3000:])
+            rec.update(status="error", error=self.here(e.message[:3000]), failed_node=e.node_type,
+                       traceback=self.here(e.traceback[-3000:]))
         except Exception as e:  # the server died (an OOM kill?) or hung: record it, go on with the next one
-            rec.update(status="error", error=f"{type(e).__name__}: {e}"[-3000:])
+            rec.update(status="error", error=self.here(f"{type(e).__name__}: {e}"[-3000:]))
         finally:
             if limit is not None:
                 rec["ram"].update(limit.stats())
@@ -695,7 +705,8 @@ class Job:
         """POST the prompt, follow it to the end; the record's measurements."""
         events = EventStream(server.url, uuid.uuid4().hex)
         events.start()
-        events.connected.wait(30)
+        if not events.connected.wait(30) or events.error:
+            raise RuntimeError(f"no websocket to follow the job: {events.error or 'no connection in 30 s'}")
         monitor = Monitor(server.pid)
         monitor.start()
         t_post = time.time()
@@ -722,6 +733,8 @@ class Job:
             if entry and entry["status"]["status_str"] in ("success", "error"):
                 break
             time.sleep(0.05)
+        if entry is None:
+            raise RuntimeError(f"{end[1]}, and no history entry for the prompt")
         if end[1] != "execution_success":
             raise server._execution_error(entry)
         report = json.loads(entry["outputs"]["bench_report"]["text"][0])
@@ -733,7 +746,7 @@ class Job:
         (video,) = server.output_files(entry, save_video, "images")
         out = {"wall_s": wall, "stages": stages, "stage_sum_s": sum(stages.values()),
                "host_share": sum(stages[s] for s in HOST_STAGES) / wall,
-               "nodes": [{"node": n, "class_type": graph[n]["class_type"], "stage": st, "seconds": e - s}
+               "nodes": [{"node": n, "class_type": graph.get(n, {}).get("class_type"), "stage": st, "seconds": e - s}
                          for s, e, st, n in segs if n is not None],
                "sampling": sampling_detail(report), "video": probe_video(video),
                "latent_shape": report.get("latent_shape"),
@@ -748,6 +761,9 @@ class Job:
                    host_rss_peak_by_stage_gib=peaks_by_stage(segs, samples, 2),
                    host_unreclaimable_peak_gib=max((s[3] for s in samples if s[3]), default=0) / GIB,
                    samples=len(samples))
+        # a machine of each size holds the job if what it cannot reclaim fits; the file pages it can drop and reread
+        out["ram_budgets"] = {f"{gib}g": {"unreclaimable_fits": out["host_unreclaimable_peak_gib"] <= gib,
+                                          "rss_fits": out["host_rss_peak_gib"] <= gib} for gib in RAM_BUDGETS_GIB}
         if monitor.nvml_error:
             out["device_used_error"] = monitor.nvml_error
         return out
@@ -789,7 +805,7 @@ def result_line(rec) -> str:
         parts.append(f"{rec['sampling']['step_s']:.2f} s/step")
     if rec.get("device_used_peak_gib") is not None:
         parts.append(f"device {rec['device_used_peak_gib']:.1f} GiB")
-    parts.append(f"RSS {rec['host_rss_peak_gib']:.1f} GiB")
+    parts.append(f"RSS {rec['host_rss_peak_gib']:.1f} GiB (unreclaimable {rec['host_unreclaimable_peak_gib']:.1f})")
     for ref, streams in rec.get("latent", {}).items():
         parts.append(f"cos {streams['video']['cosine']:.4f} {ref}")
     if rec.get("encoder_loader") == "CLIPLoader":
@@ -848,7 +864,8 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true", help="run ComfyUI with --cpu")
     parser.add_argument("--work", default=None, help="server folder and files (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON path (the .log goes beside it)")
-    parser.add_argument("--out-dir", default=None, help="folder for the default file name (default tests/bench/results)")
+    parser.add_argument("--out-dir", default=None,
+                        help="folder for the default file name (default tests/bench/results)")
     parser.add_argument("--keep-files", action="store_true", help="keep the generated files (and reuse matching ones)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no configuration that would end past this many seconds")
