@@ -322,9 +322,14 @@ def unoffered_choice(graph: dict, object_info: dict) -> str | None:
 
 
 class BenchServer(ComfyServer):
-    """ComfyServer's HTTP side, started through vram_cap.py, on the GPU unless `cpu`, without the frontend package."""
+    """ComfyServer's HTTP side, started through vram_cap.py, on the GPU unless `cpu`, without the frontend package.
 
-    def __init__(self, base_dir, comfyui, log_path, cap_gib=None, cpu=False, extra_args=(), startup_timeout=300.0):
+    `ram_gib`: the host RAM ComfyUI sees (vram_cap.py --ram-gib); `cache_none`: --cache-none (else ComfyUI's
+    default cache); `launcher`: a command the server runs under (systemd-run ...); `preexec_fn`, `env`: the
+    server process's (a memory cgroup to join, more environment)."""
+
+    def __init__(self, base_dir, comfyui, log_path, cap_gib=None, cpu=False, extra_args=(), startup_timeout=300.0,
+                 ram_gib=None, cache_none=True, launcher=(), preexec_fn=None, env=None):
         self.base_dir = Path(base_dir)
         self.comfyui = Path(comfyui)
         self.models_dir = self.base_dir / "models"
@@ -335,15 +340,17 @@ class BenchServer(ComfyServer):
         web_root.mkdir(exist_ok=True)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, str(BENCH_DIR / "vram_cap.py"), *(["--gib", str(cap_gib)] if cap_gib else []),
+        cmd = [*launcher, sys.executable, str(BENCH_DIR / "vram_cap.py"),
+               *(["--gib", str(cap_gib)] if cap_gib else []), *(["--ram-gib", str(ram_gib)] if ram_gib else []),
                "main.py", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
                "--base-directory", str(self.base_dir), "--database-url", "sqlite:///:memory:",
-               "--disable-api-nodes", "--cache-none", "--front-end-root", str(web_root),
+               "--disable-api-nodes", *(["--cache-none"] if cache_none else []), "--front-end-root", str(web_root),
                *(["--cpu"] if cpu else []), *extra_args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(cmd, cwd=self.comfyui, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                      preexec_fn=preexec_fn)
         self._wait_ready(startup_timeout)
 
 

@@ -29,6 +29,10 @@ scale per tensor (QUANTIZATION.md's float8_e4m3fn row); "w4a8" and "w4a4" are
 upstream's asym_w4a8_int8 (group 16) and convrot_w4a4, and "nvfp4" its nvfp4 (E2M1 with
 fp8 scales per 16 and a global scale), written by comfy-kitchen's own layouts. Upstream ComfyUI's
 UNETLoader loads them as its own QuantizedTensor layers.
+
+The whole-job benchmark (tests/bench/whole_job.py) also writes the MiniMax-H3 template's other files in their
+published layouts: `COMPONENTS` (the Qwen3-VL-32B text encoder as NVFP4 with AWQ scales, the video VAE with an
+INT8 ConvRot decoder, the fp32 audio VAE; `generate_component`) and the turbo LoRA (`make_turbo_lora`).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import functools
 import json
 import math
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -158,6 +163,9 @@ def _h3(name, lengths, **kwargs):
 
 H3_PRUNED = _h3("h3pruned", (Length("long", 1344, 768, 107), Length("short", 1344, 768, 22)),
                 adaln_curve_grid=1000, time_embed_dim=64)
+# The pruned DiT as Comfy-Org's minimax_h3_fl2va_pruned_* files store it: their AdaLN curve table is 1025 x 8
+# (`adaln_t_table`), so each block's AdaLN projection reads 8 basis values. 1,000 fewer MB than h3pruned in INT8.
+H3_PRUNED_RELEASED = _h3("h3pruned_released", H3_PRUNED.lengths, adaln_curve_grid=1025, time_embed_dim=8)
 # The full MiniMax-H3 (issue 19): upstream's defaults with the full-width AdaLN projections (2688 -> 96768 a
 # block, 13 B of its 33 B parameters, computed from the timestep alone) and its time embedder; 66 GB in bf16,
 # more than the GPU machine's disk, so the benchmark writes only its marker files (int8_convrot about 35 GB).
@@ -167,15 +175,16 @@ TINY_H3 = _h3("tiny_h3", (Length("long", 64, 64, 22), Length("short", 64, 64, 5)
               hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
               ffn_hidden_size=512, text_dim=320, time_embed_hidden_size=256, adaln_curve_grid=100,
               time_embed_dim=64)
-MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN, H3_PRUNED, H3_FULL, TINY_H3)}
+MODELS = {spec.name: spec for spec in (WAN14B, TINY_WAN, H3_PRUNED, H3_PRUNED_RELEASED, H3_FULL, TINY_H3)}
 
 
 # ---- init and writing (no ComfyUI needed) ------------------------------------
 
-def init_kind(name: str, shape) -> str:
-    """How a state_dict entry is drawn: "matrix", "modulation", "ones", "zeros" or "vector"."""
+def init_kind(name: str, shape, norm_names=()) -> str:
+    """How a state_dict entry is drawn: "matrix", "modulation", "ones", "zeros" or "vector". `norm_names`: more
+    module names (ends of the path) that are norms, as Qwen's `input_layernorm` and `q_norm`."""
     leaf = name.rsplit(".", 1)[-1]
-    is_norm = ".norm" in name or name.startswith("norm")
+    is_norm = ".norm" in name or name.startswith("norm") or name.rsplit(".", 1)[0].endswith(tuple(norm_names))
     if leaf == "modulation":
         return "modulation"
     if is_norm and leaf in ("weight", "gamma"):
@@ -187,10 +196,10 @@ def init_kind(name: str, shape) -> str:
     return "vector"
 
 
-def draw(name: str, shape, seed: int, device, dtype):
+def draw(name: str, shape, seed: int, device, dtype, norm_names=()):
     """One tensor of the random model, drawn in fp32 on `device` and cast to `dtype`."""
     import torch
-    kind = init_kind(name, shape)
+    kind = init_kind(name, shape, norm_names)
     if kind == "ones":
         return torch.ones(shape, device=device, dtype=dtype)
     if kind == "zeros":
@@ -367,19 +376,122 @@ def _roles(marker_json: str, shape: tuple, device: str) -> tuple:
     return tuple((role, tuple(t.shape), t.dtype) for role, t in tensors.items())
 
 
+def layer_plan(layout: str, name: str, shape) -> tuple[dict, bool] | None:
+    """(marker, AWQ smoothing) of a layer in a file of `layout` (a FORMATS name, for a DiT, or a LAYOUTS name),
+    or None where the file keeps it as stored."""
+    if layout in LAYOUTS:
+        return LAYOUTS[layout](name, shape)
+    marker = layer_marker(layout, name, shape)
+    return None if marker is None else (marker, False)
+
+
 def layer_entries(fmt: str, name: str, shape, device, dtype=None) -> list[tuple[str, tuple, object]]:
-    """The file's (name, shape, dtype) entries for one state_dict entry: quantized roles and marker, or the
-    tensor as stored (`dtype`, default bf16; fp32 tensors are never quantized)."""
+    """The file's (name, shape, dtype) entries for one state_dict entry in a file of layout `fmt` (see
+    layer_plan): quantized roles, AWQ scale and marker, or the tensor as stored (`dtype`, default bf16; fp32
+    tensors are never quantized)."""
     import torch
     dtype = dtype or torch.bfloat16
-    marker = layer_marker(fmt, name, shape) if dtype == torch.bfloat16 else None
-    if marker is None:
+    plan = layer_plan(fmt, name, shape) if dtype in (torch.bfloat16, torch.float16) else None
+    if plan is None:
         return [(name, tuple(shape), dtype)]
+    marker, awq = plan
     prefix = name[:-len(".weight")]
     entries = [(f"{prefix}.{role}", role_shape, role_dtype)
                for role, role_shape, role_dtype in _roles(json.dumps(marker), tuple(shape), str(device))]
+    if awq:
+        entries.append((f"{prefix}.pre_quant_scale", (shape[1],), torch.bfloat16))
     entries.append((f"{prefix}.comfy_quant", tuple(marker_tensor(marker).shape), torch.uint8))
     return entries
+
+
+# ---- the MiniMax-H3 template's other files ----------------------------------
+
+NVFP4_AWQ = {"format": "nvfp4", "full_precision_matrix_mult": True}
+INT8_ROWS = {"format": "int8_tensorwise"}
+_QWEN_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+_VAE_DECODER_LINEAR = re.compile(r"decoder\.transformer_blocks\.\d+\.(attn\.to_qkv|attn\.to_out|ff\.w1|ff\.w2)\.weight")
+
+
+def qwen3vl_nvfp4_awq(name: str, shape) -> tuple[dict, bool] | None:
+    """Comfy-Org's qwen3vl_32b_minimax_h3_nvfp4_awq: the 350 linears of the 50 language layers in NVFP4, computed
+    dequantized (`full_precision_matrix_mult`), with AWQ's pre_quant_scale (bf16 [in]) on o_proj and down_proj
+    only (the others' smoothing is folded into the norms before them), and the token embedding in INT8 with one
+    scale per row; the vision tower and the norms bf16. That layout is 15,687,142,551 bytes at full size, the
+    published file's size less its header."""
+    if _QWEN_LINEAR.fullmatch(name):
+        return NVFP4_AWQ, name.endswith(("o_proj.weight", "down_proj.weight"))
+    return (INT8_ROWS, False) if name == "model.embed_tokens.weight" else None
+
+
+def video_vae_int8_convrot(name: str, shape) -> tuple[dict, bool] | None:
+    """Comfy-Org's minimax_h3_video_vae_int8_convrot: the linears of the ViT decoder's blocks INT8 ConvRot (the
+    layers upstream builds with the file's operations), the rest fp16 as in its fp16 file."""
+    return (FORMATS["int8_convrot"], False) if _VAE_DECODER_LINEAR.fullmatch(name) else None
+
+
+ENCODER_PROBE_LAYERS = ("text_model.embeddings.token_embedding", "text_model.encoder.layers.0.self_attn.out_proj")
+
+
+def encoder_probe(name: str, shape) -> tuple[dict, bool] | None:
+    """A CLIP-L with the two layer kinds of qwen3vl_nvfp4_awq that a loader may not know (ENCODER_PROBE_LAYERS):
+    the token embedding in INT8 rows, and one NVFP4 layer with AWQ's scale and `full_precision_matrix_mult`."""
+    embedding, linear = (f"{layer}.weight" for layer in ENCODER_PROBE_LAYERS)
+    if name == embedding:
+        return INT8_ROWS, False
+    return (NVFP4_AWQ, True) if name == linear else None
+
+
+LAYOUTS = {"nvfp4_awq": qwen3vl_nvfp4_awq, "int8_convrot_decoder": video_vae_int8_convrot,
+           "encoder_probe": encoder_probe, "plain": lambda name, shape: None}
+
+
+@dataclass(frozen=True)
+class Component:
+    """A template file other than the DiT, built by upstream's own class on the meta device (the audio VAE on
+    the CPU, for its filter buffers) and written in `layout` (LAYOUTS), the rest in `dtype`. `kind`:
+    "text_encoder", "video_vae", "audio_vae" or "clip_l" (ComfyUI's CLIP-L, 123 M parameters); `norm_names`: norm
+    modules init_kind would not recognise; `tiny`: tests/fixtures/bigdit_testnodes/tiny_vae.py's config, written
+    into the file's metadata."""
+    name: str
+    kind: str
+    layout: str
+    dtype: str
+    norm_names: tuple = ()
+    tiny: dict | None = None
+
+
+TINY_VAE = {"video_encoder_ch": 32, "video_decoder": {"num_layers": 1, "heads": 4, "dim_head": 64},
+            "audio": {"encoder_dim": 8, "latent_dim": 64, "decoder_dim": 128}}
+COMPONENTS = {c.name: c for c in (
+    Component("qwen3vl_32b_nvfp4_awq", "text_encoder", "nvfp4_awq", "bfloat16",
+              norm_names=("layernorm", "q_norm", "k_norm")),
+    Component("video_vae_int8_convrot", "video_vae", "int8_convrot_decoder", "float16"),
+    Component("audio_vae_fp32", "audio_vae", "plain", "float32"),
+    Component("tiny_video_vae", "video_vae", "int8_convrot_decoder", "float16", tiny=TINY_VAE),
+    Component("tiny_audio_vae", "audio_vae", "plain", "float32", tiny=TINY_VAE),
+    Component("encoder_probe", "clip_l", "encoder_probe", "bfloat16",
+              norm_names=("layer_norm1", "layer_norm2", "final_layer_norm")),
+)}
+
+# The turbo LoRAs (minimax_h3_fl2v_turbo_{8step,4step}_*_comfyui_bf16): 1,956,193,000 bytes, which is rank 128 on
+# out_proj, fc1 and fc2 and rank 384 on the fused qkv_proj (q, k and v's rank-128 LoRAs side by side) of the 50
+# blocks and the 2 token-refiner blocks, in bf16, and a header.
+TURBO_LORA_RANK = 128
+_TURBO_TARGET = re.compile(r"(token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)")
+
+
+def turbo_lora_targets(shapes: dict, rank: int = TURBO_LORA_RANK) -> list[tuple[str, int, int, int]]:
+    """(module, out, in, rank) of the turbo LoRA's layers, from the DiT's {name: shape}."""
+    return [(name[:-len(".weight")], shape[0], shape[1], 3 * rank if ".qkv_proj." in name else rank)
+            for name, shape in shapes.items()
+            if name.endswith(".weight") and _TURBO_TARGET.fullmatch(name[:-len(".weight")])]
+
+
+def _subprocess(job: dict, comfyui, what: str) -> dict:
+    result = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=comfyui, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{what} failed:\n{result.stdout[-3000:]}{result.stderr[-6000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False, fmt: str = "bf16") -> dict:
@@ -389,12 +501,155 @@ def generate(spec: ModelSpec, path, comfyui, seed: int = 0, cpu: bool = False, f
         raise ValueError(f"unknown model format {fmt!r} (known: {', '.join(FORMATS)})")
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    job = {"module": spec.module, "cls": spec.cls, "kwargs": spec.kwargs, "path": str(path),
+    job = {"kind": "dit", "module": spec.module, "cls": spec.cls, "kwargs": spec.kwargs, "path": str(path),
            "comfyui": str(comfyui), "seed": seed, "cpu": cpu, "format": fmt, "keep_fp32": spec.keep_fp32}
-    result = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=comfyui, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"generating {path.name} failed:\n{result.stdout[-3000:]}{result.stderr[-6000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return _subprocess(job, comfyui, f"generating {path.name}")
+
+
+def generate_component(component: Component, path, comfyui, seed: int = 0, cpu: bool = False) -> dict:
+    """Write `component`'s random file to `path`; returns what generate returns."""
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    job = {"kind": "component", "component": component.__dict__, "path": str(path), "comfyui": str(comfyui),
+           "seed": seed, "cpu": cpu}
+    return _subprocess(job, comfyui, f"generating {path.name}")
+
+
+def make_turbo_lora(model_path, lora_path, comfyui, rank: int = TURBO_LORA_RANK, seed: int = 0,
+                    cpu: bool = False) -> dict:
+    """A random turbo LoRA (turbo_lora_targets, lora_up/lora_down names, no alpha: scale 1) for the DiT file at
+    `model_path`, drawn on the GPU where there is one as make_lora draws: down ~ N(0, 1/in), up ~ N(0, 0.02^2 /
+    rank), each layer's delta about 2% of a unit-variance weight. Returns generate's keys and "layers", "rank"."""
+    lora_path = Path(lora_path).resolve()
+    lora_path.parent.mkdir(parents=True, exist_ok=True)
+    job = {"kind": "lora", "model": str(Path(model_path).resolve()), "path": str(lora_path), "rank": rank,
+           "comfyui": str(comfyui), "seed": seed, "cpu": cpu}
+    return _subprocess(job, comfyui, f"generating {lora_path.name}")
+
+
+# ---- in the subprocess, with ComfyUI importable ------------------------------
+
+def awq_scale(n: int, seed: int, device):
+    """An AWQ-like per-input-channel smoothing scale, exp(N(0, 0.3^2)), in bf16."""
+    import torch
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.exp(0.3 * torch.randn(n, device=device, generator=gen)).bfloat16()
+
+
+def _tiny_vae_classes(config):
+    """tests/fixtures/bigdit_testnodes/tiny_vae.py's tiny_classes, or nothing to do for a full-size file."""
+    import contextlib
+    if config is None:
+        return contextlib.nullcontext()
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "bigdit_testnodes" / "tiny_vae.py"
+    spec = importlib.util.spec_from_file_location("bigdit_tiny_vae", path)
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    return tiny.tiny_classes(config)
+
+
+def _build(job):
+    """(state_dict entries [(name, shape)], stored dtypes {name: dtype}, constants {name: tensor}, layout,
+    metadata) of the job's model, built by the host's own class without its weights."""
+    import importlib
+
+    import torch
+
+    import comfy.ops
+    ops = comfy.ops.disable_weight_init
+    if job["kind"] == "dit":
+        cls = getattr(importlib.import_module(job["module"]), job["cls"])
+        # built in bf16, the modules the class pins to fp32 come out fp32; without keep_fp32 all is written bf16
+        module = cls(**job["kwargs"], device="meta", dtype=torch.bfloat16, operations=ops)
+        stored = {name: (torch.float32 if job["keep_fp32"] and t.dtype == torch.float32 else torch.bfloat16)
+                  for name, t in module.state_dict().items()}
+        return ([(n, tuple(t.shape)) for n, t in module.state_dict().items()], stored, {}, job["format"],
+                {"bigdit_bench": f"random {job['cls']}, seed {job['seed']}, {job['format']}"})
+    component = Component(**{**job["component"], "norm_names": tuple(job["component"]["norm_names"])})
+    dtype = getattr(torch, component.dtype)
+    constants = {}
+    with _tiny_vae_classes(component.tiny):
+        if component.kind == "text_encoder":
+            from comfy.text_encoders.minimax import MiniMaxQwen3VL
+            module = MiniMaxQwen3VL({}, dtype, "meta", ops)
+        elif component.kind == "clip_l":
+            import comfy.sd1_clip
+            module = comfy.sd1_clip.SDClipModel(device="meta", dtype=dtype,
+                                                model_options={"custom_operations": ops}).transformer
+        elif component.kind == "video_vae":
+            import comfy.ldm.minimax.vae as video
+            with torch.device("meta"):
+                module = video.MiniMaxH3VideoVAE(operations=ops)
+            constants = {"latents_mean": torch.tensor(video.LATENTS_MEAN),
+                         "latents_std": torch.tensor(video.LATENTS_STD)}
+        else:
+            import comfy.ldm.minimax.audio_vae as audio
+            module = audio.MiniMaxH3AudioVAE()  # on the CPU (0.6 GB): its anti-aliasing filters are computed buffers
+            constants = {name: t.clone() for name, t in module.named_buffers() if name.endswith(".filter")}
+            size = module.latents_mean.shape
+            constants.update(latents_mean=torch.zeros(size), latents_std=torch.ones(size))
+    sd = module.state_dict()
+    metadata = {"bigdit_bench": f"random {component.name}, seed {job['seed']}"}
+    if component.tiny is not None:
+        metadata["bigdit_tiny_vae"] = json.dumps(component.tiny)
+    return ([(n, tuple(t.shape)) for n, t in sd.items()], dict.fromkeys(sd, dtype), constants, component.layout,
+            metadata)
+
+
+def _write_model(job, device):
+    shapes, stored, constants, layout, metadata = _build(job)
+    norm_names = tuple(job.get("component", {}).get("norm_names", ()))
+    entries = [layer_entries(layout, name, shape, device, stored[name]) for name, shape in shapes]
+    writer = StreamingSafetensorsWriter(job["path"], [e for layer in entries for e in layer], metadata=metadata)
+    t_build = time.perf_counter()
+    quantized = 0
+    for index, ((name, shape), layer) in enumerate(zip(shapes, entries)):
+        seed = job["seed"] * 1_000_003 + index
+        if name in constants:
+            weight = constants[name].to(device=device, dtype=stored[name])
+        else:  # the same draw in every format: a marker file holds the bf16 file's weights, quantized
+            weight = draw(name, shape, seed, device, stored[name], norm_names)
+        if len(layer) == 1:
+            writer.write(name, weight)
+            continue
+        marker, awq = layer_plan(layout, name, shape)
+        tensors = {}
+        if awq:  # the layer multiplies its input by the scale: its weight is stored divided by it
+            tensors["pre_quant_scale"] = awq_scale(shape[1], seed, device)
+            weight = (weight.float() / tensors["pre_quant_scale"].float()).to(weight.dtype)
+        tensors.update(quantize(marker, weight), comfy_quant=marker_tensor(marker))
+        prefix = name[:-len(".weight")]
+        for entry_name, _, _ in layer:
+            writer.write(entry_name, tensors[entry_name[len(prefix) + 1:]])
+        quantized += 1
+    writer.close()
+    return {"write_seconds": round(time.perf_counter() - t_build, 2), "bytes": writer.total_bytes,
+            "tensors": len(shapes), "params": sum(math.prod(s) for _, s in shapes), "format": layout,
+            "quantized_layers": quantized}
+
+
+def _write_lora(job, device):
+    import safetensors
+    import torch
+    with safetensors.safe_open(job["model"], "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    targets = turbo_lora_targets(shapes, job["rank"])
+    entries = []
+    for module, n_out, n_in, rank in targets:
+        entries += [(f"diffusion_model.{module}.lora_up.weight", (n_out, rank), torch.bfloat16),
+                    (f"diffusion_model.{module}.lora_down.weight", (rank, n_in), torch.bfloat16)]
+    writer = StreamingSafetensorsWriter(job["path"], entries, metadata={"bigdit_bench": f"random turbo LoRA, "
+                                                                                      f"seed {job['seed']}"})
+    gen = torch.Generator(device=device).manual_seed(job["seed"])
+    for module, n_out, n_in, rank in targets:
+        writer.write(f"diffusion_model.{module}.lora_up.weight",
+                     (torch.randn(n_out, rank, device=device, generator=gen) * (0.02 / rank ** 0.5)).bfloat16())
+        writer.write(f"diffusion_model.{module}.lora_down.weight",
+                     (torch.randn(rank, n_in, device=device, generator=gen) * n_in ** -0.5).bfloat16())
+    writer.close()
+    return {"bytes": writer.total_bytes, "tensors": len(entries), "layers": len(targets), "rank": job["rank"],
+            "params": sum(math.prod(s) for _, s, _ in entries), "format": "lora_bf16", "quantized_layers": 0}
 
 
 def _main(job):
@@ -403,44 +658,10 @@ def _main(job):
     from comfy.cli_args import args
     if job["cpu"]:
         args.cpu = True
-    import importlib
-
     import torch
-
-    import comfy.ops
-    cls = getattr(importlib.import_module(job["module"]), job["cls"])
-    # built in bf16, the modules the class pins to fp32 come out fp32; without keep_fp32 all is written bf16
-    module = cls(**job["kwargs"], device="meta", dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
-    stored = {name: (torch.float32 if job["keep_fp32"] and t.dtype == torch.float32 else torch.bfloat16)
-              for name, t in module.state_dict().items()}
-    shapes = [(name, tuple(t.shape)) for name, t in module.state_dict().items()]
-    del module
     device = torch.device("cuda" if torch.cuda.is_available() and not job["cpu"] else "cpu")
-    fmt = job["format"]
-    entries = [layer_entries(fmt, name, shape, device, stored[name]) for name, shape in shapes]
-    writer = StreamingSafetensorsWriter(job["path"], [e for layer in entries for e in layer],
-                                        metadata={"bigdit_bench": f"random {job['cls']}, seed {job['seed']}, {fmt}"})
-    t_build = time.perf_counter()
-    quantized = 0
-    for index, ((name, shape), layer) in enumerate(zip(shapes, entries)):
-        # the same draw in every format: a marker file holds the bf16 file's weights, quantized
-        weight = draw(name, shape, job["seed"] * 1_000_003 + index, device, stored[name])
-        if len(layer) == 1:
-            writer.write(name, weight)
-            continue
-        marker = layer_marker(fmt, name, shape)
-        tensors = quantize(marker, weight)
-        tensors["comfy_quant"] = marker_tensor(marker)
-        prefix = name[:-len(".weight")]
-        for entry_name, _, _ in layer:
-            writer.write(entry_name, tensors[entry_name[len(prefix) + 1:]])
-        quantized += 1
-    writer.close()
-    print(json.dumps({"seconds": round(time.perf_counter() - t0, 2),
-                      "write_seconds": round(time.perf_counter() - t_build, 2),
-                      "bytes": writer.total_bytes, "tensors": len(shapes),
-                      "params": sum(math.prod(s) for _, s in shapes), "device": str(device), "format": fmt,
-                      "quantized_layers": quantized}))
+    info = _write_lora(job, device) if job["kind"] == "lora" else _write_model(job, device)
+    print(json.dumps({"seconds": round(time.perf_counter() - t0, 2), "device": str(device), **info}))
 
 
 if __name__ == "__main__":

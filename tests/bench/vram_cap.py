@@ -24,6 +24,15 @@ that aimdo keeps free, besides its usual reserve) is raised to the real card les
 the emulated one, and aimdo evicts weight pages as a 24 GiB card would make it.
 That binds aimdo by its own budget, not by a failing allocation: the report's
 NVML peak (device_used_peak_sampling) shows whether it held.
+
+    cd COMFYUI && python vram_cap.py --ram-gib 32 main.py [...]   # and a host of 32 GiB of RAM
+
+`--ram-gib` emulates a smaller host for ComfyUI's own memory decisions: upstream sizes its RAM cache, pins and
+pin eviction from psutil.virtual_memory() (total, available), which inside a memory cgroup still reads the
+whole machine. psutil.virtual_memory() then reports GIB as total and as available GIB less the memory this
+process holds that the kernel could not reclaim (anonymous and shared pages: what a machine of that size would
+have in use), never more than the machine has. Whether the kernel also enforces the size is the caller's
+(tests/bench/whole_job.py runs the server in a memory cgroup where it can).
 """
 import argparse
 import os
@@ -69,6 +78,31 @@ def emulate_card(cap_bytes: int) -> str:
             f"allocating past it fails{bind_dynamic_vram(total - cap_bytes)}")
 
 
+def unreclaimable_bytes() -> int:
+    """This process's anonymous and shared resident pages (pinned host memory included), from /proc."""
+    held = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                held += int(line.split()[1]) * 1024
+    return held
+
+
+def emulate_ram(cap_bytes: int) -> str:
+    import psutil
+    real = psutil.virtual_memory
+
+    def virtual_memory():
+        vm = real()
+        available = max(0, min(vm.available, cap_bytes - unreclaimable_bytes()))
+        return vm._replace(total=cap_bytes, available=available, used=cap_bytes - available, free=available,
+                           percent=round(100 * (cap_bytes - available) / cap_bytes, 1))
+
+    psutil.virtual_memory = virtual_memory
+    os.environ["BIGDIT_EMULATED_RAM"] = str(cap_bytes)
+    return f"emulated host RAM: {cap_bytes / 2**30:.1f} GiB of {real().total / 2**30:.1f} GiB (psutil.virtual_memory)"
+
+
 def load_dynamic_vram_library():
     """Where the host enables dynamic VRAM, load comfy-aimdo's library before torch, as upstream's main.py does
     (the cap imports torch first); main.py's own init call later applies its settings to the loaded library."""
@@ -91,6 +125,8 @@ def bind_dynamic_vram(beyond_card: int) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=None, help="card size in GiB (default: no cap)")
+    parser.add_argument("--ram-gib", type=float, default=None, help="host RAM in GiB as ComfyUI sees it (default: "
+                        "the machine's)")
     parser.add_argument("script", help="ComfyUI's main.py")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     opts = parser.parse_args()
@@ -99,6 +135,8 @@ def main():
     sys.argv = [script, *opts.args]
     sys.path[0] = comfyui  # as `python main.py` would have it, not this file's folder
     os.chdir(comfyui)
+    if opts.ram_gib is not None:  # before ComfyUI's model management reads the total at import
+        print(f"vram_cap: {emulate_ram(int(opts.ram_gib * 2 ** 30))}", flush=True)
     if opts.gib is not None:
         # main.py's own order: parse the arguments, let cuda_malloc pick the allocator, then torch.
         import comfy.options

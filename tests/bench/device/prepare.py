@@ -30,6 +30,13 @@ that the image lacks are never used on this path: simpleeval (one math node), bl
 the rest of the list above (the frontend, templates, docs, kornia, spandrel). No fa3-fwd:
 the 0.3.75 bundle carries it.
 
+`--job` packs what the whole-job benchmark (tests/bench/whole_job.py) needs beyond .e2e-033/, into .e2e-job/:
+PyAV (its SaveVideo writes the video file; the image lacks it, and the stub stands in only for imports),
+simpleeval (the template's Math Expression node: upstream's nodes_math does not import without it) and
+upstream 0.33.0's tokenizer data for the Qwen encoder (the H3 text encoder tokenizes the prompt) and CLIP-L (the
+benchmark's check of QuantizedCLIPLoader loads one); the host bundle leaves tokenizer data out. run_e2e.sh --job
+puts the wheels on PYTHONPATH and copies the tokenizer data into the host's source.
+
 Wheels are downloaded once into the test cache ($BIGDIT_CACHE, ~/.cache/bigdit)
 under e2e-wheels/. The folder .e2e/ is added to git's info/exclude, so it travels
 only when a device call names it in `carry`. The script prints the bundle's size
@@ -77,6 +84,13 @@ REQUIRED_FILES = {"comfy_aimdo": "comfy_aimdo/aimdo.so", "comfy_kitchen": "comfy
 # never imported on the benchmark's path: tests, examples and tokenizer data
 DROP_IN_COMFYUI = ("tests", "tests-unit", "script_examples", ".git", ".github", ".ci")
 CARRY_LIMIT = 64 * 2 ** 20
+# --job: the whole-job benchmark's wheels, and the files of upstream 0.33.0's source it needs that the host bundle
+# leaves out
+JOB_WHEELS = ("av==19.0.2", "simpleeval==1.0.8")
+JOB_HOST = "0.33.0"
+JOB_FILES = ("comfy/text_encoders/qwen25_tokenizer", "comfy/sd1_tokenizer")
+# what a job call carries besides .e2e-job/ (tests/bench/device/README.md)
+JOB_CARRIED = (".e2e-033", ".sage2")
 
 
 def download(requirements, dest: Path, python: str = "3.12") -> list[Path]:
@@ -195,6 +209,49 @@ def exclude(folder: str) -> Path:
     return path
 
 
+def write_bundle(staging: Path, out: Path, wheels: list, comfyui) -> int:
+    """bundle.tar.xz, its sha256 and manifest from `staging`; returns the folder's bytes."""
+    raw = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+    print(f"staged {raw / 2**20:.1f} MiB; compressing")
+    bundle = out / "bundle.tar.xz"
+    compress(staging, bundle)
+    digest = hashlib.sha256(bundle.read_bytes()).hexdigest()
+    (out / "bundle.sha256").write_text(digest + "\n")
+    (out / "MANIFEST.json").write_text(json.dumps({
+        "comfyui": comfyui, "wheels": [w.name for w in wheels], "dropped_from_wheels": DROP_IN_WHEELS,
+        "uncompressed_bytes": raw, "bundle_bytes": bundle.stat().st_size, "sha256": digest}, indent=2))
+    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+
+
+def prepare_job(opts):
+    out = Path(opts.out or REPO / ".e2e-job").resolve()
+    if out.parent == REPO:
+        print(f"ignored by git through {exclude(out.name)}")
+    out.mkdir(parents=True, exist_ok=True)
+    wheels = download(JOB_WHEELS, cache_dir() / "e2e-wheels")
+    source = Path(opts.comfyui or shared_dir() / "hosts" / f"comfyui-{JOB_HOST}.tar.gz")
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp) / "staging"
+        for wheel in wheels:  # compiled ones apart: a Python older than theirs (the check here) keeps its own
+            unpack_wheel(wheel, staging / ("site-py312" if "-cp312-" in wheel.name else "site"))
+        comfyui = unpack_source(source, Path(tmp) / "source", JOB_HOST)
+        if comfyui_version(comfyui) != JOB_HOST:
+            raise SystemExit(f"{source} does not hold ComfyUI {JOB_HOST}")
+        for rel in JOB_FILES:
+            shutil.copytree(comfyui / rel, staging / "comfyui" / rel)
+        folder = write_bundle(staging, out, wheels, JOB_HOST)
+    others = {name: sum(p.stat().st_size for p in (REPO / name).rglob("*") if p.is_file())
+              for name in JOB_CARRIED if (REPO / name).is_dir()}
+    tree = carried_tree_bytes()
+    total = folder + sum(others.values()) + tree
+    parts = [f"{k} {v / 2**20:.1f} MiB" for k, v in others.items()] + [f"the working tree {tree / 2**20:.1f} MiB"]
+    print(f"{out}: {folder / 2**20:.1f} MiB; with {', '.join(parts)}, a job call carries {total / 2**20:.1f} MiB "
+          f"of {CARRY_LIMIT / 2**20:.0f} MiB" + ("" if len(others) == len(JOB_CARRIED) else
+                                                  f" ({', '.join(set(JOB_CARRIED) - set(others))} not here yet)"))
+    if total > CARRY_LIMIT:
+        raise SystemExit("over the device's carry limit: carry .sage2/ with its source rather than a wheel")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host", choices=sorted(HOSTS), default="0.3.75", help="the ComfyUI to pack (0.3.75)")
@@ -206,7 +263,12 @@ def main():
     parts.add_argument("--without-fa3", action="store_true", help="leave fa3-fwd out (about 9 MB less)")
     parts.add_argument("--fa3-only", action="store_true",
                        help="fa3-fwd alone (for a first call of two: use with --out .e2e-fa3)")
+    parts.add_argument("--job", action="store_true",
+                       help="the whole-job benchmark's PyAV and tokenizer data (.e2e-job; the source of --comfyui "
+                            "or shared/hosts/comfyui-0.33.0.tar.gz)")
     opts = parser.parse_args()
+    if opts.job:
+        return prepare_job(opts)
     host_wheels, default_out, with_fa3 = HOSTS[opts.host]
     if opts.comfyui is None:
         opts.comfyui = (shared_dir() / "hosts" / f"comfyui-{opts.host}.tar.gz" if opts.host != "0.3.75"
