@@ -21,10 +21,15 @@ CLIP_LOADER = {"input": {"required": {"clip_name": [["x"], {}], "type": [["minim
                          "optional": {"device": [["default", "cpu"], {}]}}}
 
 
-def object_info(**extra_inputs):
+def object_info(without=(), **extra_inputs):
+    """The pack's snapshot and CLIPLoader, with inputs added (`extra_inputs`) or taken out (`without`, "Node.input")."""
     info = {**copy.deepcopy(PACK_OBJECT_INFO), "CLIPLoader": CLIP_LOADER}
     for class_type, names in extra_inputs.items():
         info[class_type]["input"]["required"].update({name: [["auto"], {}] for name in names})
+    for item in without:
+        class_type, name = item.split(".")
+        for kind in ("required", "optional"):
+            info[class_type]["input"].get(kind, {}).pop(name, None)
     return info
 
 
@@ -52,13 +57,13 @@ def test_the_files_are_named_as_the_template_names_them():
 
 def test_pack_fast_changes_the_loader_and_backend_and_passes_int8_only_where_listed():
     config = whole_job.CONFIGS["pack_fast"]
-    graph, left_out = whole_job.job_graph(config, "turbo", object_info(), "QuantizedCLIPLoader", None)
+    graph, left_out = whole_job.job_graph(config, "turbo", object_info(without=["MixedCheckpointLoader.int8"]),
+                                          "QuantizedCLIPLoader", None)
     loader = graph["140:127"]
     assert loader == {"class_type": "MixedCheckpointLoader", "_meta": loader["_meta"], "inputs": {
         "unet_name": "minimax_h3_fl2va_pruned_int8_convrot.safetensors", "nvfp4": "auto"}}
     assert left_out == ["MixedCheckpointLoader.int8"]
-    listed, left_out = whole_job.job_graph(config, "turbo", object_info(MixedCheckpointLoader=["int8"]),
-                                           "QuantizedCLIPLoader", None)
+    listed, left_out = whole_job.job_graph(config, "turbo", object_info(), "QuantizedCLIPLoader", None)
     assert listed["140:127"]["inputs"]["int8"] == "auto" and left_out == []
     assert graph["140:141"]["inputs"]["backend"] == "sage"
     assert graph["140:128"]["class_type"] == "QuantizedCLIPLoader"
