@@ -71,6 +71,16 @@ def building_operations(builder: LayerBuilder):
                         if given is not None and held is not None and held.data_ptr() != given.data_ptr():
                             builder.source.file_map.release(given)
 
+        class Embedding(base.Embedding):
+            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs):
+                dtype = self.weight.dtype if self.weight is not None else torch.float32
+                table = builder.build_embedding(prefix[:-1], self.num_embeddings, self.embedding_dim, dtype)
+                if table is not None:  # the file's quantized table, dequantized in place of its stand-in
+                    state_dict[prefix + "weight"] = table
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+
     return BuildingOperations
 
 

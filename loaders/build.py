@@ -147,6 +147,29 @@ class LayerBuilder:
             self.progress()
         return built
 
+    def build_embedding(self, name: str, num_embeddings: int, embedding_dim: int,
+                        compute_dtype: torch.dtype) -> torch.Tensor | None:
+        """The full-precision table of an Embedding the file stores quantized (Comfy-Org's encoders keep their
+        token embedding in INT8), dequantized by its format on the compute device; None where the file stores
+        it plain. A lookup table is no Linear: it is loaded as a plain weight, its record says so."""
+        stored = self.contents.layers.get(name)
+        if stored is None:
+            return None
+        why_not = stored.mismatch(embedding_dim, num_embeddings)
+        if why_not is not None:
+            raise CheckpointError(self.contents.path, f"shape mismatch: {why_not} (an Embedding)", [name])
+        tensors = self.contents.layer_tensors(self.source, name)
+        weight = dequantized_weight(self._method(stored.format, stored.options), tensors, embedding_dim,
+                                    num_embeddings, compute_dtype, self.device).to("cpu")
+        stored_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        layer = Layer(name, embedding_dim, num_embeddings, compute_dtype, linear=False)  # full precision from here
+        layer.decided(KEEP, None, f"{stored.format} embedding, dequantized at load")
+        layer.bytes_before, layer.bytes_after = stored_bytes, weight.numel() * weight.element_size()
+        self.report.records.append(layer)
+        self.consumed.add(name)
+        self.source.file_map.release(*(self.source(key) for key in stored.tensors.values()))
+        return weight
+
     def _from_checkpoint(self, layer: Layer, bias, home) -> QuantLinear:
         stored = self.contents.layers[layer.name]
         method = self._method(stored.format, stored.options)

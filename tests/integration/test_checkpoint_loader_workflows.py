@@ -425,6 +425,23 @@ def test_quantized_clip_loader_marker_clip_l(comfy, clip_l):
     assert 0 < difference < 4e-3
 
 
+def test_quantized_clip_loader_int8_token_embedding(comfy, clip_l):
+    """Comfy-Org's MiniMax-H3 encoder stores its token embedding in INT8 with a marker, as upstream's CLIPLoader
+    reads it. A lookup table is no Linear: the loader dequantizes it at load (the record says so) and the
+    encoded prompt stays near the bf16 encoder's."""
+    plain, linears = clip_l
+    sd, _ = load(plain)
+    (embedding,) = [k[:-len(".weight")] for k in sd if k.endswith("token_embedding.weight")]
+    markers = {name: {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256} for name in linears}
+    markers[embedding] = {"format": "int8_tensorwise"}  # per row, no rotation: a row is one token's vector
+    marked = write_markers(plain, plain.parent / "clip_l_int8_embedding.safetensors", markers)
+    report, difference = encoded_difference(comfy, clip_l, marked.name)
+    assert report.splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers", report
+    assert f"  {embedding}: int8_tensorwise embedding, dequantized at load" in report.splitlines(), report
+    # per-row INT8 embeddings on top of INT8 linears (as the marker test above, measured 8e-4)
+    assert 0 < difference < 4e-3
+
+
 @pytest.fixture(scope="module")
 def comfy_sdpa(comfy, clip_l, tmp_path_factory):
     """A second server with --use-pytorch-cross-attention: on CPU ComfyUI's default attention is not SDPA."""
