@@ -155,8 +155,8 @@ def _pack_loader(quantization, offload="auto"):
                                 "ignored_layers": ""})
 
 
-def _mixed_loader():
-    return ("MixedCheckpointLoader", {"nvfp4": "auto"})
+def _mixed_loader(int8="auto"):
+    return ("MixedCheckpointLoader", {"nvfp4": "auto", "int8": int8})
 
 
 def _lora():
@@ -237,8 +237,25 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
                     Config(f"comfy_{short}_marker_resident", "comfy", False, _unet(), model_format=fmt,
                            needs="kitchen_markers"),
                     Config(f"pack_mixed_{short}", "pack", True, _mixed_loader(), model_format=fmt)]
+    # the INT8 file users have (Comfy-Org's *_int8_convrot layout) on the same card: UNETLoader against the pack's
+    # MixedCheckpointLoader (int8 auto: FP8 where measured faster; keep: INT8 on the pack's own measured kernels),
+    # each with and without its side's SageAttention 2 path
+    configs += [
+        Config("pack_mixed_int8_keep", "pack", True, _mixed_loader("keep"), model_format="int8_convrot"),
+        Config("comfy_int8_marker_sage", "comfy", True, _unet(), model_format="int8_convrot", needs="kitchen_markers",
+               comfy_args=("--use-sage-attention",)),
+        Config("pack_mixed_int8_sage", "pack", True, _mixed_loader(), (_attention("sage"),),
+               model_format="int8_convrot"),
+        Config("comfy_int8_marker_12g", "comfy", True, _unet(), model_format="int8_convrot", needs="kitchen_markers",
+               cap_gib=12.0),
+        Config("pack_mixed_int8_12g", "pack", True, _mixed_loader(), model_format="int8_convrot", cap_gib=12.0),
+    ]
     return {c.name: c for c in configs}
 
+
+# the INT8 file's comparison: its resident reference first, then each side on the 24 GiB card, then with Sage
+INT8_FILE_CONFIGS = ("comfy_int8_marker_resident", "comfy_int8_marker", "pack_mixed_int8", "comfy_int8_marker_sage",
+                     "pack_mixed_int8_sage", "pack_mixed_int8_keep", "comfy_int8_marker_12g", "pack_mixed_int8_12g")
 
 # the rows of issue 21's formats table (tests/doc_tables.py formats_table): bf16, fp8, int8 ConvRot, W4A8, W4A4,
 # and NVFP4, which the pack loads from a file (it does not quantize to it)
@@ -253,7 +270,7 @@ FULL_CONFIGS = _marker_configs("int8", "fp8")
 FULL_4BIT_CONFIGS = _marker_configs("w4a8", "w4a4")
 # a model file's format -> the configuration that runs it resident through UNETLoader: its configurations' reference
 RESIDENT = {"bf16": REFERENCE, **{fmt: f"comfy_{short}_marker_resident" for short, fmt in MARKER_FILES.items()}}
-PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS, "full4": FULL_4BIT_CONFIGS}
+PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS, "full4": FULL_4BIT_CONFIGS, "int8file": INT8_FILE_CONFIGS}
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")
