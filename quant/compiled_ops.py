@@ -40,3 +40,30 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """comfy_kitchen.int8_linear (its backend dispatch included); one graph node under torch.compile."""
     call = _int8_linear_op if torch.compiler.is_compiling() else _kitchen_int8_linear
     return call(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+
+
+def _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
+    from . import int8_triton
+    return int8_triton.linear_or_kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize,
+                                         input_act, kitchen=_kitchen_int8_linear)
+
+
+@torch.library.custom_op("bigdit::int8_linear_triton", mutates_args=())
+def _int8_linear_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: torch.Tensor | None, out_dtype: torch.dtype, convrot: bool, convrot_groupsize: int,
+                           input_act: str | None) -> torch.Tensor:
+    return _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+
+
+@_int8_linear_triton_op.register_fake
+def _(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+def int8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype, *, convrot: bool, convrot_groupsize: int,
+                       input_act: str | None) -> torch.Tensor:
+    """int8_triton's INT8 linear (kitchen's once those kernels failed); one graph node under torch.compile."""
+    call = _int8_linear_triton_op if torch.compiler.is_compiling() else _triton_int8_linear
+    return call(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+

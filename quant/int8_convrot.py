@@ -1,10 +1,11 @@
-"""Online INT8 ConvRot through comfy-kitchen.
+"""Online INT8 ConvRot, through comfy-kitchen or the pack's Triton kernels.
 
 Weights: per-output-channel INT8 after a group-wise Hadamard rotation
 (ConvRot), which spreads outliers across each group before rounding.
 Activations: rotated and quantized per token at run time, inside
 comfy-kitchen's fused kernel (its eager backend composes the same from
-torch ops on CPU).
+torch ops on CPU) or int8_triton's, whichever the first call of a shape
+measures faster on the GPU (`BIGDIT_INT8_KERNEL` pins one).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_at_least
-from . import compiled_ops
+from . import compiled_ops, int8_triton
 from .descriptor import PER_ROW, Contract, Conversion, MarkerParam, QuantFormat, power_of_4
 from .kernel_select import KernelChooser, rows_bucket
 from .linear_method import LinearMethod, output_dtype
@@ -30,7 +31,7 @@ GROUP_SIZES = (16, 64, 256)
 DEFAULT_SPLIT_ROWS = 8192
 
 _chooser = KernelChooser(CONVROT, force_env="BIGDIT_INT8_KERNEL",
-                         known=("kitchen", "kitchen_split", "dequant"))
+                         known=("kitchen", "kitchen_split", "triton", "dequant"))
 
 
 def _env_int(name: str) -> int | None:
@@ -107,6 +108,10 @@ class Int8ConvRotMethod(LinearMethod):
             return compiled_ops.int8_linear(rows, weight, scale, bias, out_dtype, convrot=self.convrot,
                                             convrot_groupsize=self.group_size, input_act=input_act)
 
+        def triton_fused() -> torch.Tensor:
+            return compiled_ops.int8_linear_triton(x2d, weight, scale, bias, out_dtype, convrot=self.convrot,
+                                                   convrot_groupsize=self.group_size, input_act=input_act)
+
         def split(rows_per_call: int) -> torch.Tensor:
             parts = [fused(x2d[i:i + rows_per_call]) for i in range(0, x2d.shape[0], rows_per_call)]
             return torch.cat(parts)
@@ -125,12 +130,14 @@ class Int8ConvRotMethod(LinearMethod):
         if (forced_rows is None and x.device.type == "cuda" and self.row_split == "auto"
                 and rows > DEFAULT_SPLIT_ROWS):
             candidates["kitchen_split"] = lambda: split(DEFAULT_SPLIT_ROWS)
+        if int8_triton.available(x2d, weight, scale, bias, out_dtype, self.convrot, self.group_size, input_act):
+            candidates["triton"] = triton_fused
         # dequant runs only when forced: timed inside a forward it can look faster than the
         # fused kernel (allocator and clock effects) when side by side it is not, and would
         # be picked wrongly.
         candidates["dequant"] = dequant_gemm
         key = (str(x.device), rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
-        choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split"))
+        choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split", "triton"))
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 

@@ -4,6 +4,9 @@
   kernels apply (swiglu, gelu_tanh, ...), so that the pack's unfused paths compute
   what the fused ones do. It lives in the private module
   `comfy_kitchen.backends._activations`; kitchen exports no public name for it.
+- `hadamard`: the normalized ConvRot matrix kitchen rotates weights and activations by
+  (`comfy_kitchen.tensor.int8_utils._build_hadamard`), for the pack's own INT8 kernels (int8_triton.py),
+  which must rotate by the very same matrix.
 - `storage`: a QuantizedTensor's packed data (`_qdata`). Kitchen exposes its shape,
   dtype and bytes (`storage_shape`, `storage_dtype`, `nbytes`) but not the tensor,
   which page-locking the host copy in place needs (`state_dict()[""]` is that tensor
@@ -32,6 +35,12 @@ def is_quantized_tensor(t) -> bool:
 def apply_input_act(x: torch.Tensor, input_act: str | None) -> torch.Tensor:
     from comfy_kitchen.backends._activations import apply_input_act as kitchen_apply_input_act
     return kitchen_apply_input_act(x, input_act)
+
+
+def hadamard(size: int, device: torch.device) -> torch.Tensor:
+    """Kitchen's normalized regular Hadamard matrix of `size` (a power of 4), fp32, contiguous."""
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard
+    return _build_hadamard(size, device=device, dtype=torch.float32).contiguous()
 
 
 def storage(t: torch.Tensor) -> torch.Tensor:

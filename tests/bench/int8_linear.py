@@ -1,0 +1,154 @@
+"""The INT8 ConvRot paths per layer at MiniMax-H3 pruned's shapes (run on a GPU): is the pack's Triton INT8
+linear at least 1.5x bf16?
+
+For each of H3's four Linear shapes at 32,700 rows, on random bf16 weights quantized by comfy-kitchen
+(ConvRot, group 256; fc2 takes SwiGLU of fc1's 28672-wide output, as the model runs it):
+bf16 F.linear (for fc2 also SwiGLU + F.linear, the model's bf16 path); comfy-kitchen's int8_linear; the
+pack's Triton path (quant/int8_triton.py: rotation, activation quantization and dequantization included);
+Int8ConvRotMethod as the pack runs it (its measured choice, named); raw torch._int_mm (cuBLASLt, no
+rotation nor quantization: a ceiling); the pack's FP8 method. Each: ms (CUDA events, warmed up, median
+of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
+peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The autotuned
+configs are recorded per shape. One line per layer says whether the target (>= 1.5x bf16) is met.
+
+    python tests/bench/int8_linear.py [--rows 32700] [--out FILE]
+"""
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from _pack import cuda_time_ms, default_out, environment, write_json
+from probes import chooser
+
+from bigdit.quant import int8_triton
+from bigdit.quant.fp8 import Fp8Method
+from bigdit.quant.int8_convrot import Int8ConvRotMethod
+from bigdit.quant.kitchen_api import apply_input_act
+from bigdit.quant.kernel_select import rows_bucket
+from bigdit.quant.quantize_pass import quantize_linear
+
+SHAPES = {  # name: (K, N, input activation)
+    "qkv_proj": (5376, 21504, None),
+    "out_proj": (7168, 5376, None),
+    "fc1": (5376, 28672, None),
+    "fc2": (14336, 5376, "swiglu"),
+}
+GROUP = 256
+TARGET = 1.5
+# dense tensor-core peaks (TFLOP/s, TOPS), from the vendors' datasheets
+PEAKS = {"H200": {"bf16": 989, "int8": 1979, "fp8": 1979}, "H100": {"bf16": 989, "int8": 1979, "fp8": 1979}}
+KINDS = {"bf16": "bf16", "bf16_model": "bf16", "kitchen": "int8", "triton": "int8", "method": "int8",
+         "int_mm": "int8", "fp8": "fp8"}
+
+
+def peaks() -> dict | None:
+    name = torch.cuda.get_device_name()
+    return next((p for key, p in PEAKS.items() if key in name), None)
+
+
+def rel(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def tuned_configs(k, n, swiglu):
+    """The autotuned configs for this shape: the activation kernel's and the GEMM's (keys start with the row
+    bucket, then K, G, SWIGLU, ROTATE / N, K)."""
+    tma = int8_triton._tma(torch.device("cuda"))
+    gemm = int8_triton._gemm_tma_kernel if tma else int8_triton._gemm_kernel
+    act = [str(c) for key, c in int8_triton._rotate_quantize_kernel.cache.items() if key[1:4] == (k, GROUP, swiglu)]
+    mm = [str(c) for key, c in gemm.cache.items() if key[1:3] == (n, k)]
+    return {"activation": act, "gemm": mm, "gemm_kernel": "tma" if tma else "pointer"}
+
+
+def bench_shape(name, k, n, act, rows):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    torch.nn.init.normal_(linear.weight, std=k ** -0.5)
+    x = torch.randn(rows, 2 * k if act else k, device="cuda", dtype=torch.bfloat16)
+    xin = apply_input_act(x, act)  # the bf16 activation F.linear takes
+    ref = F.linear(apply_input_act(x.float(), act), linear.weight.float())
+    int8 = quantize_linear(linear, Int8ConvRotMethod(GROUP), torch.device("cuda"))
+    fp8 = quantize_linear(linear, Fp8Method(), torch.device("cuda"))
+    weight, w_scale = int8.weight, int8.weight_scale
+
+    def kitchen():
+        import comfy_kitchen as ck
+        return ck.int8_linear(x, weight, w_scale, None, torch.bfloat16, convrot=True, convrot_groupsize=GROUP,
+                              input_act=act)
+
+    qx = torch.randint(-127, 128, (rows, k), device="cuda", dtype=torch.int8)
+    runs = {
+        "bf16": lambda: F.linear(xin, linear.weight),
+        "kitchen": kitchen,
+        "triton": lambda: int8_triton.int8_linear(x, weight, w_scale, None, torch.bfloat16, True, GROUP, act),
+        "method": lambda: int8(x, input_act=act),
+        "int_mm": lambda: torch._int_mm(qx, weight.t()),
+        "fp8": lambda: fp8(x, input_act=act),
+    }
+    if act:
+        runs["bf16_model"] = lambda: F.linear(apply_input_act(x, act), linear.weight)
+    row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act}
+    flops = 2 * rows * k * n
+    peak = peaks()
+    for cand, fn in runs.items():
+        out = fn()  # the first call autotunes (Triton) or measures (the method's choice)
+        ms = cuda_time_ms(fn)
+        cell = {"ms": ms, "tflops": flops / ms / 1e9}
+        if peak is not None:
+            cell["peak_fraction"] = cell["tflops"] / peak[KINDS[cand]]
+        if cand != "int_mm":  # random int8 operands: nothing to compare
+            cell["rel_err"] = rel(out, ref)
+        row[cand] = cell
+        del out
+    for cand in runs:
+        row[cand]["ratio_to_bf16"] = row["bf16"]["ms"] / row[cand]["ms"]
+    row["triton_err_over_kitchen"] = row["triton"]["rel_err"] / row["kitchen"]["rel_err"]
+    key = (str(x.device), rows_bucket(rows), x.shape[-1], n, torch.bfloat16, act)
+    row["method_choice"] = next(c for key2, c in chooser().choices.items() if key2[:-1] == key)
+    row["tuned"] = tuned_configs(k, n, act == "swiglu")
+    del int8, fp8, linear, x, xin, ref, qx
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=32700)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    chooser()  # starts recording the method's measurements
+    gpu = torch.cuda.get_device_name()
+    peak = peaks()
+    print(f"{gpu}: " + (f"dense peaks bf16 {peak['bf16']} TFLOP/s, int8/fp8 {peak['int8']} TOPS" if peak
+                        else "dense peak unknown for this GPU (peak fractions left out)"))
+    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8")
+    print(f"{'layer':9} " + " ".join(f"{c:>22}" for c in cands) + "   (ms, x bf16 F.linear, % of peak)")
+    results = []
+    for name, (k, n, act) in SHAPES.items():
+        r = bench_shape(name, k, n, act, args.rows)
+        results.append(r)
+        cells = " ".join(f"{r[c]['ms']:7.3f} {r[c]['ratio_to_bf16']:5.2f}x "
+                         f"{100 * r[c].get('peak_fraction', float('nan')):4.0f}%" for c in cands)
+        print(f"{name:9} {cells}", flush=True)
+    print()
+    met_all = True
+    for r in results:
+        t = r["triton"]
+        met = t["ratio_to_bf16"] >= TARGET
+        met_all &= met
+        model = (f"; {r['bf16_model']['ms'] / t['ms']:.2f}x bf16 SwiGLU + F.linear as the model runs it"
+                 if "bf16_model" in r else "")
+        print(f"{r['shape']:9} triton {t['ms']:.3f} ms = {t['ratio_to_bf16']:.2f}x bf16 F.linear{model}: target "
+              f">= {TARGET}x {'met' if met else 'MISSED'}; error {t['rel_err']:.2e} = "
+              f"{r['triton_err_over_kitchen']:.3f}x kitchen's; the method chose {r['method_choice']} "
+              f"({r['method']['ratio_to_bf16']:.2f}x)")
+    print(f"target met on {'all' if met_all else 'not all'} layers")
+    write_json(Path(args.out) if args.out else default_out("int8_linear"), {
+        "bench": "int8_linear", "env": environment(), "group_size": GROUP, "target": TARGET, "peaks": peak,
+        "rows": results, "method_timings_ms": {str(k): v for k, v in chooser().timings.items()}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""int8_triton's kernels in Triton's interpreter, on CPU tensors; run by tests/test_int8_triton.py.
+
+    TRITON_INTERPRET=1 python tests/int8_triton_interpreted.py CHECK
+
+The interpreter is chosen when a kernel is defined, so it must be on before Triton is imported: hence a
+process of its own. Each CHECK asserts against a reference and prints "ok CHECK". Float16 activations
+where SwiGLU is folded in: the interpreter truncates fp32 to bfloat16 where a GPU rounds to nearest, and
+rounds float16 as the GPU does (the GPU tests cover bfloat16 SwiGLU).
+"""
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+_pkg = types.ModuleType("bigdit")
+_pkg.__path__ = [str(PACK_ROOT)]
+sys.modules["bigdit"] = _pkg
+
+import comfy_kitchen as ck  # noqa: E402
+from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout  # noqa: E402
+
+from bigdit.quant import compiled_ops, int8_triton as it  # noqa: E402
+from bigdit.quant.kitchen_api import apply_input_act, hadamard  # noqa: E402
+
+
+def activations(rows, k, dtype, swiglu, seed=0):
+    """Random activations with an all-zero row, an outlier and a row of tiny values; rows strided wider."""
+    torch.manual_seed(seed)
+    width = 2 * k if swiglu else k
+    x = (torch.randn(rows, width + 32) * 2).to(dtype)[:, :width]
+    x[1] = 0
+    x[2, 5] = 300.0
+    x[3] *= 1e-4
+    return x
+
+
+def reference_rows(x, convrot, group, input_act):
+    """The kernels' definition in float64 then float32: activation (kitchen's, in x's dtype), exact rotation,
+    scale = max(absmax / 127, 1e-30) in fp32, q = round-half-even(clamp(v * (1 / scale)))."""
+    v = apply_input_act(x, input_act).double()
+    if convrot:
+        v = (v.reshape(v.shape[0], -1, group) @ hadamard(group, "cpu").double()).reshape(v.shape)
+    v = v.float()
+    scale = (v.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-30)
+    exact = v.double() * (1 / scale.double())
+    return exact, torch.round((v * torch.reciprocal(scale)).clamp(-128, 127)).to(torch.int8), scale
+
+
+def check_rows(q, scale, x, convrot, group, input_act, label):
+    exact, ref_q, ref_scale = reference_rows(x, convrot, group, input_act)
+    # the scale is one fp32 division of the row's largest value, which the kernel sums in another order
+    assert torch.allclose(scale, ref_scale, rtol=1e-6, atol=0), (label, (scale / ref_scale - 1).abs().max())
+    diff = (q.int() - ref_q.int()).abs()
+    # a code may differ by one only where the exact value sits on a rounding tie (fp32's sum order decides)
+    near_tie = ((exact.abs() % 1) - 0.5).abs() < 1e-4
+    assert diff.max() <= 1 and not (diff.bool() & ~near_tie).any(), (label, diff.max(), (diff.bool() & ~near_tie).sum())
+    assert (q[1] == 0).all() and scale[1].item() == torch.tensor(1e-30).item(), label  # all-zero row: minimum scale
+
+
+def activation():
+    """Both kernel structures (the row whole, or two passes of narrower steps), each group size, SwiGLU."""
+    kernel = it._rotate_quantize_kernel.fn
+    cases = [(256, None, torch.bfloat16), (256, "swiglu", torch.float16), (64, None, torch.float16),
+             (64, "swiglu", torch.float16), (16, None, torch.bfloat16), (16, "swiglu", torch.float16)]
+    for group, act, dtype in cases:
+        k = 1024
+        x = activations(11, k, dtype, act == "swiglu")
+        h = it.hadamard(group, x.device)
+        hg = it.KRON if group == it.KRON * it.KRON else group
+        for rows, width in ((2, k), (4, 512), (16, 256)):  # 11 rows: the last program is partly past the end
+            if rows * width // group < 16 and hg == group:
+                continue  # (a full-matrix product needs 16 groups a tile; the autotuner prunes such configs)
+            q = torch.full((11, k), 99, dtype=torch.int8)
+            scale = torch.empty(11, 1)
+            kernel[(triton_cdiv(11, rows),)](x, h, q, scale, 11, 16, x.stride(0), q.stride(0), K=k, G=group, HG=hg,
+                                             SWIGLU=act == "swiglu", ROTATE=True, ROWS=rows, WIDTH=width)
+            check_rows(q, scale, x, True, group, act, (group, act, dtype, rows, width))
+    # as int8_linear launches it (its first config), and without the rotation (plain int8_tensorwise)
+    for convrot in (True, False):
+        x = activations(7, 768, torch.bfloat16, False)
+        q, scale = it.quantize_rows(x, convrot, 256, None)
+        check_rows(q, scale, x, convrot, 256, None, ("quantize_rows", convrot))
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def gemm_int32():
+    """The int32 accumulation equals the integer product exactly (unit scales, fp32 output holds it exactly),
+    through both kernels, with rows and columns ending mid-tile."""
+    torch.manual_seed(1)
+    m, n, k = 37, 48, 512
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a[0] = 127
+    w[0] = -127  # the largest sums: 127 * 127 * 512 < 2^24, exact in fp32
+    exact = a.long() @ w.long().T
+    for tma in (False, True):
+        out = it.gemm(a, torch.ones(m, 1), w, torch.ones(n, 1), None, torch.float32, tma=tma)
+        assert torch.equal(out.long(), exact), tma
+
+
+def gemm_epilogue():
+    """Scales (per channel, per tensor), bias and output dtype against float64: one rounding to the output."""
+    torch.manual_seed(2)
+    m, n, k = 37, 48, 256
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_scale = torch.rand(m, 1) * 1e-2
+    acc = (a.double() @ w.double().T)
+    # relative to the terms' size: the bias may cancel the product; fp32's products, then one output rounding
+    tolerance = {torch.float32: 2 ** -22, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+    for per_channel in (True, False):
+        w_scale = torch.rand(n, 1) * 1e-2 if per_channel else torch.tensor(3e-3)
+        for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
+            ref = acc * (a_scale.double() * w_scale.double().reshape(1, -1))
+            size = ref.abs()
+            if bias is not None:
+                ref = ref + bias.double()
+                size = size + bias.double().abs()
+            for dtype, tol in tolerance.items():
+                for tma in (False, True):
+                    out = it.gemm(a, a_scale, w, w_scale, bias, dtype, tma=tma)
+                    assert out.dtype == dtype
+                    rel = ((out.double() - ref).abs() / size).max().item()
+                    assert rel <= tol, (per_channel, bias is not None, dtype, tma, rel)
+
+
+def quantized_weight(n, k, convrot, group, per_channel, seed=3):
+    torch.manual_seed(seed)
+    weight = torch.randn(n, k) * k ** -0.5
+    if convrot and not per_channel:  # kitchen quantizes a rotated weight per channel only: rotate, then per tensor
+        weight = (weight.reshape(n, -1, group) @ hadamard(group, "cpu").T).reshape(n, k)
+    qdata, params = TensorWiseINT8Layout.quantize(weight, is_weight=True, per_channel=per_channel,
+                                                  convrot=convrot and per_channel, convrot_groupsize=group)
+    return weight, qdata, params.scale.float()
+
+
+def int8_linear_vs_kitchen():
+    """The whole path against kitchen's eager int8_linear on the same weights: errors from the float reference
+    no worse than 1.1x kitchen's, and the two outputs within INT8's error of each other."""
+    cases = [(True, 256, True, None, torch.bfloat16, True), (True, 64, True, "swiglu", torch.float16, False),
+             (True, 16, True, None, torch.float16, True), (True, 256, False, None, torch.bfloat16, False),
+             (False, 256, True, None, torch.bfloat16, True), (False, 256, False, "swiglu", torch.float16, True)]
+    for convrot, group, per_channel, act, dtype, with_bias in cases:
+        n, k = 96, 512
+        weight, qdata, w_scale = quantized_weight(n, k, convrot, group, per_channel)
+        if convrot and not per_channel:
+            weight = (weight.reshape(n, -1, group) @ hadamard(group, "cpu")).reshape(n, k)  # back to the original
+        bias = torch.randn(n, dtype=dtype) * 0.1 if with_bias else None
+        x = activations(37, k, dtype, act == "swiglu", seed=4)
+        x[2, 5] = 30.0
+        ref = torch.nn.functional.linear(apply_input_act(x, act).double(), weight.double(),
+                                         None if bias is None else bias.double())
+        ours = it.int8_linear(x, qdata, w_scale, bias, dtype, convrot, group, act)
+        theirs = ck.int8_linear(x, qdata, w_scale, bias, dtype, convrot=convrot, convrot_groupsize=group,
+                                input_act=act)
+        assert ours.shape == theirs.shape and ours.dtype == dtype
+        ours_err, theirs_err = rel(ours, ref), rel(theirs, ref)
+        label = (convrot, group, per_channel, act, dtype, with_bias, ours_err, theirs_err)
+        assert ours_err <= 1.1 * theirs_err and ours_err < 0.03, label
+        assert rel(ours, theirs) < 0.03, label
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def unavailable():
+    """What the kernels do not take is named, and linear_or_kitchen hands it to kitchen (no failure recorded)."""
+    n, k = 96, 512
+    _, qdata, w_scale = quantized_weight(n, k, True, 256, True)
+    x = activations(5, k, torch.bfloat16, False)
+    assert it.unavailable_reason(x, qdata, w_scale, None, torch.bfloat16, True, 256, None) is None
+    reasons = {
+        "input dtype": (x.float(), qdata, w_scale, None, torch.float32, True, 256, None),
+        "input activation": (x, qdata, w_scale, None, torch.bfloat16, True, 256, "gelu_tanh"),
+        "rotation group": (x, qdata, w_scale, None, torch.bfloat16, True, 1024, None),
+        "16-byte": (x[:, :504], qdata[:, :504].contiguous(), w_scale, None, torch.bfloat16, False, 256, None),
+        "weight scale": (x, qdata, w_scale[:5], None, torch.bfloat16, True, 256, None),
+    }
+    for words, args in reasons.items():
+        reason = it.unavailable_reason(*args)
+        assert reason is not None and words in reason, (words, reason)
+    # a weight off 16-byte alignment (a view into a file) is computed by kitchen, per call
+    storage = torch.empty(n * k + 8, dtype=torch.int8)
+    shifted = storage[8:].view(n, k)
+    shifted.copy_(qdata)
+    out = it.linear_or_kitchen(x, shifted, w_scale, None, torch.bfloat16, True, 256, None,
+                               kitchen=compiled_ops._kitchen_int8_linear)
+    assert torch.equal(out, ck.int8_linear(x, qdata, w_scale, None, torch.bfloat16, convrot=True,
+                                           convrot_groupsize=256, input_act=None))
+    assert it._failure is None
+
+
+def method_and_compile():
+    """Int8ConvRotMethod runs the kernels when BIGDIT_INT8_KERNEL=triton (on CPU its measured default is
+    kitchen), as one opaque op under torch.compile: no graph break, the eager numbers."""
+    import os
+    from torch import nn
+    from bigdit.quant import QuantConfig, quantize_layers
+    from bigdit.quant.int8_convrot import Int8ConvRotMethod
+    torch.manual_seed(5)
+    layer = nn.Linear(512, 96).to(torch.float16)
+    qlayer = quantize_layers(nn.Sequential(layer), QuantConfig(method=Int8ConvRotMethod(64)))[0]["0"]
+    x = torch.randn(3, 13, 1024, dtype=torch.float16)
+    t = qlayer.tensors_for(x)
+    direct = it.int8_linear(x, t["weight"], t["weight_scale"], t["bias"], torch.float16, True, 64, "swiglu")
+    kitchen = ck.int8_linear(x, t["weight"], t["weight_scale"], t["bias"], torch.float16, convrot=True,
+                             convrot_groupsize=64, input_act="swiglu")
+    assert torch.equal(qlayer(x, input_act="swiglu"), kitchen)  # not forced: kitchen, the CPU default
+    os.environ["BIGDIT_INT8_KERNEL"] = "triton"
+    eager = qlayer(x, input_act="swiglu")
+    assert torch.equal(eager, direct) and not torch.equal(eager, kitchen)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda v: qlayer(v, input_act="swiglu"))(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(lambda v: qlayer(v, input_act="swiglu"), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), eager)
+    torch.library.opcheck(torch.ops.bigdit.int8_linear_triton.default,
+                          (x, t["weight"], t["weight_scale"], t["bias"], torch.float16, True, 64, "swiglu"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
+                                  method_and_compile)}
+
+if __name__ == "__main__":
+    assert it._INTERPRETED, "run with TRITON_INTERPRET=1"
+    CHECKS[sys.argv[1]]()
+    print("ok", sys.argv[1])
