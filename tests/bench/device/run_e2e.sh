@@ -2,6 +2,7 @@
 # On the GPU machine, from the repository root, with the host's bundle carried (tests/bench/device/prepare.py made it):
 #   bash tests/bench/device/run_e2e.sh [--host 0.3.75|0.33.0] [comfy_e2e.py options]
 #   bash tests/bench/device/run_e2e.sh --host 0.33.0 --job [whole_job.py options]   # the whole-job benchmark
+#   bash tests/bench/device/run_e2e.sh --unpack-only   # the carried bundles (and SageAttention 2) only, e.g. for pytest -m gpu
 # --host picks the ComfyUI: 0.3.75 (the default) from .e2e/, upstream 0.33.0 from .e2e-033/. Unpacks every carried
 # .e2e*/bundle.tar.xz into $E2E_ROOT/e2e* (/tmp by default; skipped when the same bundle is already there, as on
 # a machine still warm from the last call), puts the host's site/, fa3-fwd's (/tmp/e2e-fa3, if unpacked) and the
@@ -14,11 +15,12 @@
 # machine allows (--ram-cgroup), its budget counted from this script's start (E2E_STARTED).
 set -euo pipefail
 : "${OUT:?OUT must name the folder for the results}"
-host=0.3.75 job=
+host=0.3.75 job= unpack_only=
 while [ $# -gt 0 ]; do
   case "$1" in
     --host) host=${2:?--host needs a version}; shift 2 ;;
     --job) job=1; shift ;;
+    --unpack-only) unpack_only=1; shift ;;
     *) break ;;
   esac
 done
@@ -61,8 +63,8 @@ if [ -e .sage2/build-sage2.sh ] || ls .sage2/sageattention-*.whl > /dev/null 2>&
   fi
   echo "SageAttention 2 ($(ls "$dest"/wheel)) ready in $dest/site after $(( $(date +%s) - t0 )) s"
 fi
-if [ ! -e "$own/bundle.tar.xz" ]; then
-  echo "no $own/ carried (ComfyUI $host): unpacked only"; exit 0
+if [ -n "$unpack_only" ] || [ ! -e "$own/bundle.tar.xz" ]; then
+  echo "unpacked only (--unpack-only, or no $own/ carried for ComfyUI $host)"; exit 0
 fi
 site=$root/${own#.}/site
 if [ -z "$job" ]; then
