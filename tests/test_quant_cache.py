@@ -3,22 +3,30 @@ files are trusted for a key, which files count as the cache's, and eviction leas
 
 Cache files here are what the cache writes: a quantized model (tests/test_saving.py's) through save_contents and
 the streaming writer, with the key in its metadata. The integration tests (tests/integration/test_quant_cache.py)
-drive the same through LoadH3Quantized in a real ComfyUI."""
+drive the same through LoadH3Quantized in a real ComfyUI; on a GPU (marked `gpu`), a file written from what a load
+quantized there loads back the same layers."""
 import json
 import os
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
+from checkpoint_files import save
+from test_checkpoint_loaders import LINEARS, build, layer_input, plain_state_dict
 from test_saving import quantized_model
 
-from bigdit.loaders import quant_cache
+from bigdit.loaders import inspect_checkpoint, quant_cache
 from bigdit.loaders.errors import CheckpointError
+from bigdit.loaders.load import online_config
 from bigdit.loaders.quant_cache import (KEY_METADATA, Entry, cache_key, check_entry, entry_name, evictions,
                                         header_digest, is_entry, key_text, scan)
 from bigdit.loaders.safetensors_writer import write_safetensors
 from bigdit.loaders.saving import save_contents
+from bigdit.quant.linear import QuantLinear
+from bigdit.quant.linear_method import LinearMethod
+from bigdit.quant.quantize_pass import online_method
 
 OPTIONS = {"quantization": "int8_convrot", "group_size": 64, "ignored_layers": "", "fit_gib": 0.0,
            "conversions": [["int8", "auto"]]}
@@ -155,3 +163,41 @@ def test_a_scan_looks_at_a_bounded_number_of_entries(source, tmp_path, monkeypat
 def test_entry_ordering_is_by_use_then_path():
     a, b, c = Entry("b", 1, 5.0), Entry("a", 1, 5.0), Entry("c", 1, 1.0)
     assert evictions([a, b, c], 1, 1) == [c, b, a]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantization", ["auto", "int8_convrot", "float8_e4m3fn", "asym_w4a8_int8"])
+def test_a_cache_file_loads_back_the_same_layers_on_cuda(tmp_path, quantization):
+    """What a load quantized on this GPU (auto: its measured choice per shape), written as the cache writes it and
+    loaded as a hit loads it (as stored, nothing converted): the same layer types, methods and stored bytes, and the
+    same outputs bit for bit."""
+    device = torch.device("cuda")
+    source = tmp_path / "wan_bf16.safetensors"
+    save(plain_state_dict(), source)
+    contents = inspect_checkpoint(source)
+    method = online_method(quantization, 64, device)
+    if isinstance(method, LinearMethod) and method.missing():
+        pytest.skip(f"{quantization} needs {method.missing()}")
+    first, first_report, _ = build(source, compute_dtype=torch.bfloat16, device="cuda",
+                                   online=online_config(method, device, contents, ""))
+    assert first_report.quantized, first_report.render()
+    key = key_of(str(source), options={**OPTIONS, "quantization": quantization},
+                 environment={"device": "cuda", "capability": list(torch.cuda.get_device_capability())})
+    path = tmp_path / "cache" / entry_name(key)
+    path.parent.mkdir()
+    written = save_contents(first.named_modules())
+    write_safetensors(path, written.tensors, {**written.metadata("test"), KEY_METADATA: key_text(key)})
+    assert check_entry(str(path), key)[0] is not None
+    hit, hit_report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda")
+    assert {r.name: r.format for r in hit_report.quantized} == {r.name: r.format for r in first_report.quantized}
+    for name in LINEARS:
+        ours, theirs = first.get_submodule(name), hit.get_submodule(name)
+        assert type(ours) is type(theirs), name
+        if isinstance(ours, QuantLinear):
+            assert ours.method.describe() == theirs.method.describe() and theirs.weight.is_cuda, name
+            mine, loaded = ours.stored_tensors(), theirs.stored_tensors()
+            assert mine.keys() == loaded.keys(), name
+            assert all(torch.equal(mine[k].view(torch.uint8), loaded[k].view(torch.uint8)) for k in mine), name
+        x = layer_input(name).to("cuda", torch.bfloat16 if isinstance(ours, QuantLinear) else ours.weight.dtype)
+        assert torch.equal(ours(x), theirs(x)), name

@@ -187,6 +187,13 @@ def test_a_folder_that_cannot_be_written_falls_back(cached, first, tmp_path):
     assert torch.equal(latent, first_latent)
 
 
+def test_a_format_no_marker_stores_is_not_cached(cached):
+    cached.clear()
+    _, report = cached.load({**INPUTS, "quantization": "mxfp4"})
+    assert f"{LABEL}: miss (no cache file yet); not written: cannot save " in report and "MXFP4" in report, report
+    assert "mxfp4 x" in report.splitlines()[2] and cached.entries() == []
+
+
 DYNAMIC = r"""
 from bigdit.host.loading import load_checkpoint
 from bigdit.quant.linear import QuantLinear
@@ -246,6 +253,13 @@ for name, patcher in (("miss", miss), ("hit", hit)):
     out[name] = {key: [quantized, where.get(file), same] for key, (quantized, file, same) in found.items()}
 out["latents"] = [all(torch.equal(a, b) for a, b in zip(sample(patcher), want)) for want in [sample(reference)]
                   for patcher in (miss, hit)]
+# the host computes in another dtype (--bf16-unet): the file's layers were quantized for fp32
+from comfy.cli_args import args
+args.bf16_unet = True
+out["bf16_report"] = loaded(True, "1")[1]
+from safetensors import safe_open
+with safe_open(entry, "pt") as f:
+    out["bf16_written_for"] = json.loads(f.metadata()["bigdit_cache_compute_dtypes"])
 print(json.dumps(out))
 """
 
@@ -266,3 +280,6 @@ def test_dynamic_vram_pages_a_miss_and_a_hit_from_the_cache_file(comfy, tiny_wan
     assert all(where in ("cache", "source") and same for _, where, same in miss.values()), detail
     assert all(where == "cache" and same for _, where, same in hit.values()), detail
     assert out["latents"] == [True, True], detail
+    assert f"{LABEL}: miss (stale: the model computes in ['torch.bfloat16'] here, the file was written for " \
+           "['torch.float32']); wrote" in out["bf16_report"], detail
+    assert out["bf16_written_for"] == ["torch.bfloat16"], detail
