@@ -1,7 +1,7 @@
 """LoadH3Quantized's quantize-once cache (host/cache.py, loaders/quant_cache.py) in a real ComfyUI (issue 32, item 3).
 
-One server per host, with the cache in a folder of its own (BIGDIT_QUANT_CACHE) limited to LIMIT
-(BIGDIT_QUANT_CACHE_GIB), loads a copy of the tiny Wan (2 blocks, dim 256; a copy, since tests change its
+One server per host, with the cache in a folder of its own (a `bigdit_cache` entry of the extra_model_paths.yaml
+it starts with) limited to LIMIT (BIGDIT_QUANT_CACHE_GIB), loads a copy of the tiny Wan (2 blocks, dim 256; a copy, since tests change its
 modification time) with int8_convrot:
 - the second load is a hit: its report says so and has no "quantized while loading" line (the first has, from the
   builder's count of the layers it quantized), its layers, formats and kept reasons are the first load's, and 2
@@ -19,7 +19,9 @@ modification time) with int8_convrot:
 Under upstream's dynamic VRAM, with its real loader and patcher on the CPU (as tests/integration/test_file_backed.py
 runs them), through host/loading.py's load_checkpoint: a miss's quantized weights are paged from the cache file it
 wrote (no scratch file), a hit's weights all from the cache file, each tensor's file slice holding its bytes, and
-both sample the latent of the same load without file paging.
+both sample the latent of the same load without file paging; a host that computes in another dtype (--bf16-unet)
+finds the file stale and rebuilds it. There too, the folder: BIGDIT_QUANT_CACHE, else extra_model_paths.yaml's
+`bigdit_cache`, else models/bigdit_cache.
 """
 import json
 import os
@@ -70,8 +72,10 @@ class Cached:
 def cached(comfy, tiny_wan2, tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy_quant_cache")
     folder = base / "quant_cache"
-    server = ComfyServer(base, comfy.host, env={"BIGDIT_QUANT_CACHE": str(folder),
-                                                "BIGDIT_QUANT_CACHE_GIB": str(LIMIT / 2 ** 30)})
+    paths = base / "extra_model_paths.yaml"
+    paths.write_text(f"bigdit:\n  base_path: {base}\n  bigdit_cache: quant_cache\n")
+    server = ComfyServer(base, comfy.host, extra_args=["--extra-model-paths-config", str(paths)],
+                         env={"BIGDIT_QUANT_CACHE_GIB": str(LIMIT / 2 ** 30)})
     source = server.models_dir / "diffusion_models" / SOURCE
     shutil.copy(tiny_wan2["path"], source)
     (server.models_dir / "vae" / tiny_wan2["vae_name"]).symlink_to(comfy.models_dir / "vae" / tiny_wan2["vae_name"])
@@ -195,8 +199,20 @@ def test_a_format_no_marker_stores_is_not_cached(cached):
 
 
 DYNAMIC = r"""
+from bigdit.host.cache import settings
 from bigdit.host.loading import load_checkpoint
 from bigdit.quant.linear import QuantLinear
+
+out = {"folders": [], "models_dir": folder_paths.models_dir}
+for env in ({}, {"BIGDIT_QUANT_CACHE_GIB": "0.5"}, {"BIGDIT_QUANT_CACHE": "/x/env"}):
+    os.environ.update(env)
+    if env.get("BIGDIT_QUANT_CACHE_GIB"):
+        folder_paths.add_model_folder_path("bigdit_cache", "/x/extra")  # as extra_model_paths.yaml adds it
+    found, why = settings()
+    out["folders"].append([found.folder, found.limit])
+for value in ("0", "-1", "lots", "nan"):
+    os.environ["BIGDIT_QUANT_CACHE_GIB"] = value
+    out["folders"].append(settings()[1])
 
 # the patcher ComfyUI makes for a GPU under dynamic VRAM, retargeted to the CPU
 comfy.model_patcher.CoreModelPatcher = lambda model, load_device, offload_device: on_cpu_dynamic(model)
@@ -241,7 +257,6 @@ def identity(path):
     return stat.st_dev, stat.st_ino
 
 
-out = {}
 reference, _ = loaded(False, "0")
 miss, miss_report = loaded(True, "1")
 (entry,) = [os.path.join(cache, name) for name in os.listdir(cache)]
@@ -283,3 +298,7 @@ def test_dynamic_vram_pages_a_miss_and_a_hit_from_the_cache_file(comfy, tiny_wan
     assert f"{LABEL}: miss (stale: the model computes in ['torch.bfloat16'] here, the file was written for " \
            "['torch.float32']); wrote" in out["bf16_report"], detail
     assert out["bf16_written_for"] == ["torch.bfloat16"], detail
+    gib = 2 ** 30
+    assert out["folders"] == [[out["models_dir"] + "/bigdit_cache", 100 * gib], ["/x/extra", gib // 2],
+                              ["/x/env", gib // 2], "BIGDIT_QUANT_CACHE_GIB=0",
+                              *(f"BIGDIT_QUANT_CACHE_GIB={v!r} is not a number of GiB" for v in ("-1", "lots", "nan"))]
