@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import folder_paths
@@ -181,5 +182,6 @@ def _write(patcher, report, key: dict, entry: str, found: Settings):
     if evicted:
         note += (f"; evicted the {len(evicted)} least recently used file(s) "
                  f"({format_gib(sum(e.size for e in evicted))}) to stay under {format_gib(found.limit)}")
-    written = WrittenFile(entry, {DIFFUSION_PREFIX + name: (name, tensor) for name, tensor in contents.tensors})
+    written = WrittenFile(entry, {DIFFUSION_PREFIX + name: (name, weakref.ref(tensor))
+                                  for name, tensor in contents.tensors})
     return written, note, "cache written"

@@ -97,9 +97,10 @@ def give_back_pages(tensors) -> None:
 @dataclass(frozen=True)
 class WrittenFile:
     """A file a load wrote its model to (the quantize-once cache), to back its paged weights: its path, and
-    {the model's state-dict key: (the file's key, the tensor written there)}."""
+    {the model's state-dict key: (the file's key, a weak reference to the tensor written there)}; weak, so that
+    a tensor rebound to the file is freed at once."""
     path: str
-    tensors: dict[str, tuple[str, torch.Tensor]]
+    tensors: dict[str, tuple[str, weakref.ref]]
 
 
 def _remove(path: str) -> None:
@@ -129,7 +130,7 @@ def back_with_file(patcher, label: str, written: WrittenFile | None = None) -> s
         lines.append(f"ComfyUI pages the {format_gib(kept)} of weights kept as stored from the model file itself")
     if in_ram and written is not None:
         line, in_ram = _written_file(in_ram, written)
-        lines.append(line)
+        lines += [line] if line else []
     if in_ram:
         lines.append(_scratch_file(patcher, in_ram, label))
     return "; ".join(lines) or None
@@ -140,7 +141,9 @@ def _written_file(tensors: dict[str, tuple[nn.Module, str]], written: WrittenFil
     tensors left in RAM)."""
     start = time.perf_counter()
     held = {key: found for key, found in tensors.items()
-            if key in written.tensors and written.tensors[key][1] is found[0]._parameters[found[1]]}
+            if key in written.tensors and written.tensors[key][1]() is found[0]._parameters[found[1]]}
+    if not held:
+        return None, tensors
     rest = {key: found for key, found in tensors.items() if key not in held}
     nbytes = data_bytes([(key, module._parameters[name]) for key, (module, name) in held.items()])
     try:

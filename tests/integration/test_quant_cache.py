@@ -18,7 +18,7 @@ modification time) with int8_convrot:
   error, and the model samples the first load's latent.
 Under upstream's dynamic VRAM, with its real loader and patcher on the CPU (as tests/integration/test_file_backed.py
 runs them), through host/loading.py's load_checkpoint: a miss's quantized weights are paged from the cache file it
-wrote (no scratch file), a hit's weights all from the cache file, each tensor's file slice holding its bytes, and
+wrote (no scratch file; the process memory they held is freed), a hit's weights all from the cache file, each tensor's file slice holding its bytes, and
 both sample the latent of the same load without file paging; a host that computes in another dtype (--bf16-unet)
 finds the file stale and rebuilds it. There too, the folder: BIGDIT_QUANT_CACHE, else extra_model_paths.yaml's
 `bigdit_cache`, else models/bigdit_cache.
@@ -257,8 +257,21 @@ def identity(path):
     return stat.st_dev, stat.st_ino
 
 
+import bigdit.host.file_backed as file_backed
+rebound, real_rebind = [], file_backed._rebind
+
+
+def recording(tensors, mapped):  # the tensors a rebinding lets go of: the process memory they held
+    rebound.extend(weakref.ref(module._parameters[name]) for module, name in tensors.values())
+    real_rebind(tensors, mapped)
+
+
 reference, _ = loaded(False, "0")
+file_backed._rebind = recording
 miss, miss_report = loaded(True, "1")
+file_backed._rebind = real_rebind
+gc.collect()
+out["rebound"], out["freed"] = len(rebound), sum(ref() is None for ref in rebound)
 (entry,) = [os.path.join(cache, name) for name in os.listdir(cache)]
 hit, hit_report = loaded(True, "1")
 out["miss_report"], out["hit_report"], out["temp_left"] = miss_report, hit_report, os.listdir(temp)
@@ -285,6 +298,7 @@ def test_dynamic_vram_pages_a_miss_and_a_hit_from_the_cache_file(comfy, tiny_wan
     miss, hit = out["miss"], out["hit"]
     detail = json.dumps(out, indent=1)[:6000]
     assert out["temp_left"] == [] and "scratch" not in out["miss_report"] + out["hit_report"], detail
+    assert out["rebound"] == sum(q for q, _, _ in miss.values()) and out["freed"] == out["rebound"], detail
     assert "ComfyUI pages the " in out["miss_report"] and "of quantized weights from the cache file" in \
         out["miss_report"], detail
     assert f"{LABEL}: hit" in out["hit_report"], detail
