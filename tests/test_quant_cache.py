@@ -2,8 +2,8 @@
 files are trusted for a key, which files count as the cache's, and eviction least recently used first.
 
 Cache files here are what the cache writes: a quantized model (tests/test_saving.py's) through save_contents and
-the streaming writer, with the key in its metadata. The integration tests (tests/integration/test_quant_cache.py)
-drive the same through LoadH3Quantized in a real ComfyUI; on a GPU (marked `gpu`), a file written from what a load
+the streaming writer, with the key in its metadata. The integration tests
+(tests/integration/test_quant_cache_workflows.py) drive the same through LoadH3Quantized in a real ComfyUI; on a GPU (marked `gpu`), a file written from what a load
 quantized there loads back the same layers."""
 import json
 import os
