@@ -32,6 +32,7 @@ KEY_METADATA = "bigdit_cache_key"              # the whole key, as key_text writ
 COMPUTE_METADATA = "bigdit_cache_compute_dtypes"  # the quantized layers' compute dtypes, checked once built
 KEPT_METADATA = "bigdit_cache_kept"            # {layer: why the load that wrote it kept it}, for a hit's report
 MAX_ENTRIES = 4096                             # directory entries looked at when the folder is scanned
+MAX_SCANNED_HEADER = 16 * 2 ** 20              # a header read to tell the cache's file (the full H3's: under 1 MiB)
 PARTIAL_AGE_S = 3600                           # a write's temporary file older than this was left by a crash
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{20}" + re.escape(SUFFIX))
 _PARTIAL = re.compile(r"\.([A-Za-z0-9._-]{1,64}-[0-9a-f]{20}" + re.escape(SUFFIX) + r")\.[0-9a-f]{8}\.partial")
@@ -112,7 +113,7 @@ def is_entry(path: str) -> bool:
     if not _NAME.fullmatch(os.path.basename(path)):
         return False
     try:
-        return KEY_METADATA in read_header(path).metadata
+        return KEY_METADATA in read_header(path, max_header_bytes=MAX_SCANNED_HEADER).metadata
     except CheckpointError:
         return False
 

@@ -33,7 +33,7 @@ clear that cache, but ComfyUI applies it between queue items, so it races a
 prompt posted right after it.
 
 The quantize-once cache (host/cache.py) is off in a server unless its `env` sets BIGDIT_QUANT_CACHE_GIB
-(QUANT_CACHE_OFF): a test's loads then quantize whatever ran before it.
+(QUANT_CACHE_OFF), so that what a test's LoadH3Quantized does never depends on the tests that ran before it.
 
 Outputs: `run()` returns the history entry; `entry["outputs"][node_id]` is the
 "ui" dict of that output node, e.g. {"images": [{"filename", "subfolder",
