@@ -4,9 +4,9 @@ A load that quantized keeps its model as a marker file (loaders/saving.py) in a 
 with the same key loads that file as stored. The key is what the quantized bytes depend on: the source file
 (its real path, size, modification time and a hash of its header), the load's options, the environment that
 decides them (device, compute capability, torch and comfy-kitchen) and the pack's version and cache layout.
-A file's name holds a hash of its path and options only, so a file stays where a changed source, pack or
-device would want one and is rebuilt in place; its metadata holds the whole key, and it is used only where
-that repeats the key exactly. A file cut short fails its header's sizes (safetensors_header.read_header).
+A file's name holds a hash of the source's path and the options only, so a load after the source, the pack or
+the device changed finds the old file at its entry's name and rebuilds it in place (no stale file lingers); its
+metadata holds the whole key, and it is used only where that repeats the key exactly. A file cut short fails its header's sizes (safetensors_header.read_header).
 
 Only the pack's own files count (an entry's name pattern and a key in its metadata): they are evicted least
 recently used first (a hit touches its file) to keep the folder under its limit; anything else in the folder
@@ -32,10 +32,10 @@ KEY_METADATA = "bigdit_cache_key"              # the whole key, as key_text writ
 COMPUTE_METADATA = "bigdit_cache_compute_dtypes"  # the quantized layers' compute dtypes, checked once built
 KEPT_METADATA = "bigdit_cache_kept"            # {layer: why the load that wrote it kept it}, for a hit's report
 MAX_ENTRIES = 4096                             # directory entries looked at when the folder is scanned
-MAX_SCANNED_HEADER = 16 * 2 ** 20              # a header read to tell the cache's file (the full H3's: under 1 MiB)
+MAX_SCANNED_HEADER = 16 * 2 ** 20              # the most of a header read to tell a cache file (theirs are smaller)
 PARTIAL_AGE_S = 3600                           # a write's temporary file older than this was left by a crash
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{20}" + re.escape(SUFFIX))
-_PARTIAL = re.compile(r"\.([A-Za-z0-9._-]{1,64}-[0-9a-f]{20}" + re.escape(SUFFIX) + r")\.[0-9a-f]{8}\.partial")
+_PARTIAL = re.compile(r"\.[A-Za-z0-9._-]{1,64}-[0-9a-f]{20}" + re.escape(SUFFIX) + r"\.[0-9a-f]{8}\.partial")
 # the key's parts a file's name does not hold, by what a change of each means
 _STALE = {"source": "the source file changed", "environment": "the device or torch/comfy-kitchen changed",
           "pack": "the pack's version changed", "layout": "the cache's layout changed"}
