@@ -15,7 +15,8 @@ ComfyUI's next start, which empties its temp folder.
 The tensors a loader keeps as the file stores them (pre-quantized layers, plain
 weights) need no scratch file: `file_slice_marker` marks them, as they are read
 from the model file, the way ComfyUI's loader marks its own, so the host pages them
-from the model file itself.
+from the model file itself. Where the load wrote its model to the quantize-once
+cache (host/cache.py), that file backs the quantized weights instead of a scratch file.
 """
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ import secrets
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import comfy.utils
 import folder_paths
 import torch
 from torch import nn
 
-from ..loaders.host_memory import trim_heap
+from ..loaders.host_memory import release_pages, trim_heap
 from ..loaders.safetensors_writer import data_bytes, write_safetensors
 from ..quant.linear import QuantLinear
 from ..units import format_gib
@@ -81,6 +83,26 @@ def paged_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     return found
 
 
+def give_back_pages(tensors) -> None:
+    """The pages of the pack's own private maps (loaders.checkpoint.TensorSource) that reading `tensors` brought
+    in, given back: tensors marked with their file slice are paged by the host from the file, not from the map.
+    A map of ComfyUI's own loader (which holds `_comfy_tensor_mmap_refs`) is left alone."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if (tensor.device.type == "cpu" and hasattr(storage, "_comfy_tensor_file_slice")
+                and not hasattr(storage, "_comfy_tensor_mmap_refs")):
+            release_pages(storage.data_ptr(), storage.nbytes())
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A file a load wrote its model to (the quantize-once cache), to back its paged weights: its path, and
+    {the model's state-dict key: (the file's key, a weak reference to the tensor written there)}; weak, so that
+    a tensor rebound to the file is freed at once."""
+    path: str
+    tensors: dict[str, tuple[str, weakref.ref]]
+
+
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -88,10 +110,16 @@ def _remove(path: str) -> None:
         pass
 
 
-def back_with_file(patcher, label: str) -> str | None:
-    """Have the host page `patcher`'s weights from a file (see the module's docstring); returns the report's
-    line, or None where the host does not page from files. Any failure leaves the model as it was and says
-    why."""
+def _rebind(tensors: dict[str, tuple[nn.Module, str]], mapped: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, (module, name) in tensors.items():
+            module._parameters[name] = nn.Parameter(mapped[key], requires_grad=False)
+
+
+def back_with_file(patcher, label: str, written: WrittenFile | None = None) -> str | None:
+    """Have the host page `patcher`'s weights from a file (see the module's docstring): `written`, where the load
+    wrote them to one, else a scratch file; returns the report's line, or None where the host does not page from
+    files. Any failure leaves the model as it was and says why."""
     if not (is_dynamic(patcher) and pages_from_files()):
         return None
     paged = paged_tensors(patcher.model)
@@ -100,9 +128,36 @@ def back_with_file(patcher, label: str) -> str | None:
     lines = []
     if kept:
         lines.append(f"ComfyUI pages the {format_gib(kept)} of weights kept as stored from the model file itself")
+    if in_ram and written is not None:
+        line, in_ram = _written_file(in_ram, written)
+        lines += [line] if line else []
     if in_ram:
         lines.append(_scratch_file(patcher, in_ram, label))
     return "; ".join(lines) or None
+
+
+def _written_file(tensors: dict[str, tuple[nn.Module, str]], written: WrittenFile):
+    """Rebind those of `tensors` that `written` holds to its file as ComfyUI maps it; (the report's line, the
+    tensors left in RAM)."""
+    start = time.perf_counter()
+    held = {key: found for key, found in tensors.items()
+            if key in written.tensors and written.tensors[key][1]() is found[0]._parameters[found[1]]}
+    if not held:
+        return None, tensors
+    rest = {key: found for key, found in tensors.items() if key not in held}
+    nbytes = data_bytes([(key, module._parameters[name]) for key, (module, name) in held.items()])
+    try:
+        loaded = comfy.utils.load_torch_file(written.path)
+        mapped = {key: loaded[written.tensors[key][0]] for key in held}
+        if not all(_from_file(tensor) for tensor in mapped.values()):
+            raise RuntimeError("ComfyUI's loader did not map the file")
+    except Exception as e:  # the file went or changed meanwhile: a scratch file instead
+        return f"could not page from {written.path} ({type(e).__name__}: {e})", tensors
+    _rebind(held, mapped)
+    del loaded, mapped
+    trim_heap()
+    return (f"ComfyUI pages the {format_gib(nbytes)} of quantized weights from the cache file, as from its own "
+            f"files: one copy in RAM ({time.perf_counter() - start:.1f} s)"), rest
 
 
 def _scratch_file(patcher, tensors: dict[str, tuple[nn.Module, str]], label: str) -> str:
@@ -125,9 +180,7 @@ def _scratch_file(patcher, tensors: dict[str, tuple[nn.Module, str]], label: str
         _remove(path)
         return (f"kept the {format_gib(nbytes)} of paged weights in RAM beside ComfyUI's pinned copy: "
                 f"no scratch file in {folder} ({type(e).__name__}: {e})")
-    with torch.no_grad():
-        for key, (module, name) in tensors.items():
-            module._parameters[name] = nn.Parameter(loaded[key], requires_grad=False)
+    _rebind(tensors, loaded)
     del loaded
     trim_heap()
     _remove(path)  # POSIX: the map keeps the file's data until the model goes

@@ -8,6 +8,7 @@ from ..loaders.load import LoadOptions, load
 from ..quant.quantize_pass import QuantizeOptions
 from .model import compute_device, quantize_on_clone, quantized_layers
 from .building import ComfyHost
+from .cache import load_with_cache
 from .dynamic_vram import prepare_dynamic_vram
 from .file_backed import back_with_file
 from .lora_fold import install_lora_fold
@@ -20,31 +21,40 @@ def comfy_host(clip_type: str | None, disable_dynamic: bool = False) -> ComfyHos
                      disable_dynamic=disable_dynamic)
 
 
-def reload_patcher(path: str, options: LoadOptions, clip_type: str | None, disable_dynamic: bool = False):
-    """The file loaded again as before, into a fresh patcher (without dynamic VRAM where asked): upstream's
-    `cached_patcher_init` factory, which `clone(disable_dynamic=True)` (TorchCompileModel) and its multi-GPU
-    clones call for a model of their own. They take its model only; the clone keeps the node's patches."""
-    loaded, _ = load(path, options, compute_device(), comfy_host(clip_type, disable_dynamic))
+def reload_patcher(path: str, options: LoadOptions, clip_type: str | None, cached: bool = False,
+                   disable_dynamic: bool = False):
+    """The file loaded again as before (through the quantize-once cache where `cached`), into a fresh patcher
+    (without dynamic VRAM where asked): upstream's `cached_patcher_init` factory, which
+    `clone(disable_dynamic=True)` (TorchCompileModel) and its multi-GPU clones call for a model of their own.
+    They take its model only; the clone keeps the node's patches."""
+    host = comfy_host(clip_type, disable_dynamic)
+    loaded = (load_with_cache if cached else load)(path, options, compute_device(), host)[0]
     return loaded if clip_type is None else loaded.patcher
 
 
 def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str | None = None,
                     conversions: tuple[tuple[str, str], ...] = (), quantization: str = "none", group_size: str = "256", ignored_layers: str = "",
                     rename_prefixes: str = "", fit_gib: float = 0.0, offload_input: str | None = None,
-                    node_id=None) -> dict:
+                    cached: bool = False, node_id=None) -> dict:
     """The one load path of the three loaders: a diffusion model, or with `clip_type` a text encoder
     (loaders.load.load). `conversions`: the node's inputs that convert the file's stored formats, by name
     (LoadOptions.conversions). `offload_input` is the node's offload mode ("none" a mode too); without the
-    input (None) no offload is installed, as on a text encoder."""
+    input (None) no offload is installed, as on a text encoder. `cached`: a diffusion model goes through the
+    quantize-once cache (host/cache.py)."""
     path = folder_paths.get_full_path_or_raise(folder, file_name)
     options = LoadOptions(title, text_encoder=clip_type is not None, conversions=conversions, quantization=quantization,
                           group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes,
                           fit_gib=float(fit_gib))
-    loaded, report = load(path, options, compute_device(), comfy_host(clip_type))
+    cached = cached and clip_type is None
+    written = None
+    if cached:
+        loaded, report, written = load_with_cache(path, options, compute_device(), comfy_host(None))
+    else:
+        loaded, report = load(path, options, compute_device(), comfy_host(clip_type))
     patcher = loaded if clip_type is None else loaded.patcher
     if hasattr(patcher, "cached_patcher_init"):  # upstream's loaders leave the factory that loads them again
-        patcher.cached_patcher_init = (reload_patcher, (path, options, clip_type))
-    backed = back_with_file(loaded, file_name) if clip_type is None else None
+        patcher.cached_patcher_init = (reload_patcher, (path, options, clip_type, cached))
+    backed = back_with_file(loaded, file_name, written) if clip_type is None else None
     if backed:
         report.notes.append(backed)
     short, full = "\n".join(report.brief()), report.render()

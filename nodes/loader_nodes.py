@@ -135,7 +135,7 @@ class LoadH3Quantized(io.ComfyNode):
                                conversions=(("nvfp4", nvfp4), ("int8", int8)),
                                quantization=quantization, group_size=group_size,
                                ignored_layers=ignored_layers, fit_gib=fit_gib, offload_input=offload,
-                               node_id=cls.hidden.unique_id)
+                               cached=True, node_id=cls.hidden.unique_id)
 
 
 class QuantizedCLIPLoader(io.ComfyNode):

@@ -32,6 +32,9 @@ not the sampler). POST /free {"unload_models": true, "free_memory": true} does
 clear that cache, but ComfyUI applies it between queue items, so it races a
 prompt posted right after it.
 
+The quantize-once cache (host/cache.py) is off in a server unless its `env` sets BIGDIT_QUANT_CACHE_GIB
+(QUANT_CACHE_OFF), so that what a test's LoadH3Quantized does never depends on the tests that ran before it.
+
 Outputs: `run()` returns the history entry; `entry["outputs"][node_id]` is the
 "ui" dict of that output node, e.g. {"images": [{"filename", "subfolder",
 "type"}]} for SaveImage, {"latents": [...]} for SaveLatent, {"text": [str]}
@@ -57,6 +60,7 @@ from pathlib import Path
 TESTS_DIR = Path(__file__).resolve().parent
 PACK_ROOT = TESTS_DIR.parent
 TEST_NODES = TESTS_DIR / "fixtures" / "bigdit_testnodes"
+QUANT_CACHE_OFF = {"BIGDIT_QUANT_CACHE_GIB": "0"}
 
 # name -> (what a host lacking it lacks, a Python expression evaluated in the host's
 # interpreter with its ComfyUI folder as working directory and on sys.path)
@@ -340,7 +344,7 @@ class ComfyServer:
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             cmd, cwd=self.comfyui, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **QUANT_CACHE_OFF, **(env or {})})
         self._wait_ready(startup_timeout)
 
     def __enter__(self):

@@ -56,6 +56,15 @@ partially; issue 19: pack_auto_8g on an 8 GiB card, and comfy_fp8_marker_12g / c
 ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurations behind each number, and
 under "missing" the run each number left None lacks (the run's last lines print them).
 
+The quantize-once cache (issue 32, item 3; not in the default set): pack_auto_cached runs LoadH3Quantized auto
+twice in one server, each load its own prompt, with the cache in a folder of its own (every other configuration runs
+with the cache off), then UNETLoader on the cache file the first wrote (a file of the same size, read from the same
+page cache). Its record is the first load's (the miss), with "hit" and "unet_same_file" the measurements of the
+other two prompts, "server_rss_start_gib" the server's resident set before the first, and "cache_targets":
+hit_load_over_unet and hit_ready_over_unet (load_s and ready_s, the hit's over UNETLoader's: target at most 1.1),
+hit_rss_sampling_over_weights (the hit's host_rss_sampling_over_weights: target at most 1.1), the same less the
+resident set the server started with, the hit's latent against the miss's, and each load's report line.
+
 Issue 21's formats table (tests/doc_tables.py formats_table) is one run of FORMAT_CONFIGS, not in the
 default set (--configs formats): comfy_resident (bf16) and LoadH3Quantized with each format named, on the
 emulated card: pack_fp8 (float8_e4m3fn), pack_int8 (int8_convrot), pack_w4a8 (asym_w4a8_int8), pack_w4a4
@@ -114,8 +123,8 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
 from _pack import RESULTS, slug  # noqa: E402
-from comfy_harness import (ComfyServer, PromptError, cache_dir, combo_options, comfyui_version,  # noqa: E402
-                            link_packs)
+from comfy_harness import (QUANT_CACHE_OFF, ComfyServer, PromptError, cache_dir, combo_options,  # noqa: E402
+                            comfyui_version, link_packs)
 
 GIB = 1024 ** 3
 REFERENCE = "comfy_resident"
@@ -131,7 +140,8 @@ class Config:
     of the dense comparisons); `cap_gib`: this configuration's emulated card instead of the run's --cap-gib;
     `model_format`: the model file it loads (e2e_models.FORMATS: bf16, or a ComfyUI marker file);
     `comfy_args`: ComfyUI flags of its server; `needs`: the host feature it needs (HOST_FEATURES), else it is
-    skipped (and left out of the default set).
+    skipped (and left out of the default set); `cache`: the quantize-once cache is on, and the configuration loads
+    twice and then runs UNETLoader on the cache file (the module's docstring).
     """
     name: str
     family: str
@@ -144,6 +154,7 @@ class Config:
     model_format: str = "bf16"
     comfy_args: tuple = ()
     needs: str | None = None
+    cache: bool = False
 
 
 def _unet(weight_dtype="default"):
@@ -229,6 +240,9 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         Config("pack_fp8", "pack", True, _pack_loader("float8_e4m3fn")),
         Config("pack_w4a8", "pack", True, _pack_loader("asym_w4a8_int8")),
         Config("pack_w4a4", "pack", True, _pack_loader("convrot_w4a4")),
+        # the quantize-once cache: a miss, a hit, and UNETLoader on the cache file; its marker file needs the host's
+        # kitchen formats
+        Config("pack_auto_cached", "pack", True, _pack_loader("auto"), needs="kitchen_markers", cache=True),
     ]
     # each marker file through UNETLoader on the card and resident (that file's reference), and through the
     # pack's MixedCheckpointLoader on the card (issues 19 and 21: the full H3 from its marker files)
@@ -343,7 +357,8 @@ class BenchServer(ComfyServer):
 
     `ram_gib`: the host RAM ComfyUI sees (vram_cap.py --ram-gib); `cache_none`: --cache-none (else ComfyUI's
     default cache); `launcher`: a command the server runs under (systemd-run ...); `preexec_fn`, `env`: the
-    server process's (a memory cgroup to join, more environment)."""
+    server process's (a memory cgroup to join, more environment; the pack's quantize-once cache is off
+    unless `env` turns it on)."""
 
     def __init__(self, base_dir, comfyui, log_path, cap_gib=None, cpu=False, extra_args=(), startup_timeout=300.0,
                  ram_gib=None, cache_none=True, launcher=(), preexec_fn=None, env=None):
@@ -366,9 +381,31 @@ class BenchServer(ComfyServer):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(cmd, cwd=self.comfyui, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **QUANT_CACHE_OFF, **(env or {})},
                                       preexec_fn=preexec_fn)
         self._wait_ready(startup_timeout)
+
+
+def resident(server) -> int | None:
+    """The server's resident set now (Linux), in bytes."""
+    try:
+        with open(f"/proc/{server._proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+CACHE_LINK = "quant_cache_entry.safetensors"  # UNETLoader's name for a cached configuration's cache file
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def cache_line(entry: dict) -> str | None:
+    """The quantize-once cache's line of the loader's full report in a prompt's history entry."""
+    text = "\n".join(entry["outputs"].get("unet", {}).get("report", []))
+    return next((line for line in text.splitlines() if line.startswith("quantize-once cache")), None)
 
 
 def _free_port() -> int:
@@ -583,15 +620,20 @@ class Bench:
         server = None
         run_log = self.work / "logs" / f"{spec.name}_{length.name}_{config.name}.log"
         run_log.unlink(missing_ok=True)
+        cache = self.work / "quant_cache" / config.name
+        shutil.rmtree(cache, ignore_errors=True)
         try:
             server = BenchServer(self.base, opts.comfyui, run_log, cap_gib, cpu=opts.cpu,
-                                 extra_args=(*opts.comfy_args.split(), *config.comfy_args))
+                                 extra_args=(*opts.comfy_args.split(), *config.comfy_args),
+                                 env={"BIGDIT_QUANT_CACHE": str(cache), "BIGDIT_QUANT_CACHE_GIB": "1000"}
+                                 if config.cache else None)
             rec["server_start_s"] = time.monotonic() - t0
             if self.object_info is None:
                 self.object_info = server.object_info()
                 why = unoffered_choice(graph, self.object_info)
                 if why:
                     return {**rec, "status": "skipped", "error": why}
+            start_rss = resident(server)
             entry = server.run(graph, timeout=opts.prompt_timeout)
             rec.update(measurements(json.loads(entry["outputs"]["report"]["text"][0]), entry))
             for key, value in rec.get("server", {}).items():  # what the servers ran on, once
@@ -599,6 +641,9 @@ class Bench:
             rec["pack_reports"] = {node: "\n".join(out["text"])[:6000] for node, out in entry["outputs"].items()
                                    if node not in ("report", "save") and out.get("text")}
             self.latents[(spec.name, length.name, config.name)] = server.latent(entry, "save")
+            if config.cache:
+                rec.update(self.cache_runs(server, spec, length, config, prefix, cache, start_rss, entry,
+                                           self.latents[(spec.name, length.name, config.name)]))
             rec["status"] = "ok"
         except PromptError as e:
             rec.update(status="error", error=e.message[:3000], traceback=e.traceback[-3000:])
@@ -607,6 +652,8 @@ class Bench:
         finally:
             if server is not None:
                 server.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+            (self.base / "models" / "diffusion_models" / CACHE_LINK).unlink(missing_ok=True)
             rec["wall_s"] = time.monotonic() - t0
             text = run_log.read_text(errors="replace") if run_log.exists() else ""
             rec["log_lines"] = log_lines(text, self.work)
@@ -616,6 +663,38 @@ class Bench:
             self.append_log(f"{spec.name} {length.name} ({length.label}, {spec.tokens(length)} tokens) {config.name}",
                             text)
         return rec
+
+    def cache_runs(self, server, spec, length, config, prefix, cache, start_rss, first, miss_latent) -> dict:
+        """A cached configuration's second load (the hit) and UNETLoader on the cache file, in the same server."""
+        opts, out = self.opts, {}
+        second = sampling_graph(config, spec, spec.file_name(config.model_format), length, opts.steps, opts.seed,
+                                prefix + "_hit")
+        entry = server.run(second, timeout=opts.prompt_timeout)
+        hit = measurements(json.loads(entry["outputs"]["report"]["text"][0]), entry)
+        hit_latent = server.latent(entry, "save")
+        reports = [line and line.replace(str(self.work), "<work>") for line in (cache_line(first), cache_line(entry))]
+        (written,) = cache.glob("*.safetensors")
+        link = self.base / "models" / "diffusion_models" / CACHE_LINK
+        link.unlink(missing_ok=True)
+        link.symlink_to(written)
+        third = sampling_graph(Config("unet_same_file", "comfy", config.capped, _unet()), spec, CACHE_LINK, length,
+                               opts.steps, opts.seed, prefix + "_unet")
+        entry = server.run(third, timeout=opts.prompt_timeout)
+        unet = measurements(json.loads(entry["outputs"]["report"]["text"][0]), entry)
+        weights = hit.get("weights_bytes")
+        out["hit"], out["unet_same_file"] = hit, unet
+        out["server_rss_start_gib"] = start_rss / GIB if start_rss else None
+        out["cache_file_gib"] = written.stat().st_size / GIB
+        out["cache_targets"] = {
+            "hit_load_over_unet": ratio(hit.get("load_s"), unet.get("load_s")),
+            "hit_ready_over_unet": ratio(hit.get("ready_s"), unet.get("ready_s")),
+            "hit_rss_sampling_over_weights": hit.get("host_rss_sampling_over_weights"),
+            "hit_rss_sampling_less_start_over_weights": ratio(
+                hit.get("host_rss_sampling_gib", 0) * GIB - start_rss if start_rss else None, weights),
+            "hit_vs_miss": compare(hit_latent, miss_latent),
+            "reports": reports,
+        }
+        return out
 
     def record(self, rec):
         self.payload["results"].append(rec)

@@ -1,0 +1,325 @@
+"""LoadH3Quantized's quantize-once cache (host/cache.py, loaders/quant_cache.py) in a real ComfyUI (issue 32, item 3).
+
+One server per host, with the cache in a folder of its own (a `bigdit_cache` entry of the extra_model_paths.yaml
+it starts with) limited to LIMIT (BIGDIT_QUANT_CACHE_GIB), loads a copy of the tiny Wan (2 blocks, dim 256; a copy, since tests change its
+modification time) with int8_convrot:
+- the second load is a hit: its report says so and has no "quantized while loading" line (the first has, from the
+  builder's count of the layers it quantized), its layers, formats and kept reasons are the first load's, and 2
+  euler steps give the first load's latent bit for bit (on CPU the same tensors give the same bits);
+- a cache file cut short, one whose source changed (its modification time), one the cache did not write (the
+  source itself) and one written for other options, each at the entry's name, are rebuilt, the report saying why,
+  and the next load hits;
+- the limit: the folder holds the entry, copies of it under other entries' names used longer ago (as many as fit
+  with one more file), and files that are not the cache's (one named like an entry with no key, a large sparse
+  one); a load with other options then evicts the copies least recently used first and nothing else, and the
+  folder stays under the limit;
+- a folder that cannot be made (a file in its place) and a full disk (a 1 MiB tmpfs mounted over the folder,
+  where this user may mount one) fall back to loading without the cache: the report names the folder and the
+  error, and the model samples the first load's latent.
+Under upstream's dynamic VRAM, with its real loader and patcher on the CPU (as tests/integration/test_file_backed.py
+runs them), through host/loading.py's load_checkpoint: a miss's quantized weights are paged from the cache file it
+wrote (no scratch file; the process memory they held is freed), a hit's weights all from the cache file, each tensor's file slice holding its bytes, and
+both sample the latent of the same load without file paging; a host that computes in another dtype (--bf16-unet)
+finds the file stale and rebuilds it. There too, the folder: BIGDIT_QUANT_CACHE, else extra_model_paths.yaml's
+`bigdit_cache`, else models/bigdit_cache.
+"""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from comfy_harness import ComfyServer
+from graphs import node_report, wan_t2v_graph
+from test_file_backed import run_probe
+
+pytestmark = pytest.mark.integration
+
+MIB = 2 ** 20
+LIMIT = 16 * MIB   # the tiny Wan's cache file is about 3 MiB
+SOURCE = "cache_wan.safetensors"
+INPUTS = {"unet_name": SOURCE, "quantization": "int8_convrot", "offload": "none", "group_size": "256",
+          "ignored_layers": ""}
+OTHER = {**INPUTS, "group_size": "64"}  # another entry of the same size
+LABEL = "quantize-once cache"
+
+
+class Cached:
+    def __init__(self, server, folder, source, vae):
+        self.server, self.folder, self.source, self.vae = server, folder, source, vae
+
+    def entries(self) -> list[str]:
+        return sorted(str(p) for p in self.folder.glob("*.safetensors"))
+
+    def clear(self):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def load(self, inputs=INPUTS) -> tuple[str, str]:
+        """(the loader's on-node report, its full report) of a graph that only loads."""
+        history = self.server.run({"unet": {"class_type": "LoadH3Quantized", "inputs": dict(inputs)},
+                                   "show": {"class_type": "PreviewAny", "inputs": {"source": ["unet", 1]}}})
+        full = node_report(history, "unet")
+        return history["outputs"]["unet"]["text"][0], full
+
+    def sample(self, inputs=INPUTS) -> tuple[torch.Tensor, str]:
+        history = self.server.run(wan_t2v_graph(None, self.vae, loader=("LoadH3Quantized", dict(inputs))))
+        return self.server.latent(history, "save_latent"), node_report(history, "unet")
+
+
+@pytest.fixture(scope="module")
+def cached(comfy, tiny_wan2, tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_quant_cache")
+    folder = base / "quant_cache"
+    paths = base / "extra_model_paths.yaml"
+    paths.write_text(f"bigdit:\n  base_path: {base}\n  bigdit_cache: quant_cache\n")
+    server = ComfyServer(base, comfy.host, extra_args=["--extra-model-paths-config", str(paths)],
+                         env={"BIGDIT_QUANT_CACHE_GIB": str(LIMIT / 2 ** 30)})
+    source = server.models_dir / "diffusion_models" / SOURCE
+    shutil.copy(tiny_wan2["path"], source)
+    (server.models_dir / "vae" / tiny_wan2["vae_name"]).symlink_to(comfy.models_dir / "vae" / tiny_wan2["vae_name"])
+    yield Cached(server, folder, source, tiny_wan2["vae_name"])
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def first(cached):
+    """The latent and report of the first load through an empty cache."""
+    cached.clear()
+    return cached.sample()
+
+
+def layers_part(report: str) -> list[str]:
+    """The report's lines about the layers: counts, weights, formats, and each kept layer with its reason."""
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("kept in original precision"))
+    end = next(i for i in range(start + 1, len(lines) + 1) if i == len(lines) or not lines[i].startswith("  "))
+    return lines[:3] + lines[start:end]
+
+
+def test_the_second_load_is_a_hit_and_samples_the_same(cached, first):
+    first_latent, first_report = first
+    (entry,) = cached.entries()
+    assert f"{LABEL}: miss (no cache file yet); wrote {entry}" in first_report, first_report
+    assert "quantized while loading: " in first_report
+    latent, report = cached.sample()
+    assert f"{LABEL}: hit, loaded {entry} as stored" in report and "nothing was quantized" in report, report
+    assert "quantized while loading" not in report and "quantizing while loading took" not in report, report
+    assert layers_part(report) == layers_part(first_report), (report, first_report)
+    assert torch.equal(latent, first_latent)
+    short, _ = cached.load()
+    assert short.splitlines()[1].endswith("; cache hit"), short
+    assert cached.entries() == [entry]
+
+
+def test_a_file_cut_short_stale_or_foreign_is_rebuilt(cached, first):
+    cached.load()
+    (entry,) = cached.entries()
+    size = os.path.getsize(entry)
+
+    def rebuilt(why):
+        _, report = cached.load()
+        assert f"{LABEL}: miss ({why}" in report and f"; wrote {entry}" in report, report
+        assert os.path.getsize(entry) == size
+        assert f"{LABEL}: hit" in cached.load()[1]
+
+    with open(entry, "r+b") as f:
+        f.truncate(size - 1000)
+    rebuilt("the cache file is damaged or cut short (truncated file")
+    stat = cached.source.stat()
+    os.utime(cached.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))
+    rebuilt("stale: the source file changed")
+    shutil.copy(cached.source, entry)
+    rebuilt("the file there was not written by the cache")
+    cached.load(OTHER)
+    (other,) = [path for path in cached.entries() if path != entry]
+    shutil.copy(other, entry)
+    rebuilt("the file there was written for another source file or other options")
+
+
+def test_the_least_recently_used_files_go_past_the_limit(cached, first):
+    cached.clear()
+    cached.load()
+    (entry,) = cached.entries()
+    size = os.path.getsize(entry)
+    assert 3 * size <= LIMIT, "the tiny Wan's cache file grew: raise LIMIT"
+    # the cache's files, used 1000 s ago and later, as many as fit beside the entry with no room for one more
+    copies = [cached.folder / f"copy{i}-{i:020x}.safetensors" for i in range(LIMIT // size - 1)]
+    for i, path in enumerate(copies):
+        shutil.copy(entry, path)
+        os.utime(path, (os.path.getmtime(entry) - 1000 + i,) * 2)
+    junk = [cached.folder / f"nokey-{'0' * 20}.safetensors", cached.folder / "large.bin"]
+    shutil.copy(cached.source, junk[0])
+    with open(junk[1], "wb") as f:
+        f.truncate(4 * LIMIT)  # sparse: counted by nobody, as the cache is not its owner
+    assert f"{LABEL}: hit" in cached.load()[1]  # the entry is now the most recently used
+    _, report = cached.load(OTHER)
+    (new,) = [p for p in cached.entries() if p not in {entry, *map(str, copies), str(junk[0])}]
+    gone = [path for path in copies if not path.exists()]
+    assert gone and gone == copies[:len(gone)], (gone, copies)  # the least recently used, in order
+    assert f"wrote {new}" in report and f"evicted the {len(gone)} least recently used file(s)" in report, report
+    assert os.path.exists(entry) and all(path.exists() for path in junk)
+    assert sum(os.path.getsize(p) for p in cached.entries() if p != str(junk[0])) <= LIMIT
+
+
+def test_a_folder_that_cannot_be_made_falls_back(cached, first, tmp_path):
+    aside = tmp_path / "aside"
+    cached.folder.rename(aside)
+    cached.folder.write_text("a file where the cache folder should be")
+    try:
+        _, report = cached.load()
+    finally:
+        cached.folder.unlink()
+        aside.rename(cached.folder)
+    assert f"{LABEL}: miss (no cache file yet); not written to {cached.folder} (FileExistsError" in report, report
+    assert report.startswith("quantized ") and "quantized while loading: " in report
+
+
+def test_a_full_disk_falls_back(cached, first):
+    first_latent, _ = first
+    cached.clear()
+    cached.folder.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cached.folder)],
+                                 capture_output=True, text=True)
+        failed = mounted.returncode and mounted.stderr.strip()
+    except OSError as exc:  # no mount command
+        failed = str(exc)
+    if failed:
+        pytest.skip(f"a full disk needs a small filesystem, and mounting a tmpfs failed (it needs root): {failed}")
+    try:
+        latent, report = cached.sample()
+        left = os.listdir(cached.folder)
+    finally:
+        subprocess.run(["umount", "-l", str(cached.folder)], check=True)
+    assert f"not written to {cached.folder} (OSError: not enough disk space" in report, report
+    assert left == []  # nothing left behind
+    assert torch.equal(latent, first_latent)
+
+
+def test_a_format_no_marker_stores_is_not_cached(cached):
+    cached.clear()
+    _, report = cached.load({**INPUTS, "quantization": "mxfp4"})
+    assert f"{LABEL}: miss (no cache file yet); not written: cannot save " in report and "MXFP4" in report, report
+    assert "mxfp4 x" in report.splitlines()[2] and cached.entries() == []
+
+
+DYNAMIC = r"""
+from bigdit.host.cache import settings
+from bigdit.host.loading import load_checkpoint
+from bigdit.quant.linear import QuantLinear
+
+out = {"folders": [], "models_dir": folder_paths.models_dir}
+for env in ({}, {"BIGDIT_QUANT_CACHE_GIB": "0.5"}, {"BIGDIT_QUANT_CACHE": "/x/env"}):
+    os.environ.update(env)
+    if env.get("BIGDIT_QUANT_CACHE_GIB"):
+        folder_paths.add_model_folder_path("bigdit_cache", "/x/extra")  # as extra_model_paths.yaml adds it
+    found, why = settings()
+    out["folders"].append([found.folder, found.limit])
+for value in ("0", "-1", "lots", "nan"):
+    os.environ["BIGDIT_QUANT_CACHE_GIB"] = value
+    out["folders"].append(settings()[1])
+
+# the patcher ComfyUI makes for a GPU under dynamic VRAM, retargeted to the CPU
+comfy.model_patcher.CoreModelPatcher = lambda model, load_device, offload_device: on_cpu_dynamic(model)
+cache, temp = tempfile.mkdtemp(), tempfile.mkdtemp()
+folder_paths.set_temp_directory(temp)
+folder_paths.add_model_folder_path("diffusion_models", os.path.dirname(model_path))
+os.environ["BIGDIT_QUANT_CACHE"] = cache
+
+
+def loaded(pages_from_files, limit):
+    os.environ["BIGDIT_QUANT_CACHE_GIB"] = limit
+    comfy.memory_management.aimdo_enabled = pages_from_files  # as main.py sets it on a GPU
+    try:
+        return load_checkpoint("LoadH3Quantized", "diffusion_models", os.path.basename(model_path),
+                               quantization="int8_convrot", offload_input="none", cached=True).result
+    finally:
+        comfy.memory_management.aimdo_enabled = False  # sampling here runs the CPU path
+
+
+def file_of(tensor):
+    info = tensor.untyped_storage()._comfy_tensor_file_slice
+    fd = info.file_ref if isinstance(info.file_ref, int) else info.file_ref.fileno()
+    same = os.pread(fd, info.size, info.offset) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    stat = os.fstat(fd)
+    return (stat.st_dev, stat.st_ino), same and info.size == tensor.numel() * tensor.element_size()
+
+
+def files(patcher):
+    # paged tensor -> (which file, its slice holds its bytes)
+    out = {}
+    for key, (module, name) in paged_tensors(patcher.model).items():
+        tensor = module._parameters[name]
+        if hasattr(tensor.untyped_storage(), "_comfy_tensor_file_slice"):
+            out[key] = (isinstance(module, QuantLinear),) + file_of(tensor)
+        else:
+            out[key] = (isinstance(module, QuantLinear), None, False)
+    return out
+
+
+def identity(path):
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
+
+
+import bigdit.host.file_backed as file_backed
+rebound, real_rebind = [], file_backed._rebind
+
+
+def recording(tensors, mapped):  # the tensors a rebinding lets go of: the process memory they held
+    rebound.extend(weakref.ref(module._parameters[name]) for module, name in tensors.values())
+    real_rebind(tensors, mapped)
+
+
+reference, _ = loaded(False, "0")
+file_backed._rebind = recording
+miss, miss_report = loaded(True, "1")
+file_backed._rebind = real_rebind
+gc.collect()
+out["rebound"], out["freed"] = len(rebound), sum(ref() is None for ref in rebound)
+(entry,) = [os.path.join(cache, name) for name in os.listdir(cache)]
+hit, hit_report = loaded(True, "1")
+out["miss_report"], out["hit_report"], out["temp_left"] = miss_report, hit_report, os.listdir(temp)
+where = {identity(entry): "cache", identity(model_path): "source"}
+for name, patcher in (("miss", miss), ("hit", hit)):
+    found = files(patcher)
+    out[name] = {key: [quantized, where.get(file), same] for key, (quantized, file, same) in found.items()}
+out["latents"] = [all(torch.equal(a, b) for a, b in zip(sample(patcher), want)) for want in [sample(reference)]
+                  for patcher in (miss, hit)]
+# the host computes in another dtype (--bf16-unet): the file's layers were quantized for fp32
+from comfy.cli_args import args
+args.bf16_unet = True
+out["bf16_report"] = loaded(True, "1")[1]
+from safetensors import safe_open
+with safe_open(entry, "pt") as f:
+    out["bf16_written_for"] = json.loads(f.metadata()["bigdit_cache_compute_dtypes"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.host_feature("dynamic_vram")
+def test_dynamic_vram_pages_a_miss_and_a_hit_from_the_cache_file(comfy, tiny_wan2):
+    out = run_probe(comfy, DYNAMIC, tiny_wan2["path"], "wan", 4096)
+    miss, hit = out["miss"], out["hit"]
+    detail = json.dumps(out, indent=1)[:6000]
+    assert out["temp_left"] == [] and "scratch" not in out["miss_report"] + out["hit_report"], detail
+    assert out["rebound"] == sum(q for q, _, _ in miss.values()) and out["freed"] == out["rebound"], detail
+    assert "ComfyUI pages the " in out["miss_report"] and "of quantized weights from the cache file" in \
+        out["miss_report"], detail
+    assert f"{LABEL}: hit" in out["hit_report"], detail
+    # a miss: the quantized layers' tensors from the cache file, those kept as stored from the source; a hit:
+    # everything from the cache file; each slice holds the tensor's bytes
+    assert any(q for q, _, _ in miss.values()) and set(miss) == set(hit), detail
+    assert all(where == "cache" and same for q, where, same in miss.values() if q), detail
+    assert all(where in ("cache", "source") and same for _, where, same in miss.values()), detail
+    assert all(where == "cache" and same for _, where, same in hit.values()), detail
+    assert out["latents"] == [True, True], detail
+    assert f"{LABEL}: miss (stale: the model computes in ['torch.bfloat16'] here, the file was written for " \
+           "['torch.float32']); wrote" in out["bf16_report"], detail
+    assert out["bf16_written_for"] == ["torch.bfloat16"], detail
+    gib = 2 ** 30
+    assert out["folders"] == [[out["models_dir"] + "/bigdit_cache", 100 * gib], ["/x/extra", gib // 2],
+                              ["/x/env", gib // 2], "BIGDIT_QUANT_CACHE_GIB=0",
+                              *(f"BIGDIT_QUANT_CACHE_GIB={v!r} is not a number of GiB" for v in ("-1", "lots", "nan"))]
