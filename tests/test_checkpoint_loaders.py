@@ -208,6 +208,104 @@ def test_nvfp4_requantized_to_fastest_native_format(plain_file, tmp_path):
     assert rel_err(layer(x), reference_output("blocks.0.ffn.2", x)) < TOLERANCE["nvfp4"] + TOLERANCE["int8_convrot"]
 
 
+INT8_CONVROT = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}
+
+
+@pytest.fixture
+def fp8_native(monkeypatch):
+    """This device's native formats as on sm89+ (FP8, then INT8 ConvRot), for the decisions that ask for them: the
+    conversion then runs on the CPU, FP8 emulated there with the same arithmetic."""
+    from bigdit.quant import auto
+
+    def native(device, in_features, out_features):
+        return [get_method("float8_e4m3fn"), get_method("int8_convrot", group_size=64)]
+    monkeypatch.setattr(auto, "fastest_native_methods", native)
+
+
+def test_int8_layers_requantized_to_the_fastest_native_format(plain_file, tmp_path, fp8_native):
+    """`int8` requantize: an INT8 marker layer is dequantized (its rotation undone) and quantized to the device's
+    fastest native format other than INT8, on the builder's device, one layer at a time; the report says so."""
+    path = write_markers(plain_file, tmp_path / "int8.safetensors", {"blocks.0.ffn.2": INT8_CONVROT})
+    model, report, _ = build(path, conversions={"int8_tensorwise": "requantize"})
+    layer = model.get_submodule("blocks.0.ffn.2")
+    assert layer.method.name == "float8_e4m3fn" and layer.weight.dtype == torch.float8_e4m3fn
+    assert ("int8_tensorwise layers on cpu: re-quantized at load to float8_e4m3fn (per-channel weights, per-token "
+            "activations) x1") in report.render()
+    (record,) = [r for r in report.records if r.name == "blocks.0.ffn.2"]
+    assert record.action == "convert" and record.reason.startswith(
+        "int8_tensorwise in the checkpoint, re-quantized at load to float8_e4m3fn")
+    x = layer_input("blocks.0.ffn.2")
+    # INT8's error plus FP8's on top of it
+    assert rel_err(layer(x), reference_output("blocks.0.ffn.2", x)) < TOLERANCE["int8_convrot"] + \
+        TOLERANCE["float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("mode", ["keep", "auto", None])
+def test_int8_layers_stay_int8_where_no_conversion_is_asked_or_measured(plain_file, tmp_path, fp8_native, mode):
+    """`keep`, no mode, and `auto` off CUDA (no measurement: nothing is known to be faster) load INT8 as stored."""
+    path = write_markers(plain_file, tmp_path / "int8.safetensors", {"blocks.0.ffn.2": INT8_CONVROT})
+    model, report, _ = build(path, conversions={} if mode is None else {"int8_tensorwise": mode})
+    layer = model.get_submodule("blocks.0.ffn.2")
+    assert layer.method.name == "int8_convrot" and layer.weight.dtype == torch.int8
+    assert "re-quantized" not in report.render()
+
+
+class StubContext:
+    """decision.StoredContext as a CUDA device would answer it, the measurement scripted."""
+    device = torch.device("cuda")
+
+    def __init__(self, faster):
+        self.faster, self.asked = faster, []
+
+    def fastest_native(self, layer):
+        return [get_method("float8_e4m3fn"), get_method("int8_convrot")]
+
+    def faster_native(self, layer, stored):
+        self.asked.append((layer.shape, stored.name, stored.convrot, stored.group_size))
+        return self.faster
+
+
+def test_int8_auto_converts_only_what_its_measurement_found_faster():
+    from bigdit.quant.layer import Layer
+    from bigdit.quant.registry import format_spec
+    spec = format_spec("int8_tensorwise")
+    layer = Layer("blocks.0.ffn.0", 5376, 28672, torch.int8, torch.bfloat16, "int8_tensorwise",
+                  {"convrot": True, "convrot_groupsize": 256})
+    fp8 = get_method("float8_e4m3fn")
+    faster = StubContext((fp8, "faster at 5376->28672 (int8_convrot 1.000 ms, float8_e4m3fn 0.800 ms)"))
+    conversion = spec.stored_decision(layer, "auto", faster)
+    assert conversion.target is fp8 and conversion.brief.startswith("re-quantized at load to float8_e4m3fn")
+    assert "int8_convrot 1.000 ms" in conversion.reason
+    # the stored format's own method is what it was measured against: the marker's rotation and group
+    assert faster.asked == [((28672, 5376), "int8_convrot", True, 256)]
+    slower = spec.stored_decision(layer, "auto", StubContext((None, "int8_convrot as fast or faster")))
+    assert slower.target is None and slower.path == "kept as INT8" and "as fast or faster" in slower.reason
+    assert spec.stored_decision(layer, "keep", faster).target is None
+
+
+def test_int8_auto_measurement_weighs_time_and_error(monkeypatch):
+    """auto._measure_conversion times the stored INT8 layer against its FP8 re-quantization of the same weight
+    (the clock scripted: INT8 first), and takes FP8 only where faster and within the error bound."""
+    from bigdit.quant import auto
+    int8, fp8 = get_method("int8_tensorwise", convrot=True, convrot_groupsize=64), get_method("float8_e4m3fn")
+    cpu = torch.device("cpu")
+
+    def clock(*ms):
+        times = list(ms)
+        monkeypatch.setattr(auto, "_time_ms", lambda fn, iters: (fn(), times.pop(0))[1])
+
+    clock(2.0, 1.0)
+    chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
+    assert chosen == "float8_e4m3fn" and why.startswith("faster at 256->128 (int8_convrot 2.000 ms, error ")
+    clock(1.0, 2.0)
+    chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
+    assert chosen is None and why.startswith("int8_convrot as fast or faster")
+    clock(2.0, 1.0)
+    monkeypatch.setattr(auto, "CONVERSION_ERROR_BOUND", 0.001)  # FP8 of INT8's weight measures about 0.03
+    chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
+    assert chosen is None and why.startswith("float8_e4m3fn over the error bound 0.001")
+
+
 def test_state_dict_stands_in_for_quantized_weights(plain_file, tmp_path):
     path = write_markers(plain_file, tmp_path / "mixed.safetensors", MIXED)
     plan = inspect_checkpoint(path)
