@@ -167,3 +167,22 @@ def test_online_quantization_stages_through_pinned_memory_bit_exactly(tmp_path):
         for key, tensor in direct.named_parameters():
             got = getattr(built[name], key)
             assert got.device.type == "cpu" and torch.equal(got, tensor), (name, key)
+
+
+def test_int8_auto_on_this_gpu(plain_file, tmp_path):
+    """`int8` auto on CUDA: each INT8 layer is measured against this GPU's fastest native format (FP8 on
+    sm89+) and converted only where that was faster and within the error bound; the record gives the timings,
+    and the layer stays within INT8's error plus the target's of the reference."""
+    path = write_markers(plain_file, tmp_path / "int8.safetensors",
+                         {"blocks.0.ffn.2": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}})
+    model, report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda", conversions={"int8_tensorwise": "auto"})
+    layer = model.get_submodule("blocks.0.ffn.2")
+    (record,) = [r for r in report.records if r.name == "blocks.0.ffn.2"]
+    if capability() < (8, 9):  # INT8 is this GPU's fastest native format: nothing to measure
+        assert layer.method.name == "int8_convrot" and "re-quantized" not in report.render()
+        return
+    assert " ms, error " in record.reason, record.reason  # both timings and errors, whichever won
+    assert layer.method.name == ("float8_e4m3fn" if record.action == "convert" else "int8_convrot"), record.reason
+    x = layer_input("blocks.0.ffn.2").to("cuda", torch.bfloat16)
+    err = rel_err(layer(x), reference_output("blocks.0.ffn.2", x.float().cpu()).cuda())
+    assert err < TOLERANCE["int8_convrot"] + TOLERANCE["float8_e4m3fn"], err
