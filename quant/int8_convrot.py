@@ -208,10 +208,10 @@ class Int8TensorwiseFormat(QuantFormat):
                 return Conversion(target, label, label, label)
         elif mode == "auto" and context.device.type == "cuda":
             target, why = context.faster_native(layer, self.method(**layer.options))
-            if target is not None:
+            if target is not None:  # the record gives the measurement; the report's headline counts the paths
                 label = f"re-quantized at load to {target.describe()}"
-                return Conversion(target, f"{label}: {why}", label, label)
-            return Conversion(None, f"already quantized; {why}", "kept as INT8", "kept as INT8")
+                return Conversion(target, f"{label}: {why}", label, f"{label}: {why}")
+            return Conversion(None, f"already quantized; {why}", "kept as INT8", f"kept as INT8: {why}")
         return Conversion(None, "already quantized")
 
     def marker_meaning(self, marker: dict) -> dict:
