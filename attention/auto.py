@@ -117,7 +117,7 @@ def probe(q, k, v, layout, mask):
 def probe_error(impl, q, k, v, layout, mask, scale, options) -> float:
     """Relative L2 error of `impl` on a probe of the call, against SDPA in fp32."""
     pq, pk, pv, pmask = probe(q, k, v, layout, mask)
-    out = impl.plan(pq, pk, pv, layout=layout, mask=pmask, scale=scale, options=options).run().float()
+    out = impl.kernel_call(pq, pk, pv, layout=layout, mask=pmask, scale=scale, options=options).run().float()
     fmask = pmask if pmask is None or pmask.dtype == torch.bool else pmask.float()
     ref = _sdpa(pq.float(), pk.float(), pv.float(), layout, fmask, scale)
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -142,22 +142,22 @@ class Auto(Backend):
         self._used.clear()
         return lines
 
-    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
+    def kernel_call(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
         dims(q, layout)
         options = transformer_options or {}
         key = shape_key(q, k, v, layout, mask)
         decision = _DECISIONS.get(key)
         if decision is not None:
             try:
-                plan = self._by_label[decision.label].plan(q, k, v, layout=layout, mask=mask, scale=scale,
+                call = self._by_label[decision.label].kernel_call(q, k, v, layout=layout, mask=mask, scale=scale,
                                                            options=options)
-                return self._ran(key, decision, plan)
+                return self._ran(key, decision, call)
             except Unsupported:
                 pass
         accepted, reasons = {}, []
         for impl in self.kernels:
             try:
-                accepted[impl.label] = (impl, impl.plan(q, k, v, layout=layout, mask=mask, scale=scale,
+                accepted[impl.label] = (impl, impl.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale,
                                                         options=options))
             except Unsupported as e:
                 reasons.append((impl.label, e.args[0]))
@@ -175,10 +175,10 @@ class Auto(Backend):
         decision = self._measure(key, accepted, shape, q, k, v, layout, mask, scale, options)
         return self._ran(key, decision, accepted[decision.label][1])
 
-    def _ran(self, key, decision: Decision, plan: KernelCall) -> KernelCall:
+    def _ran(self, key, decision: Decision, call: KernelCall) -> KernelCall:
         if not torch.compiler.is_compiling():
             self._used[key] = decision
-        return KernelCall(f"auto:{plan.label}", plan.run)
+        return KernelCall(f"auto:{call.label}", call.run)
 
     @torch.compiler.disable
     def _measure(self, key, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
@@ -203,7 +203,7 @@ class Auto(Backend):
                 continue
             if not errors[label] <= bound:  # NaN fails too
                 rejected[label] = f"error {errors[label]:.3f} > {bound:g}"
-        runs = {label: plan.run for label, (_, plan) in accepted.items() if label not in rejected}
+        runs = {label: call.run for label, (_, call) in accepted.items() if label not in rejected}
         times, failed = measure_times(runs, q.device)
         rejected.update(failed)
         if not times:  # every kernel failed: plain SDPA, which takes any call

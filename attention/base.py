@@ -157,7 +157,7 @@ class KernelCall:
 
 class Impl:
     """One kernel. Subclasses set `label`, `constraints`, and implement `_run`
-    (or override `plan` when acceptance depends on more than the constraints)."""
+    (or override `kernel_call` when acceptance depends on more than the constraints)."""
 
     label = "?"
     constraints = Constraints()
@@ -175,7 +175,7 @@ class Impl:
         self.unavailable()
         self.constraints  # noqa: B018 - a property that may read the package's build config
 
-    def plan(self, q, k, v, *, layout, mask, scale, options) -> KernelCall:
+    def kernel_call(self, q, k, v, *, layout, mask, scale, options) -> KernelCall:
         self.constraints.check(q, k, v, layout, mask)
         why = self.unavailable()
         if why:
@@ -196,7 +196,7 @@ class Backend:
     """A named backend: the first of its kernels that accepts a call runs it.
 
     Calling it runs the attention or raises `Unsupported` with every kernel's
-    reason; `plan` is the same decision without running. With
+    reason; `kernel_call` is the same decision without running. With
     `note_substitutes`, a kernel that would have taken the call but is not
     installed or built here is said once, with the kernel that runs instead.
     """
@@ -216,21 +216,21 @@ class Backend:
     def impls_for(self, device: torch.device) -> list[Impl]:
         return self._impls
 
-    def plan(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
+    def kernel_call(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
         dims(q, layout)  # validates the layout
         reasons, missing = [], []
         for impl in self.impls_for(q.device):
             try:
-                plan = impl.plan(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
+                call = impl.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
             except Unsupported as e:
                 reasons.append((impl.label, e.args[0]))
                 if isinstance(e, Unavailable):
                     missing.append((impl.label, e.args[0]))
                 continue
-            if missing and self._note_substitutes and (plan.label, tuple(missing)) not in self._noted:
-                self._note(plan.label, tuple(missing))
-            label = self.name if plan.label == self.name else f"{self.name}:{plan.label}"
-            return KernelCall(label, plan.run)
+            if missing and self._note_substitutes and (call.label, tuple(missing)) not in self._noted:
+                self._note(call.label, tuple(missing))
+            label = self.name if call.label == self.name else f"{self.name}:{call.label}"
+            return KernelCall(label, call.run)
         unique = list(dict.fromkeys(r for _, r in reasons))
         raise Unsupported(unique[0] if len(unique) == 1 else "; ".join(f"{l}: {r}" for l, r in reasons))
 
@@ -249,7 +249,7 @@ class Backend:
         return True
 
     def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> torch.Tensor:
-        return self.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()
+        return self.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()
 
     def __repr__(self):
         return f"<attention backend {self.name}: {[i.label for i in self._impls]}>"

@@ -159,14 +159,14 @@ class KitchenInt8(Impl):
     def unavailable(self):
         return load("comfy_kitchen", None, "comfy-kitchen")[1]
 
-    def plan(self, q, k, v, *, layout, mask, scale, options):
+    def kernel_call(self, q, k, v, *, layout, mask, scale, options):
         self.constraints.check(q, k, v, layout, mask)
         ck = kitchen()
         if not ck.int8_attention_is_available(q.device):
             raise Unsupported("comfy-kitchen has no INT8 attention kernel for this GPU (CUDA extension, sm75+)")
         if mask is not None and mask.dtype != torch.bool and mask.dtype not in FLOAT_DTYPES:
             raise Unsupported(f"mask dtype {mask.dtype}")
-        return super().plan(q, k, v, layout=layout, mask=mask, scale=scale, options=options)
+        return super().kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=options)
 
     def _run(self, q, k, v, layout, mask, scale):
         ck = kitchen()

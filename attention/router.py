@@ -116,30 +116,30 @@ class Router:
         declined = []
         for backend in optional:
             try:
-                plan = backend.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
+                call = backend.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
             except Unsupported as e:
                 declined.append((backend.name, e.args[0]))
                 continue
             try:
-                out = plan.run()
+                out = call.run()
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - an optional kernel failing must not stop sampling
                 first_line = (str(e).splitlines() or [""])[0]
-                declined.append((backend.name, f"{plan.label} failed: {type(e).__name__}: {first_line}"))
+                declined.append((backend.name, f"{call.label} failed: {type(e).__name__}: {first_line}"))
                 continue
-            return self._ran(plan.label, out, declined)
-        plan = reference.plan(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
-        return self._ran(plan.label, plan.run(), declined)
+            return self._ran(call.label, out, declined)
+        call = reference.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
+        return self._ran(call.label, call.run(), declined)
 
     def _by_step(self, dense_step, chain, q, k, v, layout, mask, scale, options):
         """Under torch.compile, where the step is data: both routes are traced and `torch.cond` runs the one
         `dense_step` (a bool tensor) picks; where both routes end at the same kernel, that kernel alone."""
         routes = [self._route(c, q, k, v, layout, mask, scale, options) for c in (chain[1:], chain)]
         (dense, _), (sparse, _) = routes
-        for plan, declined in routes:
+        for call, declined in routes:
             for name, reason in declined:
-                self._warn(name, reason, plan.label)
+                self._warn(name, reason, call.label)
         if dense.label == sparse.label:
             return sparse.run()
         # the branches must agree in strides: each output as a contiguous tensor in the call's layout
@@ -147,11 +147,11 @@ class Router:
 
     @staticmethod
     def _route(chain, q, k, v, layout, mask, scale, options):
-        """(the plan of the first backend of `chain` that takes the call, [(declined backend, why)])."""
+        """(the kernel call of the first backend of `chain` that takes the call, [(declined backend, why)])."""
         declined = []
         for backend in chain:
             try:
-                return backend.plan(q, k, v, layout=layout, mask=mask, scale=scale,
+                return backend.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale,
                                     transformer_options=options), declined
             except Unsupported as e:
                 declined.append((backend.name, e.args[0]))

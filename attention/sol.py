@@ -96,7 +96,7 @@ class Sol(Impl):
     def unavailable(self):
         return load("comfy_kitchen", None, "comfy-kitchen")[1]
 
-    def plan(self, q, k, v, *, layout, mask, scale, options):
+    def kernel_call(self, q, k, v, *, layout, mask, scale, options):
         self.constraints.check(q, k, v, layout, mask)
         if k.shape != q.shape or v.shape != q.shape:
             raise Unsupported("q, k and v differ in shape")

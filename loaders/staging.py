@@ -6,7 +6,7 @@ in which the driver faults the pages in one at a time on one thread (about
 1 GB/s for the fresh memory of a 20 GiB model on the H200). Here each copy goes
 through a pinned buffer: torch's multi-threaded CPU copy between it and the
 pageable memory, and one DMA between it and the GPU. The buffer is allocated
-once, for the largest weight the plan will stage, so the host memory this adds
+once, for the largest weight the builder will stage, so the host memory this adds
 is bounded by one layer; torch's pinned-memory cache keeps it after the load,
 for the next load to reuse.
 """

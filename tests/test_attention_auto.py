@@ -76,9 +76,9 @@ def test_the_fastest_exact_kernel_wins_and_the_report_gives_the_timings(kernels,
     backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
     q, k, v = qkv()
     with caplog.at_level(logging.INFO, logger="bigdit.attention.auto"):
-        plan = backend.plan(q, k, v)
-    assert plan.label == "auto:fast"
-    assert torch.equal(plan.run(), F.scaled_dot_product_attention(q, k, v))
+        call = backend.kernel_call(q, k, v)
+    assert call.label == "auto:fast"
+    assert torch.equal(call.run(), F.scaled_dot_product_attention(q, k, v))
     line = "1x2x128x64 float32: fast; fast 20.00 ms, slow 40.00 ms, sdpa 100.00 ms"
     assert backend.take_choices() == [line]
     assert [r.getMessage() for r in caplog.records] == [f"[BigDiT] attention auto {line}"]
@@ -86,8 +86,8 @@ def test_the_fastest_exact_kernel_wins_and_the_report_gives_the_timings(kernels,
 
 def test_an_approximate_kernel_within_its_bound_wins_when_fastest(kernels):
     backend = kernels(Kernel("exact", 30.0), Kernel("int8", 20.0, error=0.03))
-    plan = backend.plan(*qkv())
-    assert plan.label == "auto:int8"
+    call = backend.kernel_call(*qkv())
+    assert call.label == "auto:int8"
     (line,) = backend.take_choices()
     assert line.startswith("1x2x128x64 float32: int8; int8 20.00 ms (err 0.030), exact 30.00 ms"), line
 
@@ -96,8 +96,8 @@ def test_an_approximate_kernel_past_its_bound_never_runs(kernels):
     backend = kernels(Kernel("exact", 30.0), Kernel("fp8", 10.0, error=0.08))
     q, k, v = qkv()
     RAN.clear()
-    plan = backend.plan(q, k, v)
-    assert plan.label == "auto:exact"
+    call = backend.kernel_call(q, k, v)
+    assert call.label == "auto:exact"
     assert RAN.count("fp8") == 1  # once, on the probe; never timed
     (line,) = backend.take_choices()
     assert line.endswith("; not used: fp8 (error 0.080 > 0.05)"), line
@@ -107,21 +107,21 @@ def test_an_approximate_kernel_past_its_bound_never_runs(kernels):
 def test_the_decision_is_kept_per_shape_and_shared(kernels):
     backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
     q, k, v = qkv()
-    backend.plan(q, k, v)
+    backend.kernel_call(q, k, v)
     RAN.clear()
     for _ in range(3):
-        assert backend.plan(q, k, v).label == "auto:fast"
-    assert registry.create("auto").plan(q, k, v).label == "auto:fast"  # another auto: the same decision
+        assert backend.kernel_call(q, k, v).label == "auto:fast"
+    assert registry.create("auto").kernel_call(q, k, v).label == "auto:fast"  # another auto: the same decision
     assert RAN == []  # nothing measured again
-    backend.plan(*qkv(s=256))  # another shape is measured once
+    backend.kernel_call(*qkv(s=256))  # another shape is measured once
     assert sorted(set(RAN)) == ["fast", "slow"]
     assert len(auto._DECISIONS) == 2
 
 
 def test_a_kernel_failing_while_measured_is_left_out(kernels):
     backend = kernels(Kernel("broken", 5.0, fails=True), Kernel("ok", 30.0))
-    plan = backend.plan(*qkv())
-    assert plan.label == "auto:ok"
+    call = backend.kernel_call(*qkv())
+    assert call.label == "auto:ok"
     (line,) = backend.take_choices()
     assert "not used: broken (failed: RuntimeError: illegal memory access)" in line and "more" not in line
 
@@ -132,8 +132,8 @@ def test_a_kernel_that_declines_the_call_is_not_measured(kernels):
     backend = kernels(masked_only, Kernel("ok", 30.0))
     q, k, v = qkv()
     mask = torch.ones(1, 1, 1, 128, dtype=torch.bool)
-    assert backend.plan(q, k, v, mask=mask).label == "auto:ok"
-    assert backend.plan(q, k, v).label == "auto:nomask"  # unmasked: another shape key, measured apart
+    assert backend.kernel_call(q, k, v, mask=mask).label == "auto:ok"
+    assert backend.kernel_call(q, k, v).label == "auto:nomask"  # unmasked: another shape key, measured apart
 
 
 @pytest.mark.parametrize("shape, mask_shape, probe_shape, probe_mask", [

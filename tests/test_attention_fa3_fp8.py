@@ -215,10 +215,10 @@ def test_fa3_fp8_against_exact_attention(layout, dtype):
     q, k, v = structured_qkv(1, 4, (8, 16, 16), device="cuda", dtype=dtype, seed=7)
     args = (q, k, v) if layout == "BHSD" else bshd(q, k, v)
     try:
-        plan = registry.create("fa3_fp8").plan(*args, layout=layout)
+        call = registry.create("fa3_fp8").kernel_call(*args, layout=layout)
     except base.Unsupported as e:
         pytest.skip(f"fa3_fp8: {e}")
-    out = plan.run()
+    out = call.run()
     assert out.dtype == dtype and out.shape == args[0].shape
     if layout == "BSHD":
         out = out.transpose(1, 2)

@@ -38,9 +38,9 @@ def reference(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
 
 
-def plan_or_skip(backend, *args, **kwargs):
+def call_or_skip(backend, *args, **kwargs):
     try:
-        return backend.plan(*args, **kwargs)
+        return backend.kernel_call(*args, **kwargs)
     except Unsupported as e:
         pytest.skip(f"{backend.name}: {e}")
 
@@ -50,8 +50,8 @@ def plan_or_skip(backend, *args, **kwargs):
 def test_kernel_matches_sdpa(impl, layout):
     q, k, v = qkv()
     args = (q, k, v) if layout == "BHSD" else tuple(t.transpose(1, 2) for t in (q, k, v))
-    plan = plan_or_skip(Backend(impl.label, [impl()]), *args, layout=layout)
-    out = plan.run()
+    call = call_or_skip(Backend(impl.label, [impl()]), *args, layout=layout)
+    out = call.run()
     assert out.dtype == q.dtype and out.shape == args[0].shape
     if layout == "BSHD":
         out = out.transpose(1, 2)
@@ -67,14 +67,14 @@ def test_kernel_matches_sdpa(impl, layout):
 def test_cross_attention(impl):
     q, _, _ = qkv(s=1024)
     k, v = qkv(s=333, seed=1)[:2]  # text-length keys, not a multiple of any tile
-    out = plan_or_skip(Backend(impl.label, [impl()]), q, k, v).run()
+    out = call_or_skip(Backend(impl.label, [impl()]), q, k, v).run()
     assert cosine(out, reference(q, k, v)) > (0.9999 if impl in EXACT else MIN_COSINE[impl])
 
 
 def test_sage_leaves_the_callers_tensors_alone():
     q, k, v = qkv()
     before = [t.clone() for t in (q, k, v)]
-    plan_or_skip(registry.create("sage"), q, k, v).run()
+    call_or_skip(registry.create("sage"), q, k, v).run()
     for t, saved in zip((q, k, v), before):
         assert torch.equal(t, saved)
 
@@ -88,21 +88,21 @@ def test_kitchen_int8_masks(kind):
         keep = torch.rand(2, 1, 1024, 1024, device="cuda") > 0.2
         keep[..., 0] = True
     mask = keep if kind != "additive" else torch.where(keep, 0.0, float("-inf")).to(q.dtype)
-    out = plan_or_skip(registry.create("kitchen_int8"), q, k, v, mask=mask).run()
+    out = call_or_skip(registry.create("kitchen_int8"), q, k, v, mask=mask).run()
     assert cosine(out, reference(q, k, v, mask)) > MIN_COSINE[kernels.KitchenInt8]
 
 
 def test_flash_reports_the_kernel_that_ran():
     q, k, v = qkv()
-    plan = plan_or_skip(registry.create("flash"), q, k, v)
-    assert plan.label.startswith("flash:")
+    call = call_or_skip(registry.create("flash"), q, k, v)
+    assert call.label.startswith("flash:")
     # the first of its kernels that accepts the call is the one named
     for impl in registry.create("flash").impls_for(q.device):
         try:
-            impl.plan(q, k, v, layout="BHSD", mask=None, scale=None, options={})
+            impl.kernel_call(q, k, v, layout="BHSD", mask=None, scale=None, options={})
         except Unsupported:
             continue
-        assert plan.label == f"flash:{impl.label}"
+        assert call.label == f"flash:{impl.label}"
         break
 
 
@@ -112,11 +112,11 @@ def test_sage2_kernels_stay_within_their_declared_error():
     ran = 0
     for cls in sage.KERNELS[:-1]:
         try:
-            plan = Backend(cls.label, [cls()]).plan(q, k, v)
+            call = Backend(cls.label, [cls()]).kernel_call(q, k, v)
         except Unsupported:
             continue
         ran += 1
-        assert relative_error(plan.run(), reference(q, k, v)) < cls.max_error, cls.label
+        assert relative_error(call.run(), reference(q, k, v)) < cls.max_error, cls.label
     if not ran:
         pytest.skip(f"no SageAttention 2 kernel runs here ({sage.Sage2Triton().unavailable()})")
 
@@ -126,7 +126,7 @@ def test_sage_runs_the_kernel_for_this_gpu():
     if major is None:
         pytest.skip("sageattention is not installed")
     q, k, v = qkv()
-    label = registry.create("sage").plan(q, k, v).label
+    label = registry.create("sage").kernel_call(q, k, v).label
     cap = torch.cuda.get_device_capability()
     if major == 1:
         assert label == "sage:sage1"
@@ -142,18 +142,18 @@ def test_auto_measures_and_runs_the_fastest_eligible_kernel(monkeypatch):
     monkeypatch.setattr(auto, "_DECISIONS", {})
     q, k, v = structured_qkv(1, 8, (8, 32, 32), device="cuda")  # 8192 tokens
     backend = registry.create("auto")
-    plan = backend.plan(q, k, v)
+    call = backend.kernel_call(q, k, v)
     (line,) = backend.take_choices()
     decision = next(iter(auto._DECISIONS.values()))
-    assert plan.label == f"auto:{decision.label}" and line == decision.text()
+    assert call.label == f"auto:{decision.label}" and line == decision.text()
     assert len(decision.timings) >= 2, line  # at least SDPA and cuDNN SDPA compete on any CUDA GPU
     assert decision.timings[decision.label] == min(decision.timings.values())
     for label, err in decision.errors.items():  # approximate kernels: measured on the probe
         assert (label in decision.timings) == (err <= auto.MAX_ERROR), line
-    out = plan.run()
+    out = call.run()
     assert relative_error(out, reference(q, k, v)) < (auto.MAX_ERROR if decision.label in decision.errors else 1e-2)
     # the decision is kept: a second call of the shape measures nothing and runs the same kernel
-    assert backend.plan(q, k, v).label == plan.label and len(auto._DECISIONS) == 1
+    assert backend.kernel_call(q, k, v).label == call.label and len(auto._DECISIONS) == 1
 
 
 def test_auto_is_within_3_percent_of_the_best_single_kernel(monkeypatch):
@@ -161,7 +161,7 @@ def test_auto_is_within_3_percent_of_the_best_single_kernel(monkeypatch):
     monkeypatch.setattr(auto, "_DECISIONS", {})
     q, k, v = structured_qkv(1, 8, (16, 32, 32), device="cuda")  # 16384 tokens
     backend = registry.create("auto")
-    backend.plan(q, k, v)
+    backend.kernel_call(q, k, v)
     decision = next(iter(auto._DECISIONS.values()))
     singles = {label: Backend(label, [backend._by_label[label]]) for label in decision.timings}
     runs = {label: (lambda b=b: b(q, k, v)) for label, b in singles.items()}
@@ -174,9 +174,9 @@ def test_auto_is_within_3_percent_of_the_best_single_kernel(monkeypatch):
 def test_sol_fused_kernel():
     sol = registry.create("sol", sol_tau=-1e4, sol_min_tokens=0)
     q, k, v = qkv()
-    plan = plan_or_skip(sol, q, k, v)
+    call = call_or_skip(sol, q, k, v)
     # every block exact: dense attention through the INT8 kernel
-    assert cosine(plan.run(), reference(q, k, v)) > 0.995
+    assert cosine(call.run(), reference(q, k, v)) > 0.995
     # fp32 input goes through bf16 and comes back fp32
     out32 = sol(*(t.float() for t in (q, k, v)))
     assert out32.dtype == torch.float32 and cosine(out32, reference(q, k, v)) > 0.995
@@ -186,7 +186,7 @@ def test_sol_fused_kernel_follows_the_eager_reference():
     # 2048 structured tokens: routing at tau 1 on GPU vs comfy-kitchen's eager reference on CPU
     q, k, v = structured_qkv(1, 4, (8, 16, 16), device="cuda")
     sol = registry.create("sol", sol_tau=1.0, sol_min_tokens=0)
-    fused = plan_or_skip(sol, q, k, v).run()
+    fused = call_or_skip(sol, q, k, v).run()
     eager = sol(*(t.float().cpu() for t in (q, k, v)))
     # INT8 scores in the kernel may route a borderline block differently
     assert cosine(fused.float().cpu(), eager) > 0.995
@@ -198,7 +198,7 @@ def test_sol_key_mask_on_gpu():
     keep = torch.ones(2, 1, 1, 2048, dtype=torch.bool, device="cuda")
     keep[..., 1900:] = False
     sol = registry.create("sol", sol_tau=-1e4, sol_min_tokens=0)
-    out = plan_or_skip(sol, q, k, v, mask=keep).run()
+    out = call_or_skip(sol, q, k, v, mask=keep).run()
     assert cosine(out, reference(q, k, v, keep)) > 0.995
 
 
@@ -209,7 +209,7 @@ def test_router_runs_real_kernels_without_fallback():
         out = router(q, k, v)
         calls = snapshot(router.stats)["calls"]
         try:
-            registry.create(name).plan(q, k, v)
+            registry.create(name).kernel_call(q, k, v)
         except Unsupported:
             assert calls == {"sdpa": 1}
             continue

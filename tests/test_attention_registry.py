@@ -142,7 +142,7 @@ def test_backend_call_raises_unsupported_with_reason():
         registry.create("sage")(q, k, v)
     # flash has four kernels; identical reasons are reported once
     with pytest.raises(Unsupported) as info:
-        registry.create("flash").plan(q, k, v)
+        registry.create("flash").kernel_call(q, k, v)
     assert str(info.value) == "needs cuda, got a cpu tensor"
 
 
@@ -186,7 +186,7 @@ def test_missing_package_is_a_reason_not_an_error():
 def test_auto_on_cpu_is_sdpa_unmeasured():
     q, k, v = qkv()
     backend = registry.create("auto")
-    assert backend.plan(q, k, v).label == "auto:sdpa"
+    assert backend.kernel_call(q, k, v).label == "auto:sdpa"
     assert backend.take_choices() == ["1x2x64x64 float32: sdpa (not measured: one candidate)"]
 
 

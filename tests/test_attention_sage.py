@@ -97,9 +97,9 @@ def test_each_architecture_gets_its_kernel(monkeypatch, gpu, caplog, cap, label,
     q, k, v = qkv()
     args = (q, k, v) if layout == "BHSD" else tuple(t.transpose(1, 2) for t in (q, k, v))
     with caplog.at_level(logging.WARNING):
-        plan = registry.create("sage").plan(*args, layout=layout, scale=0.2)
-        out = plan.run()
-    assert plan.label == f"sage:{label}"
+        call = registry.create("sage").kernel_call(*args, layout=layout, scale=0.2)
+        out = call.run()
+    assert call.label == f"sage:{label}"
     assert fake.calls == [(entry, "HND" if layout == "BHSD" else "NHD", 0.2, options)]
     assert torch.equal(out, _sdpa(*args, layout, None, 0.2))
     assert not warnings_of(caplog)  # the kernel meant for this GPU ran: nothing to say
@@ -112,7 +112,7 @@ def test_a_kernel_missing_from_the_build_runs_the_next_and_says_so_once(monkeypa
     backend = registry.create("sage")
     q, k, v = qkv()
     with caplog.at_level(logging.WARNING):
-        labels = [backend.plan(q, k, v).label for _ in range(3)]
+        labels = [backend.kernel_call(q, k, v).label for _ in range(3)]
     assert labels == ["sage:sage2_triton"] * 3
     (message,) = warnings_of(caplog)
     assert message.endswith("attention: sage runs sage2_triton: sage2_fp8 is unavailable (this sageattention "
@@ -143,7 +143,7 @@ def test_sage1_takes_only_its_head_dims(monkeypatch, gpu):
     FakeSage(monkeypatch, major=1)
     gpu((9, 0))
     with pytest.raises(Unsupported, match=r"head dim 80 not in \[64, 96, 128\]"):
-        registry.create("sage").plan(*qkv(d=80))
+        registry.create("sage").kernel_call(*qkv(d=80))
 
 
 @pytest.mark.parametrize("call, reason", [

@@ -83,7 +83,7 @@ def test_masks_sol_cannot_express_are_declined():
     q, k, v = qkv(t=256)
     per_query = torch.ones(2, 1, 256, 256, dtype=torch.bool).tril()
     with pytest.raises(Unsupported, match="key-only"):
-        sol(1.0).plan(q, k, v, mask=per_query)
+        sol(1.0).kernel_call(q, k, v, mask=per_query)
     router = Router("sol", dense_backend="sdpa", sol_min_tokens=0)
     out = router(q, k, v, mask=per_query)
     assert snapshot(router.stats)["calls"] == {"sdpa": 1}
@@ -120,10 +120,10 @@ def test_sol_declines(call, reason):
     q = torch.zeros(1, 2, t, d)
     k = torch.zeros(1, 2, call.get("sk", t), d)
     with pytest.raises(Unsupported, match=reason):
-        registry.create("sol", sol_min_tokens=256).plan(q, k, k)
+        registry.create("sol", sol_min_tokens=256).kernel_call(q, k, k)
 
 
 def test_default_minimum_is_12k_tokens():
     q = torch.zeros(1, 1, 12287, 128)
     with pytest.raises(Unsupported, match="fewer than 12288 tokens"):
-        registry.create("sol").plan(q, q, q)
+        registry.create("sol").kernel_call(q, q, q)

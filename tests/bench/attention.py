@@ -80,16 +80,16 @@ def main():
                     row["skipped"] = f"time budget of {args.budget:g} s spent"
                     continue
                 try:
-                    plan = backend.plan(q, k, v, layout="BHSD")
+                    call = backend.kernel_call(q, k, v, layout="BHSD")
                 except Unsupported as e:
                     row["skipped"] = str(e)
                     continue
-                row["kernel"] = plan.label
+                row["kernel"] = call.label
                 if name == "auto":  # its measurement of this shape: every kernel's time, approximate ones' error
                     row["auto_choice"] = backend.take_choices()
                 try:
-                    row["ms"] = cuda_time_ms(plan.run, warmup=1, iters=iters)
-                    out = plan.run()
+                    row["ms"] = cuda_time_ms(call.run, warmup=1, iters=iters)
+                    out = call.run()
                 except Exception as e:  # noqa: BLE001 - one kernel failing must not lose the others' rows
                     row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
                     continue

@@ -55,9 +55,9 @@ def fa3_fp8_eager(smooth_k):
     return run
 
 
-def planned(backend):
+def kernel_of(backend):
     def run(q, k, v, layout):
-        return backend.plan(q, k, v, layout=layout).run
+        return backend.kernel_call(q, k, v, layout=layout).run
     return run
 
 
@@ -75,11 +75,11 @@ def rows():
         return fp8_qkv.quantize_qkv(q, k, v, layout)
 
     return [
-        (REFERENCE, planned(Backend(REFERENCE, [kernels.SdpaCudnn()]))),
-        ("fa3", planned(Backend("fa3", [kernels.FA3Fwd()]))),
+        (REFERENCE, kernel_of(Backend(REFERENCE, [kernels.SdpaCudnn()]))),
+        ("fa3", kernel_of(Backend("fa3", [kernels.FA3Fwd()]))),
         ("fa3_fp8 eager, no smoothing", call(fa3_fp8_eager(smooth_k=False))),
         ("fa3_fp8 eager", call(fa3_fp8_eager(smooth_k=True))),
-        ("fa3_fp8", planned(registry.create("fa3_fp8"))),
+        ("fa3_fp8", kernel_of(registry.create("fa3_fp8"))),
         ("quantize eager", call(quantize_eager)),
         ("quantize fused", call(quantize_fused)),
     ]
