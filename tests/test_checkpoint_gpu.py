@@ -151,10 +151,10 @@ def test_online_quantization_stages_through_pinned_memory_bit_exactly(tmp_path):
     path = tmp_path / "wide.safetensors"
     safetensors.torch.save_file(sd, str(path))
     method = get_method("int8_convrot", group_size=64)
-    plan = inspect_checkpoint(path)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device("cuda"), online=QuantConfig(method=method))
-        tensors = plan.state_dict(source)
+    contents = inspect_checkpoint(path)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, torch.device("cuda"), online=QuantConfig(method=method))
+        tensors = contents.state_dict(source)
         built = {name: builder.build(name, tensors[f"{name}.weight"], n_in, n_out, None, torch.bfloat16,
                                      torch.device("cpu")) for name, (n_out, n_in) in shapes.items()}
         report = builder.finish()

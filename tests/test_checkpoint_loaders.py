@@ -97,13 +97,13 @@ def plain_file(tmp_path_factory):
 
 
 def build(path, compute_dtype=torch.float32, linears=LINEARS, device="cpu", **builder_kw):
-    """Load `path` into a WanShaped model the way the ComfyUI loaders do: plan, then one Linear at a time."""
-    plan = inspect_checkpoint(path)
+    """Load `path` into a WanShaped model the way the ComfyUI loaders do: inspect, then one Linear at a time."""
+    contents = inspect_checkpoint(path)
     model = WanShaped(linears).to(device)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device(device), **builder_kw)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, torch.device(device), **builder_kw)
         builder.resolve_methods()
-        sd = plan.state_dict(source)
+        sd = contents.state_dict(source)
         built = {}
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
@@ -118,7 +118,7 @@ def build(path, compute_dtype=torch.float32, linears=LINEARS, device="cpu", **bu
                     built[name] = layer
         report = builder.finish()
     apply_replacements(model, built)
-    return model, report, plan
+    return model, report, contents
 
 
 def rel_err(out, ref):
@@ -139,8 +139,8 @@ def layer_input(name, seed=1):
 @pytest.mark.parametrize("form", ["tensor", "header", "both"])
 def test_mixed_markers_dispatch_each_layer(plain_file, tmp_path, form):
     path = write_markers(plain_file, tmp_path / f"mixed_{form}.safetensors", MIXED, form=form)
-    model, report, plan = build(path)
-    assert plan.kind == "ComfyUI per-layer markers"
+    model, report, contents = build(path)
+    assert contents.kind == "ComfyUI per-layer markers"
     for name, expected in EXPECTED_METHOD.items():
         layer = model.get_submodule(name)
         assert isinstance(layer, QuantLinear) and layer.method.name == expected, name
@@ -159,8 +159,8 @@ def test_mixed_markers_dispatch_each_layer(plain_file, tmp_path, form):
 def test_int8_flags_under_params_and_bf16_compute(plain_file, tmp_path):
     marker = {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 16}}
     path = write_markers(plain_file, tmp_path / "params.safetensors", {"blocks.0.ffn.2": marker}, form="header")
-    model, _, plan = build(path, compute_dtype=torch.bfloat16)
-    assert plan.layers["blocks.0.ffn.2"].options == {"convrot": True, "convrot_groupsize": 16}
+    model, _, contents = build(path, compute_dtype=torch.bfloat16)
+    assert contents.layers["blocks.0.ffn.2"].options == {"convrot": True, "convrot_groupsize": 16}
     layer = model.get_submodule("blocks.0.ffn.2")
     assert layer.method.describe() == "int8_convrot(g=16)"
     x = layer_input("blocks.0.ffn.2").to(torch.bfloat16)
@@ -175,7 +175,7 @@ def test_fp8_per_tensor_scale_and_static_input_scale(plain_file, tmp_path):
     x = layer_input("blocks.0.ffn.0")
     path = edit_checkpoint(path, tmp_path / "fp8_static.safetensors",
                            {"blocks.0.ffn.0.input_scale": (x.abs().amax() / 448).reshape(())})
-    model, _, plan = build(path)
+    model, _, contents = build(path)
     layer = model.get_submodule("blocks.0.ffn.0")
     assert layer.weight_scale.shape == () and layer.input_scale.dtype == torch.float32
     assert rel_err(layer(x), reference_output("blocks.0.ffn.0", x)) < TOLERANCE["float8_e4m3fn"]
@@ -187,8 +187,8 @@ def test_nvfp4_and_mxfp8_pad_odd_shapes(tmp_path):
     save(sd, tmp_path / "odd.safetensors")
     for fmt, storage in (("nvfp4", [48, 56]), ("mxfp8", [64, 128])):
         path = write_markers(tmp_path / "odd.safetensors", tmp_path / f"odd_{fmt}.safetensors", {"proj": {"format": fmt}})
-        plan = inspect_checkpoint(path)
-        assert list(plan.layers["proj"].storage_shape) == storage
+        contents = inspect_checkpoint(path)
+        assert list(contents.layers["proj"].storage_shape) == storage
         model, _, _ = build(path, linears=linears)
         x = torch.randn(5, 100)
         ref = nn.functional.linear(x, sd["proj.weight"].float())
@@ -308,9 +308,9 @@ def test_int8_auto_measurement_weighs_time_and_error(monkeypatch):
 
 def test_state_dict_stands_in_for_quantized_weights(plain_file, tmp_path):
     path = write_markers(plain_file, tmp_path / "mixed.safetensors", MIXED)
-    plan = inspect_checkpoint(path)
-    with plan.open() as source:
-        sd = plan.state_dict(source)
+    contents = inspect_checkpoint(path)
+    with contents.open() as source:
+        sd = contents.state_dict(source)
     assert not any(k.endswith(("comfy_quant", "weight_scale", "weight_scale_2")) for k in sd)
     proxy = sd["blocks.0.ffn.0.weight"]    # nvfp4: stored [256, 64] uint8, logical [256, 128]
     assert proxy.shape == (256, 128) and proxy.dtype == torch.bfloat16 and proxy.stride() == (0, 0)
@@ -323,11 +323,11 @@ def test_quanto_qint8(plain_file, tmp_path, writer):
     prefixes = ["blocks.0.self_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2"]
     write = write_quanto if writer == "own" else write_quanto_reference
     path = write(plain_file, tmp_path / "quanto.safetensors", prefixes)
-    model, report, plan = build(path)
-    assert plan.kind == "Quanto qint8"
-    assert sorted(plan.layers) == sorted(prefixes)
+    model, report, contents = build(path)
+    assert contents.kind == "Quanto qint8"
+    assert sorted(contents.layers) == sorted(prefixes)
     for name in prefixes:
-        assert plan.layers[name].tensors == {"weight": f"{name}.weight._data", "weight_scale": f"{name}.weight._scale"}
+        assert contents.layers[name].tensors == {"weight": f"{name}.weight._data", "weight_scale": f"{name}.weight._scale"}
         layer = model.get_submodule(name)
         assert layer.method.name == "quanto_qint8" and layer.weight.dtype == torch.int8
         x = layer_input(name)
@@ -342,15 +342,15 @@ def test_quanto_prefixes_map_to_model_names(plain_file, tmp_path):
     save(sd, tmp_path / "prefixed.safetensors")
     path = write_quanto(tmp_path / "prefixed.safetensors", tmp_path / "quanto.safetensors",
                         ["language_model.blocks.0.ffn.0"])
-    plan = inspect_checkpoint(path).renamed([("language_model.", "")])
-    assert list(plan.layers) == ["blocks.0.ffn.0"]
-    assert plan.plain_keys["head.head.weight"] == "language_model.head.head.weight"
+    contents = inspect_checkpoint(path).renamed([("language_model.", "")])
+    assert list(contents.layers) == ["blocks.0.ffn.0"]
+    assert contents.plain_keys["head.head.weight"] == "language_model.head.head.weight"
 
 
 def test_online_quantization_while_building(plain_file):
     config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("head.*", "time_projection.*"))
-    model, report, plan = build(plain_file, online=config)
-    assert plan.kind == "plain"
+    model, report, contents = build(plain_file, online=config)
+    assert contents.kind == "plain"
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert quantized == {"blocks.0.self_attn.q", "blocks.0.self_attn.o", "blocks.0.cross_attn.k",
                          "blocks.0.ffn.0", "blocks.0.ffn.2"}
@@ -374,14 +374,14 @@ def test_online_layers_are_decided_from_the_header_before_building(plain_file):
             return method, "chosen from the header"
 
     selector = Recording()
-    plan = inspect_checkpoint(plain_file)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=selector,
+    contents = inspect_checkpoint(plain_file)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, torch.device("cpu"), online=QuantConfig(method=selector,
                                                                                      ignored=("head.*",)))
         expected = sorted((n_in, n_out) for name, (n_out, n_in) in LINEARS.items() if name != "head.head")
         assert sorted(selector.calls) == expected
-        sd = plan.state_dict(source)
-        for name, (n_out, n_in) in LINEARS.items():  # computing in the file's dtype, as the plan assumed
+        sd = contents.state_dict(source)
+        for name, (n_out, n_in) in LINEARS.items():  # computing in the file's dtype, as the contents assumed
             builder.build(name, sd[f"{name}.weight"], n_in, n_out, sd[f"{name}.bias"], torch.bfloat16, None)
         report = builder.finish()
     assert len(selector.calls) == len(expected)
@@ -404,12 +404,12 @@ def test_a_layer_is_decided_once_from_the_header_in_the_files_dtype(plain_file):
             return (fp8, "fp8 for float16") if dtype == torch.float16 else (int8, "int8 for bfloat16")
 
     selector = ByDtype()
-    plan = inspect_checkpoint(plain_file)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=selector))
+    contents = inspect_checkpoint(plain_file)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, torch.device("cpu"), online=QuantConfig(method=selector))
         assert set(selector.dtypes) == {torch.bfloat16}
         planned = len(selector.dtypes)
-        sd = plan.state_dict(source)
+        sd = contents.state_dict(source)
         built = builder.build("blocks.0.ffn.0", sd["blocks.0.ffn.0.weight"], 128, 256, None, torch.float16, None)
         same = builder.build("blocks.0.ffn.2", sd["blocks.0.ffn.2.weight"], 256, 128, None, torch.bfloat16, None)
     assert len(selector.dtypes) == planned  # nothing decided again
@@ -422,10 +422,10 @@ def test_online_layer_the_header_does_not_name_is_decided_from_its_tensor(plain_
     """A key ComfyUI renamed or split on its way to the model (diffusers files, HunyuanVideo) is decided from
     the tensor that arrives, by the same rules."""
     config = QuantConfig(method=get_method("int8_convrot", group_size=64), ignored=("*.kept",))
-    plan = inspect_checkpoint(plain_file)
+    contents = inspect_checkpoint(plain_file)
     weight = (torch.randn(128, 128, generator=torch.Generator().manual_seed(3)) / 16).to(torch.bfloat16)
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device("cpu"), online=config)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, torch.device("cpu"), online=config)
         assert "converted.q" not in builder.layers
         built = builder.build("converted.q", weight, 128, 128, None, torch.float32, None)
         kept = builder.build("converted.kept", weight, 128, 128, None, torch.float32, None)
@@ -448,9 +448,9 @@ def test_scaled_fp8_file_loads_as_fp8_layers(plain_file, tmp_path):
     """Every Linear of the file as the pack's FP8 layer, dequantizing to exactly weight * scale_weight."""
     path = write_scaled_fp8(plain_file, tmp_path / "wan_fp8_scaled.safetensors")
     sd, _ = load(path)
-    model, report, plan = build(path)
-    assert plan.kind == "ComfyUI scaled_fp8" and set(plan.layers) == set(LINEARS)
-    assert not any(k == "scaled_fp8" or k.endswith((".scale_weight", ".scale_input")) for k in plan.plain_keys)
+    model, report, contents = build(path)
+    assert contents.kind == "ComfyUI scaled_fp8" and set(contents.layers) == set(LINEARS)
+    assert not any(k == "scaled_fp8" or k.endswith((".scale_weight", ".scale_input")) for k in contents.plain_keys)
     assert report.summary_line() == f"quantized {len(LINEARS)}/{len(LINEARS)} linear layers"
     assert report.method_counts() == {"float8_e4m3fn": len(LINEARS)}
     assert f"ComfyUI scaled_fp8; quantized layers in the file: float8_e4m3fn x{len(LINEARS)}" in report.render()
@@ -469,15 +469,15 @@ def test_scaled_fp8_scale_input(plain_file, tmp_path, scale_input):
     """1.0 is the writers' placeholder (dropped, as upstream does: activations scaled per token); any other
     value is the layer's static activation scale."""
     path = write_scaled_fp8(plain_file, tmp_path / "scaled.safetensors", ["blocks.0.ffn.0"], scale_input=scale_input)
-    model, report, plan = build(path)
+    model, report, contents = build(path)
     layer = model.get_submodule("blocks.0.ffn.0")
     placeholder = "scale_input 1.0 (a writer's placeholder) on 1 layer(s) ignored"
     if scale_input == 1.0:
-        assert "input_scale" not in plan.layers["blocks.0.ffn.0"].tensors
+        assert "input_scale" not in contents.layers["blocks.0.ffn.0"].tensors
         assert placeholder in report.render()
     else:
         assert layer.input_scale.item() == pytest.approx(scale_input) and placeholder not in report.render()
-    assert "blocks.0.ffn.0.scale_input" not in plan.plain_keys
+    assert "blocks.0.ffn.0.scale_input" not in contents.plain_keys
     x = layer_input("blocks.0.ffn.0") * 0.5  # within the static scale's range (0.02 x 448)
     assert rel_err(layer(x), reference_output("blocks.0.ffn.0", x)) < TOLERANCE["float8_e4m3fn"]
 
@@ -545,10 +545,10 @@ def test_mapping_collision(plain_file, tmp_path):
     sd = {**{f"a.{k}": v for k, v in plain_state_dict().items()}, **{f"b.{k}": v for k, v in plain_state_dict().items()}}
     save(sd, tmp_path / "two.safetensors")
     path = write_quanto(tmp_path / "two.safetensors", tmp_path / "bad.safetensors", ["a.blocks.0.ffn.0", "b.blocks.0.ffn.0"])
-    plan = inspect_checkpoint(path)
+    contents = inspect_checkpoint(path)
     with pytest.raises(CheckpointError, match=r"bad.safetensors: mapping collision.*'a.blocks.0.ffn.0' and "
                                               r"'b.blocks.0.ffn.0' both become 'blocks.0.ffn.0.weight'"):
-        plan.renamed([("a.", ""), ("b.", "")])
+        contents.renamed([("a.", ""), ("b.", "")])
 
 
 def test_oversized_header_and_garbage(tmp_path):
@@ -645,7 +645,7 @@ def test_kitchen_4bit_files_compute_as_upstream_runs_them(plain_file, tmp_path, 
     kitchen's linear quantizes the activations too), and near the bf16 layer."""
     layers = dict.fromkeys(FOUR_BIT_LAYERS, KITCHEN_4BIT[fmt])
     path, written = write_kitchen(plain_file, tmp_path / f"{fmt}.safetensors", layers, form=form)
-    model, report, plan = build(path, compute_dtype=torch.bfloat16)
+    model, report, contents = build(path, compute_dtype=torch.bfloat16)
     assert report.summary_line() == f"quantized 3/{len(LINEARS)} linear layers"
     sd = plain_state_dict()
     for name in FOUR_BIT_LAYERS:
@@ -686,11 +686,11 @@ def test_nvfp4_awq_pre_quant_scale_multiplies_the_input(plain_file, tmp_path):
     weight (of the weight divided by that scale), as upstream's Linear computes; the product is the bf16 layer's."""
     layers = ["blocks.0.ffn.0", "blocks.0.ffn.2"]
     scales = write_nvfp4_awq(plain_file, tmp_path / "awq.safetensors", layers)
-    model, report, plan = build(tmp_path / "awq.safetensors")
+    model, report, contents = build(tmp_path / "awq.safetensors")
     assert report.summary_line() == f"quantized 2/{len(LINEARS)} linear layers"
     sd, _ = load(tmp_path / "awq.safetensors")
     for name in layers:
-        assert plan.layers[name].tensors["pre_quant_scale"] == f"{name}.pre_quant_scale"
+        assert contents.layers[name].tensors["pre_quant_scale"] == f"{name}.pre_quant_scale"
         layer = model.get_submodule(name)
         assert layer.pre_quant_scale.dtype == torch.bfloat16 and torch.equal(layer.pre_quant_scale, scales[name])
         x = layer_input(name)
@@ -722,7 +722,7 @@ def test_unknown_marker_keys_are_named_in_one_warning(plain_file, tmp_path, capl
                "blocks.0.ffn.2": {"format": "int8_tensorwise", "params": {"convrot": False, "note": 1}}}
     path = write_markers(plain_file, tmp_path / "keys.safetensors", markers)
     with caplog.at_level("WARNING"):
-        plan = inspect_checkpoint(path)
+        contents = inspect_checkpoint(path)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("[BigDiT] keys.safetensors: marker key(s) the loader does not read, so they "
@@ -730,8 +730,8 @@ def test_unknown_marker_keys_are_named_in_one_warning(plain_file, tmp_path, capl
     assert "'params.note' (layer: blocks.0.ffn.2)" in warnings[0], warnings[0]
     assert ("'orig_dtype' (layers: blocks.0.self_attn.o, blocks.0.ffn.0)" in warnings[0]
             or "'orig_dtype' (layers: blocks.0.ffn.0, blocks.0.self_attn.o)" in warnings[0]), warnings[0]
-    assert warnings[0][len("[BigDiT] "):] in plan.describe()
-    assert {name: layer.format for name, layer in plan.layers.items()} == {
+    assert warnings[0][len("[BigDiT] "):] in contents.describe()
+    assert {name: layer.format for name, layer in contents.layers.items()} == {
         name: marker["format"] for name, marker in markers.items()}
 
 
@@ -739,9 +739,9 @@ def test_known_keys_in_both_places_give_no_warning(plain_file, tmp_path, caplog)
     marker = {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 64}, "per_row": True}
     path = write_markers(plain_file, tmp_path / "ok.safetensors", {"blocks.0.ffn.0": marker})
     with caplog.at_level("WARNING"):
-        plan = inspect_checkpoint(path)
+        contents = inspect_checkpoint(path)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert plan.layers["blocks.0.ffn.0"].options == {"convrot": True, "convrot_groupsize": 64}
+    assert contents.layers["blocks.0.ffn.0"].options == {"convrot": True, "convrot_groupsize": 64}
 
 
 # ---- files written by a real converter: convert_to_quant 1.3.4 ------------------
@@ -775,9 +775,9 @@ def converted(plain_file, tmp_path_factory):
 def test_convert_to_quant_files_load(converted, mode, methods):
     """Its markers are in both forms, the tensors' carrying extra keys ("per_row", "orig_dtype"): merged."""
     path = converted[mode]
-    model, report, plan = build(path)
-    assert plan.kind == "ComfyUI per-layer markers"
-    assert {layer.source for layer in plan.layers.values()} == {"both forms"}
+    model, report, contents = build(path)
+    assert contents.kind == "ComfyUI per-layer markers"
+    assert {layer.source for layer in contents.layers.values()} == {"both forms"}
     assert report.summary_line() == f"quantized {len(LINEARS)}/{len(LINEARS)} linear layers"
     sd, _ = load(path)
     for name, method in methods.items():
@@ -842,9 +842,9 @@ def test_inspection_of_24000_markers_is_fast(tmp_path, form):
     desktop's speed; the quadratic scan this replaces took 38 s. The bound is CPU time, for slow CI."""
     path = many_markers_file(tmp_path / "many.safetensors", 24000, form)
     start = time.process_time()
-    plan = inspect_checkpoint(path)
+    contents = inspect_checkpoint(path)
     seconds = time.process_time() - start
-    assert len(plan.layers) == 24000
+    assert len(contents.layers) == 24000
     assert seconds < 4.0, seconds
 
 

@@ -143,11 +143,11 @@ def test_the_builder_gives_back_each_weight_it_quantized(tmp_path):
     tensors = {f"l{i}.weight": torch.randn(4096, 2048, generator=gen).bfloat16() for i in range(4)}
     path = tmp_path / "plain.safetensors"
     safetensors.torch.save_file(tensors, str(path))
-    plan = inspect_checkpoint(path)
+    contents = inspect_checkpoint(path)
     method = get_method("float8_e4m3fn")
-    with plan.open() as source:
-        builder = LayerBuilder(plan, source, torch.device("cpu"), online=QuantConfig(method=method))
-        sd = plan.state_dict(source)
+    with contents.open() as source:
+        builder = LayerBuilder(contents, source, torch.device("cpu"), online=QuantConfig(method=method))
+        sd = contents.state_dict(source)
         before = mapped_file_bytes()
         built = {key: builder.build(key[:-len(".weight")], weight, 2048, 4096, None, torch.float32, None)
                  for key, weight in sd.items()}

@@ -45,10 +45,10 @@ def test_online_config_keeps_the_architecture_layers_then_the_users(tmp_path):
                ("head.head.weight", "time_projection.1.weight", "blocks.0.ffn.0.weight")}
     tensors["blocks.0.ffn.0.bias"] = torch.zeros(4)
     save_file(tensors, tmp_path / "wan.safetensors")
-    plan = inspect_checkpoint(tmp_path / "wan.safetensors")
-    assert progress_total(plan) == 3  # the three matrices, not the bias
-    assert online_config(None, torch.device("cpu"), plan, "blocks.*") is None
-    config = online_config(online_method("int8_convrot", 64, torch.device("cpu")), torch.device("cpu"), plan,
+    contents = inspect_checkpoint(tmp_path / "wan.safetensors")
+    assert progress_total(contents) == 3  # the three matrices, not the bias
+    assert online_config(None, torch.device("cpu"), contents, "blocks.*") is None
+    config = online_config(online_method("int8_convrot", 64, torch.device("cpu")), torch.device("cpu"), contents,
                            "blocks.*")
     assert config.ignored == ("head.*", "time_projection.*", "blocks.*")
     assert config.ignored == keep_patterns(["head.head", "time_projection.1"], "blocks.*")

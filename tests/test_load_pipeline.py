@@ -37,11 +37,11 @@ class StubHost:
         self.calls.append("file_slices")
         return None
 
-    def namespace(self, plan):
+    def namespace(self, contents):
         self.calls.append("namespace")
-        return plan
+        return contents
 
-    def build(self, plan, builder, state_dict):
+    def build(self, contents, builder, state_dict):
         self.calls.append("build")
         model = nn.ModuleDict({name.replace(".", "_"): nn.Linear(n_in, n_out) for name, (n_out, n_in) in SHAPES.items()})
         for name, (n_out, n_in) in SHAPES.items():

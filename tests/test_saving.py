@@ -85,19 +85,19 @@ def kitchen_model(model):
 
 
 def save(model, path):
-    plan = save_contents(model.named_modules())
-    write_safetensors(path, plan.tensors, plan.metadata("test"))
-    return plan
+    contents = save_contents(model.named_modules())
+    write_safetensors(path, contents.tensors, contents.metadata("test"))
+    return contents
 
 
 def test_saved_file_loads_back_bit_identical(tmp_path):
     model = quantized_model()
     path = tmp_path / "saved.safetensors"
-    plan = save(model, path)
-    assert plan.markers() == MARKERS
-    # The plan holds the model's own tensors (the writer reads them one by one): no copy of the model.
+    contents = save(model, path)
+    assert contents.markers() == MARKERS
+    # The contents holds the model's own tensors (the writer reads them one by one): no copy of the model.
     own = {t.data_ptr() for t in model.state_dict(keep_vars=True).values()}
-    assert all(t.data_ptr() in own for key, t in plan.tensors if not key.endswith(".comfy_quant"))
+    assert all(t.data_ptr() in own for key, t in contents.tensors if not key.endswith(".comfy_quant"))
     loaded, report, checkpoint = build(path, layer_type=ComfyQuantLinear)
     assert checkpoint.kind == "ComfyUI per-layer markers"
     assert {name: layer.format for name, layer in checkpoint.layers.items()} == \
@@ -146,16 +146,16 @@ def test_4bit_layers_save_upstreams_markers_and_load_back(tmp_path, fmt):
     options, marker = FOUR_BIT[fmt]
     methods = {name: (fmt, options) for name in ("blocks.0.self_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2")}
     model = quantized_model(methods)
-    plan = save(model, tmp_path / "saved.safetensors")
-    assert {name: plan.markers()[name] for name in methods} == dict.fromkeys(methods, marker)
+    contents = save(model, tmp_path / "saved.safetensors")
+    assert {name: contents.markers()[name] for name in methods} == dict.fromkeys(methods, marker)
     loaded, _, _ = build(tmp_path / "saved.safetensors")
     for name in methods:
         x = layer_input(name)
         assert torch.equal(model.get_submodule(name)(x), loaded.get_submodule(name)(x)), name
     kitchen = save(kitchen_model(quantized_model(methods)), tmp_path / "kitchen.safetensors")
-    assert kitchen.markers() == plan.markers()
-    assert [key for key, _ in kitchen.tensors] == [key for key, _ in plan.tensors]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kitchen.tensors, plan.tensors))
+    assert kitchen.markers() == contents.markers()
+    assert [key for key, _ in kitchen.tensors] == [key for key, _ in contents.tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kitchen.tensors, contents.tensors))
 
 
 def test_kitchen_weights_save_the_same_file(tmp_path):
@@ -195,8 +195,8 @@ def test_a_lora_written_into_a_layer_is_refused_and_gone_once_removed():
         save_contents(model.named_modules())
     assert info.value.layers == ("blocks.0.self_attn.q",)
     layer.weight = backup                                            # as ComfyUI restores the weight
-    plan = save_contents(model.named_modules())
-    saved = dict(plan.tensors)
+    contents = save_contents(model.named_modules())
+    saved = dict(contents.tensors)
     assert saved["blocks.0.self_attn.q.weight"] is original["weight"]
     assert saved["blocks.0.self_attn.q.weight_scale"] is original["weight_scale"]
 
