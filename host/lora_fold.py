@@ -162,6 +162,22 @@ def _written(layer: QuantLinear, fold: Fold) -> bool:
         layer._parameters.get(name) is fold.tensors[name] for name in PAGED if name in fold.tensors)
 
 
+def _same_data(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    # the host wraps what it restores in a new Parameter (comfy.utils.set_attr_param): the data is what counts
+    return a is b or (a is not None and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.data_ptr() == b.data_ptr())
+
+
+def _in_place(patcher, path: str, layer: QuantLinear, fold: Fold) -> bool:
+    """Whether the fold is written and its other tensors are where the host keeps them (its backup of a tensor it
+    force-loaded, else the layer)."""
+    backup = getattr(patcher, "backup", {})
+    return _written(layer, fold) and all(
+        _same_data(backup[f"{path}.{name}"].weight if f"{path}.{name}" in backup else layer._parameters.get(name),
+                   tensor)
+        for name, tensor in fold.tensors.items() if name not in PAGED)
+
+
 def _wanted(patcher, path: str, layer: QuantLinear) -> tuple[dict[str, tuple], str | None]:
     """The host's patches of the layer that it attached for its cast path, by name; why they cannot be folded."""
     wanted = {}
@@ -353,7 +369,8 @@ def fold_paged(patcher, device_to=None) -> FoldSummary:
         if why is not None:
             summary.per_call[why] += 1
             continue
-        _write(patcher, path, layer, fold, refresh)
+        if not _in_place(patcher, path, layer, fold):
+            _write(patcher, path, layer, fold, refresh)
         for name in wanted:
             setattr(layer, f"{name}_lowvram_function", None)
         summary.ram_bytes += sum(fold.tensors[name].nbytes for name in PAGED if name in fold.tensors)
