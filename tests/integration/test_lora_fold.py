@@ -121,7 +121,8 @@ def compare(layers, saved):
     # exact: bit for bit; same_data: the originals' own memory, no copy (the host wraps what it restores from its
     # backups in new Parameters); paged_same_objects: weight and bias, which the host leaves alone, the very tensors
     now = {(n, k): t for n, m in layers.items() for k, t in m._parameters.items() if t is not None}
-    return {"exact": now.keys() == saved.keys() and all(torch.equal(as_bytes(now[k]), b) for k, (_, b) in saved.items()),
+    exact = now.keys() == saved.keys() and all(torch.equal(as_bytes(now[k]), b) for k, (_, b) in saved.items())
+    return {"exact": exact,
             "same_data": all(now[k].data_ptr() == t.data_ptr() for k, (t, _) in saved.items()),
             "paged_same_objects": all(now[k] is t for k, (t, _) in saved.items() if k[1] in ("weight", "bias"))}
 
