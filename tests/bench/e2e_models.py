@@ -316,11 +316,13 @@ def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0,
     import torch
     with safetensors.safe_open(str(model_path), "pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    if target_bytes is not None:  # bf16: 2 bytes per element of up [out, rank] and down [rank, in]
-        rank = max(1, round(target_bytes / sum(2 * (n_out + n_in) for _, n_out, n_in in lora_targets(shapes))))
+    targets = lora_targets(shapes)
+    if target_bytes is not None:  # bf16 up [out, rank] and down [rank, in]; no rank past a layer's own
+        rank = max(1, min(round(target_bytes / sum(2 * (n_out + n_in) for _, n_out, n_in in targets)),
+                          *(min(n_out, n_in) for _, n_out, n_in in targets)))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for module, n_out, n_in in lora_targets(shapes):
+    for module, n_out, n_in in targets:
         tensors[f"diffusion_model.{module}.lora_down.weight"] = (
             torch.randn(rank, n_in, generator=gen) * n_in ** -0.5).bfloat16()
         tensors[f"diffusion_model.{module}.lora_up.weight"] = (
