@@ -122,7 +122,7 @@ def _static_line(patcher, offloaded: int) -> tuple[str, str] | None:
     if not errors:
         return None
     short = f"LoRA folded into {len(errors)} quantized layers (error {_percent(errors)})"
-    where = f", {offloaded} of them left in RAM by ComfyUI" if offloaded else ""
+    where = f" ({offloaded} tensors ComfyUI left in RAM folded by the pack)" if offloaded else ""
     return short, (f"LoRA folded into {len(errors)} quantized layers at load{where}: relative error of the "
                    f"requantized weights against the exact patched ones {_percent(errors)}")
 
@@ -376,7 +376,7 @@ def fold_paged(patcher, device_to=None) -> FoldSummary:
         summary.ram_bytes += sum(fold.tensors[name].nbytes for name in PAGED if name in fold.tensors)
         if fold.error is not None:
             summary.errors.append(fold.error)
-    _record(patcher, summary.lines(), changed=bool(summary.computed or summary.restored or summary.per_call))
+    _record(patcher, summary.lines())
     return summary
 
 
@@ -399,12 +399,13 @@ def unfold_paged(patcher, unpatch_all: bool = True) -> int:
 
 # ---- the report and the callbacks -----------------------------------------------------------------------------
 
-def _record(patcher, lines: tuple[str, str] | None, changed: bool) -> None:
+def _record(patcher, lines: tuple[str, str] | None) -> None:
+    """Keep the load's lines for the node; log them when they differ from the last load's (a reuse says so once)."""
     if lines is None:
         LAST_LINE.pop(patcher.model, None)
         return
+    (log.debug if LAST_LINE.get(patcher.model) == lines else log.info)("%s", lines[1])
     LAST_LINE[patcher.model] = lines
-    (log.info if changed else log.debug)("%s", lines[1])
 
 
 def install_lora_fold(patcher, run=None) -> None:
@@ -415,7 +416,7 @@ def install_lora_fold(patcher, run=None) -> None:
 
     def on_load(loaded, device_to=None, *_):
         if not is_dynamic(loaded):
-            _record(loaded, _static_line(loaded, fold_offloaded_patches(loaded, device_to)), changed=True)
+            _record(loaded, _static_line(loaded, fold_offloaded_patches(loaded, device_to)))
 
     def on_cleanup(sampled):
         lines = LAST_LINE.get(sampled.model)
