@@ -47,6 +47,10 @@ def _missing() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
 TARGETS = {"blocks.0.ffn.0": (512, 256), "blocks.0.ffn.2": (256, 512), "blocks.1.self_attn.q": (256, 256)}
+# A layer run through its page against the same kernel on the tensors it holds: equal unless the kernel's choice
+# differs (then within bf16 rounding); a stale page or pin holds the other weights, which move a LoRA'd layer's
+# output by far more (`layer_effect`, the folded against the original layer).
+PAGE_SAME = 1e-3
 
 PROBE = r"""
 import json, os, sys, tempfile, types
@@ -141,7 +145,7 @@ def layer_state():
             if entry.get("pin") is not None:
                 views = comfy.memory_management.interpret_gathered_like([m.weight, m.bias], entry["pin"])
                 pins.append(all(torch.equal(as_bytes(v), as_bytes(t)) for v, t in zip(views, (m.weight, m.bias))))
-        out[name] = {"page_matches": torch.equal(paged, direct), "pins": pins,
+        out[name] = {"page_vs_held": rel(paged.float(), direct.float()), "pins": pins,
                      "original": all(torch.equal(as_bytes(t), originals[(name, k)])
                                      for k, t in m._parameters.items() if t is not None),
                      "lowvram": m.weight_lowvram_function is not None, "per_call": len(m.weight_function)}
@@ -159,9 +163,13 @@ load(base)
 (plain, plain2), _ = model_out(base)
 res["base"] = {"repeat": rel(plain2, plain), "layers": layer_state()}
 
+with torch.no_grad():
+    before = {name: m(x_layer[name]).float() for name, m in layers.items()}
 res["fold_calls"] = load(l1)
 (folded, folded2), res["fold_run"] = model_out(l1)
 res["fold"] = {"repeat": rel(folded2, folded), "effect": rel(folded, plain), "layers": layer_state()}
+with torch.no_grad():
+    res["layer_effect"] = min(rel(m(x_layer[name]).float(), before[name]) for name, m in layers.items())
 dynamic_vram.PAGED.reset()
 l1.partially_unload(l1.offload_device, 1e30)  # pages evicted and the force-loaded scales given back, no load after
 (evicted, _), res["evicted_run"] = model_out(l1)
@@ -201,7 +209,7 @@ def test_lora_fold_pages_and_pins_under_dynamic_vram():
 
     def pages_and_pins(state, original, pinned=True):
         for name, layer in res[state]["layers"].items() if "layers" in res[state] else res[state].items():
-            assert layer["page_matches"], (state, name, layer)  # the page holds what the layer holds
+            assert layer["page_vs_held"] < PAGE_SAME, (state, name, layer)  # the page holds what the layer holds
             assert all(layer["pins"]) and (layer["pins"] or not pinned), (state, name, layer)
             assert layer["original"] is original, (state, name, layer)
             assert not layer["lowvram"] and layer["per_call"] == 0, (state, name, layer)
@@ -209,7 +217,7 @@ def test_lora_fold_pages_and_pins_under_dynamic_vram():
     pages_and_pins("base", original=True)
     # folded once, at load; nothing per call; the output moved by the LoRA
     assert res["fold_calls"] == n and res["fold_run"] == {"patch": 0, "per_call": 0}, res
-    assert res["fold"]["effect"] > 0.01, res
+    assert res["fold"]["effect"] > 0.01 and res["layer_effect"] > 100 * PAGE_SAME, res
     pages_and_pins("fold", original=False)
     # evicted: pages refilled from the pinned copies, the scales from the host's backup: the same folded model
     assert res["evicted"]["copied"] > 0 and res["evicted"]["vs_fold"] < same, res["evicted"]
