@@ -53,11 +53,12 @@ pack_auto's - 1: a random rank-32 LoRA on every block linear (e2e_models.make_lo
 written beside the model), not in the default set (--configs ...,pack_auto,pack_auto_lora;
 pack_auto_12g and pack_auto_lora_12g on a 12 GiB card, where ComfyUI loads the model
 partially; issue 19: pack_auto_8g on an 8 GiB card, and comfy_fp8_marker_12g / comfy_fp8_marker_8g,
-ComfyUI's own FP8 file on the same cards). Issue 32's --configs lora2g (LORA_2G_CONFIGS): a random LoRA of the
-H3 turbo LoRA's size (1.82 GB bf16, e2e_models.LORA_2G_FILE) on LoadH3Quantized auto (the bf16 file), and on the
-INT8 marker file through MixedCheckpointLoader and through UNETLoader, each on the card and resident, beside the
-same configuration without it (summary_detail.lora). "summary_detail" names the configurations behind each number,
-and under "missing" the run each number left None lacks (the run's last lines print them).
+ComfyUI's own FP8 file on the same cards). Issue 32's --configs lora2g (LORA_2G_CONFIGS): a random H3 turbo LoRA
+(e2e_models.make_turbo_lora, 1.82 GiB bf16; on other models a LoRA of that size on every block linear) on
+LoadH3Quantized auto (the bf16 file), and on the INT8 marker file through MixedCheckpointLoader and through
+UNETLoader, each on the card and resident, beside the same configuration without it (summary_detail.lora).
+"summary_detail" names the configurations behind each number, and under "missing" the run each number left None
+lacks (the run's last lines print them).
 
 The quantize-once cache (issue 32, item 3; not in the default set): pack_auto_cached runs LoadH3Quantized auto
 twice in one server, each load its own prompt, with the cache in a folder of its own (every other configuration runs
@@ -250,7 +251,7 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # the quantize-once cache: a miss, a hit, and UNETLoader on the cache file; its marker file needs the host's
         # kitchen formats
         Config("pack_auto_cached", "pack", True, _pack_loader("auto"), needs="kitchen_markers", cache=True),
-        # issue 32: a LoRA of the H3 turbo LoRA's size (1.82 GB) against the same configuration without it, the pack
+        # issue 32: the H3 turbo LoRA (1.82 GiB) against the same configuration without it, the pack
         # on bf16 (auto) and on the INT8 marker file, ComfyUI's own on that file; on the card and resident
         Config("pack_auto_lora2g", "pack", True, _pack_loader("auto"), (_lora_2g(),), lora=True),
         Config("pack_auto_resident_lora2g", "pack", False, _pack_loader("auto"), (_lora_2g(),), lora=True),
@@ -303,7 +304,7 @@ FULL_CONFIGS = _marker_configs("int8", "fp8")
 FULL_4BIT_CONFIGS = _marker_configs("w4a8", "w4a4")
 # a model file's format -> the configuration that runs it resident through UNETLoader: its configurations' reference
 RESIDENT = {"bf16": REFERENCE, **{fmt: f"comfy_{short}_marker_resident" for short, fmt in MARKER_FILES.items()}}
-# issue 32's LoRA cost: each configuration and its twin with the 1.82 GB LoRA
+# issue 32's LoRA cost: each configuration and its twin with the turbo-sized LoRA (1.82 GiB)
 LORA_2G_CONFIGS = tuple(name for base in ("pack_auto", "pack_auto_resident", "pack_mixed_int8",
                                           "pack_mixed_int8_resident", "comfy_int8_marker", "comfy_int8_marker_resident")
                         for name in (base, f"{base}_lora2g"))
@@ -613,8 +614,12 @@ class Bench:
                  for name in names if self.configs[name].model_format == fmt
                  for kind, inputs in self.configs[name].chain if kind == "LoraLoaderModelOnly"}
         for file in sorted(loras):
-            made = e2e_models.make_lora(path, self.base / "models" / "loras" / file, seed=self.opts.seed,
-                                        **e2e_models.LORAS[file])
+            target = self.base / "models" / "loras" / file
+            if file == e2e_models.LORA_2G_FILE and spec.family == "h3":
+                made = e2e_models.make_turbo_lora(path, target, self.opts.comfyui, seed=self.opts.seed,
+                                                  cpu=self.opts.cpu)
+            else:
+                made = e2e_models.make_lora(path, target, seed=self.opts.seed, **e2e_models.LORAS[file])
             info["lora" if file == e2e_models.LORA_FILE else f"lora:{file}"] = made
             print(f"lora {file}: rank {made['rank']} on {made['layers']} layers, {made['bytes'] / 1e6:.0f} MB",
                   flush=True)

@@ -290,9 +290,10 @@ class StreamingSafetensorsWriter:
 
 LORA_RANK = 32
 LORA_FILE = "bench_lora_r32.safetensors"
-# A LoRA of the size of Comfy-Org's 8-step turbo LoRA for MiniMax-H3 (1.82 GB in bf16): the rank that makes it so
-LORA_2G_FILE = "bench_lora_1p82gb.safetensors"
-LORA_2G_BYTES = 1.82e9
+# A LoRA of the size of Comfy-Org's turbo LoRA for MiniMax-H3 (1.82 GiB in bf16): on H3 the turbo LoRA itself
+# (make_turbo_lora), on other models the rank that makes a LoRA on every block linear that size
+LORA_2G_FILE = "bench_lora_1p82gib.safetensors"
+LORA_2G_BYTES = 1_956_193_000
 LORAS = {LORA_FILE: {"rank": LORA_RANK}, LORA_2G_FILE: {"target_bytes": LORA_2G_BYTES}}  # file -> make_lora's size
 
 
