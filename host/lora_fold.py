@@ -40,7 +40,8 @@ device finished any copy from it. The layer's other tensors (scales) are
 force-loaded by the host at each load from its backup, which it also restores when
 it unloads: the fold's go into that backup, so the layer is consistent in every
 state. A layer whose host copies are not as the pack knows them (an unknown pin, a
-copy in flight) keeps the LoRA per call, and the log says why.
+copy in flight), or whose fold would not fit in the RAM available (less the 2 GiB
+the host keeps free of its pinned copies), keeps the LoRA per call, and the log says why.
 `unfold_paged` (ON_DETACH, when the host unloads the model) puts the originals back
 and keeps the fold for the next load. The last load's line goes on the loader's
 node (`last run:`).
@@ -62,13 +63,17 @@ from torch import nn
 
 from ..pack_logging import pack_logger
 from ..quant.linear import QuantLinear
-from ..units import format_gib
+from ..units import GIB, format_gib
 from .model import is_dynamic, weight_patched_quant_tensors
 
 try:  # upstream's dynamic VRAM: how the host sizes a layer's pinned copy
     import comfy.memory_management as comfy_memory
 except ImportError:
     comfy_memory = None
+try:  # what the host reads for its RAM decisions (and the benchmark's emulated hosts patch)
+    import psutil
+except ImportError:
+    psutil = None
 
 log = pack_logger(__name__)
 
@@ -77,6 +82,8 @@ _FOLD = "_bigdit_lora_fold"  # on a layer: its Fold
 PAGED = ("weight", "bias")  # what dynamic VRAM pages; a layer's other tensors it force-loads at each load
 WEIGHT_PINS = ("weights", "weights-loaded")  # the subsets of a layer's pinned copies of weight and bias
 LAST_LINE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (node line, log line), last load
+RAM_HEADROOM = 2 * GIB  # RAM a fold leaves free, as the host leaves it free of its pinned copies (ensure_pin_budget)
+NO_RAM = "not enough free RAM to hold its folded weights"
 
 
 def _per_call_patch(function) -> bool:
@@ -260,6 +267,17 @@ def _at_rest(patcher, path: str | None, layer: QuantLinear):
             layer._parameters[name] = nn.Parameter(rest.to(device), requires_grad=False)
 
 
+def _ram_room() -> float:
+    """The bytes of RAM folds may still take: what is available less RAM_HEADROOM (unbounded without psutil)."""
+    return float("inf") if psutil is None else psutil.virtual_memory().available - RAM_HEADROOM
+
+
+def _fold_bytes(layer: QuantLinear, wanted) -> int:
+    """The RAM a fold of `wanted` into the layer takes: as much as the tensors it replaces."""
+    return sum(t.nbytes for name, t in layer._parameters.items()
+               if t is not None and (name != "bias" or "bias" in wanted) and (name == "bias" or "weight" in wanted))
+
+
 def _compute(layer: QuantLinear, path: str, wanted: dict[str, tuple], device) -> Fold:
     """The fold of `wanted` into the (unpatched) layer, computed on `device`, kept in RAM beside the originals."""
     tensors, error = {}, None
@@ -337,6 +355,7 @@ def fold_paged(patcher, device_to=None) -> FoldSummary:
     docstring); the layers left with their per-call patch are those it could not fold."""
     summary = FoldSummary()
     refresh = HostCopies(device_to)
+    room = _ram_room()
     for path, layer in patcher.model.named_modules():
         if not isinstance(layer, QuantLinear):
             continue
@@ -346,6 +365,7 @@ def fold_paged(patcher, device_to=None) -> FoldSummary:
             if _written(layer, fold):  # its patches went or changed: the originals come back
                 _restore(patcher, path, layer, refresh)
                 summary.restored += not wanted
+            room += sum(t.nbytes for t in fold.tensors.values())
             del layer.__dict__[_FOLD]
             fold = None
         if not wanted:
@@ -355,12 +375,15 @@ def fold_paged(patcher, device_to=None) -> FoldSummary:
         if why is None and fold is None:
             if layer._unpatched is not None:
                 why = "a weight patch is written into it already"
+            elif _fold_bytes(layer, wanted) > room:
+                why = NO_RAM
             else:
                 start = time.perf_counter()
                 try:
                     fold = _compute(layer, path, wanted, device_to or layer.weight.device)
                     layer.__dict__[_FOLD] = fold
                     summary.computed += 1
+                    room -= sum(t.nbytes for t in fold.tensors.values())
                 except Exception as e:  # the layer is untouched: it keeps the per-call patch
                     why = f"{type(e).__name__}: {e}"
                 summary.seconds += time.perf_counter() - start

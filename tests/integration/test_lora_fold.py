@@ -39,6 +39,7 @@ TOLERANCE = {"int8_convrot": {"weight": 0.012, "output": 0.02}, "float8_e4m3fn":
 
 PROBE = r"""
 import json, logging, os, sys, types
+import psutil
 pack_root, unet, lora_file, method_name = sys.argv[1:5]
 sys.path.insert(0, os.getcwd())
 import comfy_aimdo.control
@@ -199,6 +200,18 @@ def scenario(base, layers):
     res["unloaded"] = compare(layers, saved)
     res["after_unload_calls"] = load(l1)  # kept across an unload: written back, not computed
     res["after_unload_equal"] = torch.equal(run(l1)[0], first)
+
+    # a host without the RAM for the folds (as tests/bench/vram_cap.py emulates one): per call, and said so
+    real_memory = psutil.virtual_memory
+    psutil.virtual_memory = lambda: real_memory()._replace(available=0)
+    del lines[:]
+    try:
+        load(half)
+    finally:
+        psutil.virtual_memory = real_memory
+    res["no_ram_line"] = [l for l in lines if "LoRA" in l]
+    _, res["no_ram_run"] = run(half)
+    res["no_ram_layers"] = lora_checks(half, layers, saved)
     unload()
     res["final"] = compare(layers, saved)
     return res
@@ -271,6 +284,14 @@ def test_lora_is_folded_once_and_restored_exactly_under_dynamic_vram(comfy, tiny
         assert res["restored_output"], (where, res)
         assert any(f"LoRA taken out of {n} quantized layers" in line for line in res["restore_line"]), (where, res)
         assert res["refold_calls"] == n and res["refold_equal"], (where, res)
+        # no RAM for the folds: the LoRA per call on the dequantized weight (exact in fp32), and the log says why
+        assert any(f"LoRA applied per call on {n} quantized layers, not folded: not enough free RAM" in line
+                   for line in res["no_ram_line"]), (where, res["no_ram_line"])
+        assert res["no_ram_run"] == {"patch": 3 * n, "per_call": 3 * n}, (where, res["no_ram_run"])
+        for name, layer in res["no_ram_layers"].items():
+            assert layer["per_call"] == ["LowVramPatch"] and layer["reported_err"] is None, (where, name, layer)
+            assert layer["weight_err"] > 0.05, (where, name, layer)  # the stored weight stays the original
+            assert layer["output_err"] < 1e-5, (where, name, layer)
         for state in ("unloaded", "final"):
             assert res[state] == {"exact": True, "same_data": True, "paged_same_objects": True}, (where, state)
     assert out["object_patch"]["replaced_kept"]  # the Linear layers QuantizeModelINT8 replaced, untouched
