@@ -11,8 +11,11 @@ LoRA is folded at the first load (one patch computation per LoRA'd layer) and ne
 applied per call; the folded layer against the exact LoRA'd layer; a second load, a
 clone and the same LoRA loaded again reuse the fold; another strength folds again;
 a patcher without the LoRA, and an unload, give back every quantized tensor bit for
-bit, the very tensors; the log line says what was folded and its error. What needs a
-GPU (comfy-aimdo's pages and pinned copies) is tests/test_lora_fold_gpu.py.
+bit, the very tensors; the log line says what was folded and its error; on a host
+without the RAM for a fold (psutil's available memory emulated as none, as
+tests/bench/vram_cap.py emulates a smaller host) the LoRA stays per call, exact, and
+the log says why. What needs a GPU (comfy-aimdo's pages and pinned copies) is
+tests/test_lora_fold_gpu.py.
 
 Both hosts, without dynamic VRAM: the loader's `last run:` line says what the load
 folded and its error, through a real workflow with LoraLoaderModelOnly.
