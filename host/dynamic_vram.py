@@ -1,5 +1,5 @@
 """The pack's quantized layers under upstream's dynamic VRAM (`patcher.is_dynamic()`): paged by the host like
-its own layers, a LoRA applied per call, and ComfyUI's backups of object-patched layers kept off the layers
+its own layers, a LoRA folded into them, and ComfyUI's backups of object-patched layers kept off the layers
 they replaced.
 
 Dynamic loading treats a module with `comfy_cast_weights` as a cast layer: its
@@ -12,11 +12,14 @@ the host keeps them resident while the card has room, evicts them under
 pressure and copies them in from pinned memory otherwise (block prefetch
 included), exactly as it pages its own quantized weights. Nothing is loaded
 past the card. It adds:
-- an ON_LOAD callback that moves a LoRA the host attached for its own cast path
-  (`weight_lowvram_function`, which would requantize the patched weight as a
-  plain dtype into the page) into the layer's per-call patches, applied by the
-  pack on the dequantized weight; and records the backups of object-patched layers;
-- an ON_DETACH callback for object-patched layers (QuantizeModelINT8's).
+- an ON_LOAD callback that records the backups of object-patched layers, then
+  folds the LoRA the host attached for its own cast path (`weight_lowvram_function`,
+  which would requantize the patched weight as a plain dtype into the page) into
+  the layers' quantized weights (host/lora_fold.py, `fold_paged`); a layer it
+  cannot fold gets the LoRA as a per-call patch, applied by the pack on the
+  dequantized weight;
+- an ON_DETACH callback: the folds taken out when the host unloads the model
+  (`unfold_paged`), and the object-patched layers (QuantizeModelINT8's) put right.
   `ModelPatcherDynamic.unpatch_model` puts the object patches back before it
   restores the backups by path, so the scales it loaded (and small layers it
   loaded whole) land on the original Linear: the callback gives that Linear back its own
@@ -37,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
+from .lora_fold import fold_paged, unfold_paged
 from .model import is_dynamic, quantized_layers
 
 KEY = "bigdit_dynamic_vram"
@@ -93,16 +97,8 @@ def page_weights(layer: QuantLinear, device: torch.device):
 
 
 def on_load(patcher, device_to=None, *_) -> None:
-    """Move the LoRA the host attached for its cast path into the layers' per-call patches; record
-    object-patched layers' backups."""
-    for module in patcher.model.modules():
-        if isinstance(module, QuantLinear):
-            for tensor_name in ("weight", "bias"):
-                patch = getattr(module, f"{tensor_name}_lowvram_function", None)
-                if patch is not None:
-                    setattr(module, f"{tensor_name}_lowvram_function", None)
-                    setattr(module, f"{tensor_name}_function", [patch, *getattr(module, f"{tensor_name}_function")])
-                    module.__dict__.setdefault(_MOVED, []).append((tensor_name, patch))
+    """Record object-patched layers' backups (before a fold replaces them), fold the LoRA the host attached for its
+    cast path, and move what could not be folded into the layers' per-call patches."""
     layers = _object_patched(patcher)
     backups: dict[str, dict] = {}
     for key, saved in patcher.backup.items():
@@ -118,6 +114,15 @@ def on_load(patcher, device_to=None, *_) -> None:
             record["replaced"] = (replaced, dict(replaced._parameters))
         for tensor_name, tensor in backups.get(path, {}).items():
             record["originals"].setdefault(tensor_name, tensor)  # the first one is the original
+    fold_paged(patcher, device_to)
+    for module in patcher.model.modules():
+        if isinstance(module, QuantLinear):
+            for tensor_name in ("weight", "bias"):
+                patch = getattr(module, f"{tensor_name}_lowvram_function", None)
+                if patch is not None:
+                    setattr(module, f"{tensor_name}_lowvram_function", None)
+                    setattr(module, f"{tensor_name}_function", [patch, *getattr(module, f"{tensor_name}_function")])
+                    module.__dict__.setdefault(_MOVED, []).append((tensor_name, patch))
 
 
 def _restore(layer: QuantLinear, originals: dict) -> None:
@@ -128,8 +133,9 @@ def _restore(layer: QuantLinear, originals: dict) -> None:
 
 
 def on_detach(patcher, unpatch_all: bool = True) -> None:
-    """Take out the LoRA patches on_load moved; put object-patched layers' tensors back where they belong (see
-    the module's docstring)."""
+    """Take out the folds (when the host unloads the model) and the LoRA patches on_load moved; put object-patched
+    layers' tensors back where they belong (see the module's docstring)."""
+    unfold_paged(patcher, unpatch_all)
     for layer in {*patcher.model.modules(), *_object_patched(patcher).values()}:
         for tensor_name, patch in layer.__dict__.pop(_MOVED, []):
             setattr(layer, f"{tensor_name}_function",

@@ -70,10 +70,10 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
 
 def attach_quantized(patcher, run: NodeRun, layers: dict, title: str) -> None:
     """What a model with the pack's quantized `layers` needs after each load and sampling: the count of the
-    layers that ran on the node, a LoRA folded into offloaded layers, the host's paging of them under dynamic
+    layers that ran on the node, a LoRA folded into the quantized weights, the host's paging of them under dynamic
     VRAM."""
     watch_quantized_layers(patcher, run, layers, title)
-    install_lora_fold(patcher)
+    install_lora_fold(patcher, run)
     prepare_dynamic_vram(patcher)
 
 

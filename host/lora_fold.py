@@ -1,40 +1,101 @@
-"""A LoRA on quantized layers that ComfyUI leaves in RAM: folded in once per load, not applied per call.
+"""A LoRA on the pack's quantized layers: folded into their quantized weights (requantized in the layer's own
+format, with fresh scales) instead of applied at each call, and taken out exactly when it changes or goes.
 
-ComfyUI's partial loading (a model larger than free VRAM) gives every layer it
-leaves offloaded with a weight patch a per-call `LowVramPatch` in its
-`weight_function`: a QuantLinear would dequantize its weight, patch it (and,
-on 0.3.75, requantize it) at every call, then compute in float.
+Without dynamic VRAM, ComfyUI patches the layers it loads at each load through the
+weight-patch protocol (ComfyQuantLinear.set_weight), and gives every layer its
+partial loading leaves in RAM a per-call `LowVramPatch` in its `weight_function`:
+a QuantLinear would dequantize its weight and patch it at every call, then
+compute in float. `fold_offloaded_patches` (ON_LOAD) patches those layers once
+per load with the patcher's own `patch_weight_to_device`, as ComfyUI patches the
+layers it loads: ComfyUI's patch math, its backup of the unpatched weight (which
+unpatch_model and partially_unload restore), and set_weight requantizing with the
+layer's own method. The math runs on the load device; the patched weight stays in
+RAM, pinned where ComfyUI had pinned the original, so ComfyUI's per-op copy and
+the pack's block streaming (offload/streaming.py) move the folded weight. A layer
+ComfyUI offloads later (partially_unload, between loads) runs per call until the
+next load.
 
-`install_lora_fold(patcher)` adds an ON_LOAD callback that, after each load,
-patches those layers once with the patcher's own `patch_weight_to_device`, as
-ComfyUI patches the layers it loads: ComfyUI's patch math, its backup of the
-unpatched weight (which unpatch_model and partially_unload restore), and
-QuantLinear.set_weight requantizing with the layer's own method. The math runs
-on the load device; the patched weight stays in RAM, pinned where ComfyUI had
-pinned the original, so ComfyUI's per-op copy and the pack's block streaming
-(offload/streaming.py) move the folded weight. A layer ComfyUI offloads later
-(partially_unload, between loads) runs per call until the next load.
-
-Under upstream's dynamic VRAM (`patcher.is_dynamic()`) ComfyUI attaches a LoRA
-differently (weight_lowvram_function); it is left per call there.
+Under upstream's dynamic VRAM (`patcher.is_dynamic()`) the host loads again at
+every sampling and attaches a LoRA to each paged layer as `weight_lowvram_function`,
+which its cast path applies at each page fill, requantizing the result as a plain
+dtype (wrong for a layer with scales). `fold_paged`, from host/dynamic_vram.py's
+ON_LOAD callback, folds it instead:
+- once per LoRA set and strength: the fold (the requantized tensors, in RAM) stays
+  on the layer with the patches it came from; a load with the same patches (the
+  same patcher, a clone, the same LoRA loaded again) writes it back without
+  computing, other patches fold again, no patch restores and drops the fold;
+- layer by layer on the load device: the unpatched weight dequantized, ComfyUI's
+  own patch math (comfy.lora.calculate_weight) in fp32, the layer's method with
+  fresh scales; the report gives each folded weight's relative error against the
+  exact patched one;
+- the originals (views of the model file or of its scratch file) are kept by
+  reference as the layer's unpatched tensors: a restore copies nothing and is exact.
+The host keeps copies of a paged layer's weight and bias: its page in VRAM, reused
+while `_v_signature` matches, and its pinned copies (`_pins[subset]["pin"]`), made
+at the first fault and copied from afterwards. Whenever weight or bias change
+(fold, refold, restore), the page is marked for a refill as the host marks it when
+the patches change (`_v_signature` None), and each pinned copy is rewritten with
+the new bytes through the host's own gather copy (`cast_to_gathered`), after the
+device finished any copy from it. The layer's other tensors (scales) are
+force-loaded by the host at each load from its backup, which it also restores when
+it unloads: the fold's go into that backup, so the layer is consistent in every
+state. A layer whose host copies are not as the pack knows them (an unknown pin, a
+copy in flight), or whose fold would not fit in the RAM available (less the 2 GiB
+the host keeps free of its pinned copies), keeps the LoRA per call, and the log says why.
+`unfold_paged` (ON_DETACH, when the host unloads the model) puts the originals back
+and keeps the fold for the next load. The last load's line goes on the loader's
+node (`last run:`).
 """
 from __future__ import annotations
 
+import time
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import comfy.lora
+import comfy.model_management
 import comfy.model_patcher
 import comfy.patcher_extension
+import torch
+from torch import nn
 
 from ..pack_logging import pack_logger
+from ..quant.linear import QuantLinear
+from ..units import GIB, format_gib
 from .model import is_dynamic, weight_patched_quant_tensors
+
+try:  # upstream's dynamic VRAM: how the host sizes a layer's pinned copy
+    import comfy.memory_management as comfy_memory
+except ImportError:
+    comfy_memory = None
+try:  # what the host reads for its RAM decisions (and the benchmark's emulated hosts patch)
+    import psutil
+except ImportError:
+    psutil = None
 
 log = pack_logger(__name__)
 
 FOLD_KEY = "bigdit_lora_fold"
+_FOLD = "_bigdit_lora_fold"  # on a layer: its Fold
+PAGED = ("weight", "bias")  # what dynamic VRAM pages; a layer's other tensors it force-loads at each load
+WEIGHT_PINS = ("weights", "weights-loaded")  # the subsets of a layer's pinned copies of weight and bias
+LAST_LINE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (node line, log line), last load
+RAM_HEADROOM = 2 * GIB  # RAM a fold leaves free, as the host leaves it free of its pinned copies (ensure_pin_budget)
+NO_RAM = "not enough free RAM to hold its folded weights"
 
 
 def _per_call_patch(function) -> bool:
     lowvram_patch = getattr(comfy.model_patcher, "LowVramPatch", None)
     return lowvram_patch is not None and isinstance(function, lowvram_patch)
 
+
+def _percent(errors: list[float]) -> str:
+    return f"max {100 * max(errors):.2f}%, mean {100 * sum(errors) / len(errors):.2f}%"
+
+
+# ---- without dynamic VRAM -------------------------------------------------------------------------------------
 
 def fold_offloaded_patches(patcher, device_to=None, *_) -> int:
     """Write the per-call weight patches of `patcher`'s offloaded QuantLinear layers into their weights;
@@ -58,13 +119,333 @@ def fold_offloaded_patches(patcher, device_to=None, *_) -> int:
         counter = getattr(patcher.model, "lowvram_patch_counter", None)
         if isinstance(counter, int):
             patcher.model.lowvram_patch_counter = max(0, counter - folded)
-        log.info("folded the weight patches (LoRA) of %d offloaded quantized tensors into their weights",
-                 folded)
     return folded
 
 
-def install_lora_fold(patcher) -> None:
-    """Fold weight patches into `patcher`'s offloaded quantized layers after each of its loads (and its clones')."""
-    on_load = comfy.patcher_extension.CallbacksMP.ON_LOAD
-    patcher.remove_callbacks_with_key(on_load, FOLD_KEY)
-    patcher.add_callback_with_key(on_load, FOLD_KEY, fold_offloaded_patches)
+def _static_line(patcher, offloaded: int) -> tuple[str, str] | None:
+    """What a load without dynamic VRAM wrote in: the LoRA'd layers ComfyUI patched through set_weight."""
+    errors = [m.patch_error for key, m, name in weight_patched_quant_tensors(patcher)
+              if name == "weight" and m.patch_error is not None]
+    if not errors:
+        return None
+    short = f"LoRA folded into {len(errors)} quantized layers (error {_percent(errors)})"
+    where = f" ({offloaded} tensors ComfyUI left in RAM folded by the pack)" if offloaded else ""
+    return short, (f"LoRA folded into {len(errors)} quantized layers at load{where}: relative error of the "
+                   f"requantized weights against the exact patched ones {_percent(errors)}")
+
+
+# ---- under dynamic VRAM ---------------------------------------------------------------------------------------
+
+@dataclass
+class Fold:
+    """A LoRA folded into one layer: the host's patches it came from (by name: "weight", "bias"), the tensors
+    it writes (in RAM), and the folded weight's relative error against the exact patched one."""
+    patches: dict[str, tuple]
+    tensors: dict[str, nn.Parameter]
+    error: float | None
+
+
+def _same(a, b) -> bool:
+    """Whether two patch entries are the same patch: strengths and offsets equal, tensors the very same (a weight
+    adapter by its tensors: the same LoRA file loaded again through ComfyUI's LoRA cache)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a) is type(b) and hasattr(a, "weights"):
+        return _same(a.weights, b.weights)
+    try:
+        return bool(a == b)
+    except Exception:  # a comparison that is no bool
+        return False
+
+
+def _written(layer: QuantLinear, fold: Fold) -> bool:
+    return layer._unpatched is not None and all(
+        layer._parameters.get(name) is fold.tensors[name] for name in PAGED if name in fold.tensors)
+
+
+def _same_data(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    # the host wraps what it restores in a new Parameter (comfy.utils.set_attr_param): the data is what counts
+    return a is b or (a is not None and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.data_ptr() == b.data_ptr())
+
+
+def _in_place(patcher, path: str, layer: QuantLinear, fold: Fold) -> bool:
+    """Whether the fold is written and its other tensors are where the host keeps them (its backup of a tensor it
+    force-loaded, else the layer)."""
+    backup = getattr(patcher, "backup", {})
+    return _written(layer, fold) and all(
+        _same_data(backup[f"{path}.{name}"].weight if f"{path}.{name}" in backup else layer._parameters.get(name),
+                   tensor)
+        for name, tensor in fold.tensors.items() if name not in PAGED)
+
+
+def _wanted(patcher, path: str, layer: QuantLinear) -> tuple[dict[str, tuple], str | None]:
+    """The host's patches of the layer that it attached for its cast path, by name; why they cannot be folded."""
+    wanted = {}
+    for name in PAGED:
+        function = getattr(layer, f"{name}_lowvram_function", None)
+        if function is None:
+            continue
+        key = f"{path}.{name}"
+        if getattr(function, "key", None) != key or key not in patcher.patches:
+            return wanted, "its per-call patch is not ComfyUI's own patch of that tensor"
+        wanted[name] = tuple(patcher.patches[key])
+    return wanted, None
+
+
+def _weight_pins(layer: QuantLinear) -> list[torch.Tensor]:
+    pins = layer.__dict__.get("_pins") or {}
+    return [pins[s]["pin"] for s in WEIGHT_PINS if isinstance(pins.get(s), dict) and pins[s].get("pin") is not None]
+
+
+def _host_copies_unknown(patcher, path: str, layer: QuantLinear) -> str | None:
+    """Why the pack cannot keep the host's copies of this layer right after changing it, or None."""
+    if "_prefetch" in layer.__dict__:
+        return "the host has a copy of its weight in flight"
+    pins = layer.__dict__.get("_pins") or {}
+    if not isinstance(pins, dict) or set(pins) - set(WEIGHT_PINS):
+        return f"ComfyUI keeps pinned copies of it the pack does not know ({', '.join(map(str, pins))})"
+    pinned = _weight_pins(layer)
+    if pinned:
+        if not (hasattr(comfy.model_management, "cast_to_gathered") and hasattr(comfy_memory, "vram_aligned_size")):
+            return "this ComfyUI pins its weight but has no cast_to_gathered to rewrite the pinned copy"
+        size = comfy_memory.vram_aligned_size([layer.weight, layer.bias])
+        if any(p.dim() != 1 or p.element_size() != 1 or p.numel() != size for p in pinned):
+            return "its pinned copy is not laid out as the pack expects"
+    backup = getattr(patcher, "backup", {})
+    for name in layer._parameters:
+        entry = backup.get(f"{path}.{name}")
+        if name not in PAGED and entry is not None and not hasattr(entry, "_replace"):
+            return "ComfyUI's backup of its tensors is not as the pack expects"
+    return None
+
+
+class HostCopies:
+    """Brings the host's copies of a paged layer's weight and bias (its page, its pinned copies) up to date with the
+    layer, once the device has finished copying from them."""
+
+    def __init__(self, device: torch.device | None):
+        self.device = device
+        self.synchronized = False
+
+    def __call__(self, layer: QuantLinear) -> None:
+        layer._v_signature = None  # refilled at the next fault, as ModelPatcherDynamic.load marks a changed patch set
+        pins = _weight_pins(layer)
+        if pins and not self.synchronized and self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.synchronized = True
+        for pin in pins:
+            comfy.model_management.cast_to_gathered([layer.weight, layer.bias], pin)
+
+
+@contextmanager
+def _at_rest(patcher, path: str | None, layer: QuantLinear):
+    """The layer as the host keeps it between loads for the duration: each tensor the host force-loaded this load
+    replaced by its backup; afterwards the backup takes what the layer then holds and the layer a copy of it where
+    the host had put its own, as the host's load does."""
+    backup = getattr(patcher, "backup", {}) if path is not None else {}
+    loaded = {}
+    for name, param in list(layer._parameters.items()):
+        entry = backup.get(f"{path}.{name}")
+        if name not in PAGED and param is not None and entry is not None:
+            loaded[name] = (entry, param.device)
+            rest = entry.weight
+            layer._parameters[name] = (rest if isinstance(rest, nn.Parameter)
+                                       else nn.Parameter(rest, requires_grad=False))
+    try:
+        yield
+    finally:
+        for name, (entry, device) in loaded.items():
+            rest = layer._parameters[name]
+            backup[f"{path}.{name}"] = entry._replace(weight=rest)
+            layer._parameters[name] = nn.Parameter(rest.to(device), requires_grad=False)
+
+
+def _ram_room() -> float:
+    """The bytes of RAM folds may still take: what is available less RAM_HEADROOM (unbounded without psutil)."""
+    return float("inf") if psutil is None else psutil.virtual_memory().available - RAM_HEADROOM
+
+
+def _fold_bytes(layer: QuantLinear, wanted) -> int:
+    """The RAM a fold of `wanted` into the layer takes: as much as the tensors it replaces."""
+    return sum(t.nbytes for name, t in layer._parameters.items()
+               if t is not None and (name != "bias" or "bias" in wanted) and (name == "bias" or "weight" in wanted))
+
+
+def _compute(layer: QuantLinear, path: str, wanted: dict[str, tuple], device) -> Fold:
+    """The fold of `wanted` into the (unpatched) layer, computed on `device`, kept in RAM beside the originals."""
+    tensors, error = {}, None
+    home = layer.weight.device
+    with torch.no_grad():
+        if "weight" in wanted:
+            exact = comfy.lora.calculate_weight(list(wanted["weight"]), layer.dequantized(device, torch.float32),
+                                                f"{path}.weight", intermediate_dtype=torch.float32)
+            fresh, error = layer.quantized_patch(exact)
+            del exact
+            tensors.update(fresh)
+        if "bias" in wanted:
+            tensors["bias"] = comfy.lora.calculate_weight(list(wanted["bias"]), layer.bias.to(device, torch.float32),
+                                                          f"{path}.bias", intermediate_dtype=torch.float32)
+    for name, tensor in tensors.items():
+        held = layer._parameters[name]
+        if tensor.shape != held.shape:
+            raise ValueError(f"the patch changes {name}'s shape {tuple(held.shape)} to {tuple(tensor.shape)}")
+        tensors[name] = nn.Parameter(tensor.to(home, held.dtype), requires_grad=False)
+    return Fold(wanted, tensors, error)
+
+
+def _write(patcher, path: str, layer: QuantLinear, fold: Fold, refresh: HostCopies) -> None:
+    before = [layer._parameters.get(name) for name in PAGED]
+    with _at_rest(patcher, path, layer):
+        layer.write_patched_tensors(fold.tensors, keep_weight=True, error=fold.error)
+    if any(layer._parameters.get(name) is not held for name, held in zip(PAGED, before)):
+        refresh(layer)
+
+
+def _restore(patcher, path: str | None, layer: QuantLinear, refresh: HostCopies) -> None:
+    with _at_rest(patcher, path, layer):
+        layer.restore_unpatched()
+    refresh(layer)
+
+
+@dataclass
+class FoldSummary:
+    """What one load did with the LoRA on its paged layers."""
+    computed: int = 0
+    reused: int = 0
+    restored: int = 0
+    seconds: float = 0.0
+    ram_bytes: int = 0
+    errors: list = field(default_factory=list)
+    per_call: Counter = field(default_factory=Counter)
+
+    def lines(self) -> tuple[str, str] | None:
+        folded = self.computed + self.reused
+        kept = sum(self.per_call.values())
+        if not (folded or self.restored or kept):
+            return None
+        short, full = [], []
+        if folded:
+            how = f"{self.computed} computed in {self.seconds:.1f} s" if self.computed else "reused"
+            if self.computed and self.reused:
+                how += f", {self.reused} reused"
+            error = f"error {_percent(self.errors)}" if self.errors else "bias only"
+            short.append(f"LoRA folded into {folded} quantized layers ({error})")
+            full.append(f"LoRA folded into {folded} quantized layers ({how}): relative error of the folded weights "
+                        f"against the exact patched ones {_percent(self.errors) if self.errors else 'none (bias only)'}"
+                        f"; {format_gib(self.ram_bytes)} of folded weights in RAM")
+        if self.restored:
+            short.append(f"LoRA taken out of {self.restored} layers")
+            full.append(f"LoRA taken out of {self.restored} quantized layers: their original tensors are back")
+        if kept:
+            reasons = "; ".join(f"{why} ({n})" for why, n in self.per_call.items())
+            short.append(f"LoRA per call on {kept} layers")
+            full.append(f"LoRA applied per call on {kept} quantized layers, not folded: {reasons}")
+        return ", ".join(short), "; ".join(full)
+
+
+def fold_paged(patcher, device_to=None) -> FoldSummary:
+    """Under dynamic VRAM, fold the LoRA the host attached to the pack's paged layers (see the module's
+    docstring); the layers left with their per-call patch are those it could not fold."""
+    summary = FoldSummary()
+    refresh = HostCopies(device_to)
+    room = _ram_room()
+    for path, layer in patcher.model.named_modules():
+        if not isinstance(layer, QuantLinear):
+            continue
+        wanted, why = _wanted(patcher, path, layer)
+        fold = layer.__dict__.get(_FOLD)
+        if fold is not None and (why or not _same(fold.patches, wanted)):
+            if _written(layer, fold):  # its patches went or changed: the originals come back
+                _restore(patcher, path, layer, refresh)
+                summary.restored += not wanted
+            room += sum(t.nbytes for t in fold.tensors.values())
+            del layer.__dict__[_FOLD]
+            fold = None
+        if not wanted:
+            continue
+        if why is None and not (fold is not None and _written(layer, fold)):  # weight or bias are to change
+            why = _host_copies_unknown(patcher, path, layer)
+        if why is None and fold is None:
+            if layer._unpatched is not None:
+                why = "a weight patch is written into it already"
+            elif _fold_bytes(layer, wanted) > room:
+                why = NO_RAM
+            else:
+                start = time.perf_counter()
+                try:
+                    fold = _compute(layer, path, wanted, device_to or layer.weight.device)
+                    layer.__dict__[_FOLD] = fold
+                    summary.computed += 1
+                    room -= sum(t.nbytes for t in fold.tensors.values())
+                except Exception as e:  # the layer is untouched: it keeps the per-call patch
+                    why = f"{type(e).__name__}: {e}"
+                summary.seconds += time.perf_counter() - start
+        elif why is None:
+            summary.reused += 1
+        if why is not None:
+            summary.per_call[why] += 1
+            continue
+        if not _in_place(patcher, path, layer, fold):
+            _write(patcher, path, layer, fold, refresh)
+        for name in wanted:
+            setattr(layer, f"{name}_lowvram_function", None)
+        summary.ram_bytes += sum(fold.tensors[name].nbytes for name in PAGED if name in fold.tensors)
+        if fold.error is not None:
+            summary.errors.append(fold.error)
+    _record(patcher, summary.lines())
+    return summary
+
+
+def unfold_paged(patcher, unpatch_all: bool = True) -> int:
+    """When the host unloads the model (ModelPatcherDynamic.detach with unpatch_all: its pinned copies and pages are
+    gone, its backups restored), put the original tensors back into every layer a fold is written into; the fold
+    stays for the next load. A detach that only switches to another clone leaves the folds to its load."""
+    if not unpatch_all:
+        return 0
+    restored = 0
+    refresh = HostCopies(None)
+    layers = {m for m in (*patcher.model.modules(), *patcher.object_patches.values()) if isinstance(m, QuantLinear)}
+    for layer in layers:
+        fold = layer.__dict__.get(_FOLD)
+        if fold is not None and _written(layer, fold):
+            _restore(patcher, None, layer, refresh)
+            restored += 1
+    return restored
+
+
+# ---- the report and the callbacks -----------------------------------------------------------------------------
+
+def _record(patcher, lines: tuple[str, str] | None) -> None:
+    """Keep the load's lines for the node; log them when they differ from the last load's (a reuse says so once)."""
+    if lines is None:
+        LAST_LINE.pop(patcher.model, None)
+        return
+    (log.debug if LAST_LINE.get(patcher.model) == lines else log.info)("%s", lines[1])
+    LAST_LINE[patcher.model] = lines
+
+
+def install_lora_fold(patcher, run=None) -> None:
+    """Fold the LoRA into `patcher`'s quantized layers after each of its loads (and its clones'); after each
+    sampling, the last load's line goes to `run` (a host.report.NodeRun). Under dynamic VRAM the folding itself
+    runs in host/dynamic_vram.py's ON_LOAD callback (fold_paged), between what it does before and after."""
+    callbacks = comfy.patcher_extension.CallbacksMP
+
+    def on_load(loaded, device_to=None, *_):
+        if not is_dynamic(loaded):
+            _record(loaded, _static_line(loaded, fold_offloaded_patches(loaded, device_to)))
+
+    def on_cleanup(sampled):
+        lines = LAST_LINE.get(sampled.model)
+        if run is not None and lines is not None:
+            run.add("lora", lines[0])
+
+    for kind, function in ((callbacks.ON_LOAD, on_load), (callbacks.ON_CLEANUP, on_cleanup)):
+        patcher.remove_callbacks_with_key(kind, FOLD_KEY)
+        patcher.add_callback_with_key(kind, FOLD_KEY, function)

@@ -46,7 +46,7 @@ class NodeRun:
     layers ran); each arrives from a callback of the same sampling, and the
     node's text is re-sent with every part. A sampling's ON_PRE_RUN starts a new line.
     """
-    ORDER = ("offload", "layers")
+    ORDER = ("offload", "lora", "layers")
 
     def __init__(self, node_id, text: str = ""):
         self.node_id = node_id

@@ -10,8 +10,9 @@ Two generic hooks serve a host that manages weights itself (host/ adapts
 ComfyUI's protocols onto them, in a subclass): `weight_pager` (the host pages
 weight and bias, and hands each call the device copies) and per-call weight
 transforms (`weight_patches`, applied to the dequantized weight). A patch
-written into the stored tensors (`write_patched`) keeps the tensors it replaced
-until `restore_unpatched`.
+written into the stored tensors (`write_patched`, or `quantized_patch` once and
+`write_patched_tensors` each time it is written back) keeps the tensors it
+replaced until `restore_unpatched`.
 """
 from __future__ import annotations
 
@@ -102,9 +103,11 @@ class QuantLinear(nn.Module):
         # yielding {"weight", "bias"} on `device` for one call, or None where the host does not page this layer.
         self.weight_pager: Callable | None = None
         self._paged: dict[str, torch.Tensor | None] | None = None
-        # While a patch is written into the stored tensors: the tensors it replaced (see write_patched).
-        # A plain dict, so that nn.Module does not register them as parameters.
+        # While a patch is written into the stored tensors: the tensors it replaced (see write_patched), and the
+        # relative error of its requantized weight against the patched one. A plain dict, so that nn.Module does
+        # not register them as parameters.
         self._unpatched: dict[str, nn.Parameter] | None = None
+        self.patch_error: float | None = None
         self.runs = 0  # calls, for the run-time witness (quant/witness.py)
 
     def tensors_on(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -140,8 +143,9 @@ class QuantLinear(nn.Module):
 
     def unpatched_tensors(self) -> dict[str, torch.Tensor]:
         """The method's tensors without any patch written in (those the patch replaced, where one is)."""
-        held = {k: v for k, v in self._parameters.items() if v is not None and k != "bias"}
-        return {**held, **(self._unpatched or {})}
+        held = {k: v for k, v in {**self._parameters, **(self._unpatched or {})}.items()
+                if v is not None and k != "bias"}
+        return held
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         count_run(self)
@@ -192,22 +196,47 @@ class QuantLinear(nn.Module):
                                  None, self.compute_dtype)
         return self.method.dequantize(source, device).to(dtype or self.compute_dtype)
 
+    def quantized_patch(self, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
+        """A patched full-precision `weight` quantized by this layer's method with fresh scales (a LoRA may widen a
+        row's range), on its device: (the method's tensors, for write_patched_tensors; the relative L2 error of
+        their dequantized weight against `weight`, what the requantization costs)."""
+        with torch.no_grad():
+            fresh = self.method.quantize_weight(weight.to(self.compute_dtype))
+            held = {k: v for k, v in self.unpatched_tensors().items() if k != PRE_QUANT_SCALE}
+            stand_in = QuantLinear(self.method, self.in_features, self.out_features, {**held, **fresh}, None,
+                                   self.compute_dtype)
+            exact = weight.float()
+            error = (torch.linalg.vector_norm(self.method.dequantize(stand_in, weight.device).float() - exact)
+                     / torch.linalg.vector_norm(exact).clamp_min(torch.finfo(torch.float32).tiny))
+        return fresh, float(error)
+
     def write_patched(self, weight: torch.Tensor, keep_weight: bool = True) -> None:
-        """Quantize a patched full-precision `weight` with fresh scales (a LoRA may widen a row's range) into
-        this layer, keeping the tensors it replaces for `restore_unpatched` (a patch on a patch keeps the first
-        ones). `keep_weight` False: the unpatched weight is kept elsewhere (a host's backup) and is not held
-        twice. New Parameters, never writes into the old storage, which a backup may share."""
-        fresh = self.method.quantize_weight(weight.to(self.compute_dtype))
+        """Quantize a patched full-precision `weight` with fresh scales into this layer (quantized_patch, then
+        write_patched_tensors)."""
+        fresh, error = self.quantized_patch(weight)
+        self.write_patched_tensors(fresh, keep_weight, error)
+
+    def write_patched_tensors(self, fresh: dict[str, torch.Tensor], keep_weight: bool = True,
+                              error: float | None = None) -> None:
+        """Write a patch quantized already (`quantized_patch`'s tensors, `error` its cost) into this layer, each
+        tensor where the one it replaces is (the very tensor where it is there already), keeping the tensors it
+        replaces for `restore_unpatched` (a patch on a patch keeps the first ones). `keep_weight` False: the
+        unpatched weight is kept elsewhere (a host's backup) and is not held twice. New Parameters, never writes
+        into the old storage, which a backup may share."""
         if self._unpatched is None:
             self._unpatched = {k: getattr(self, k) for k in fresh if k != "weight" or keep_weight}
         for key, tensor in fresh.items():
+            device = self._parameters[key].device
             # written into _parameters directly: a host subclass may read an assignment of `weight` as a restore
-            self._parameters[key] = nn.Parameter(tensor.to(getattr(self, key).device), requires_grad=False)
+            self._parameters[key] = (tensor if isinstance(tensor, nn.Parameter) and tensor.device == device
+                                     else nn.Parameter(tensor.to(device), requires_grad=False))
+        self.patch_error = error
 
     def restore_unpatched(self, weight_too: bool = True) -> None:
-        """Put back the tensors `write_patched` replaced (without `weight_too`: all but the weight, which the
-        caller restores)."""
+        """Put back the tensors `write_patched` replaced, the very ones (without `weight_too`: all but the weight,
+        which the caller restores)."""
         unpatched, self._unpatched = self._unpatched, None
+        self.patch_error = None
         for key, tensor in (unpatched or {}).items():
             if key != "weight" or weight_too:
                 self._parameters[key] = tensor

@@ -212,8 +212,41 @@ def test_lora_configs_chain_the_bench_lora_and_keep_their_card():
         "lora_name": e2e_models.LORA_FILE, "strength_model": 1.0, "model": ["unet", 0]}}
     assert graph["unet"]["inputs"]["quantization"] == "auto" and graph["timer"]["inputs"]["model"] == ["m0", 0]
     assert configs["pack_auto_lora_12g"].cap_gib == 12.0 and configs["pack_auto_lora"].cap_gib is None
-    assert {n for n, c in configs.items() if c.lora} == {"pack_auto_lora", "pack_auto_lora_12g"}
+    assert {n for n, c in configs.items() if c.lora} == {"pack_auto_lora", "pack_auto_lora_12g",
+                                                         *(n for n in comfy_e2e.LORA_2G_CONFIGS if "_lora2g" in n)}
     assert not any(configs[n].lora for n in comfy_e2e.DEFAULT_CONFIGS)
+
+
+def test_turbo_sized_lora_configs_pair_with_their_twins():
+    """--configs lora2g (issue 32): the pack on bf16 (auto) and on the INT8 marker file, ComfyUI's own on that file,
+    on the card and resident, each beside its twin with the 1.82 GB LoRA; the summary pairs them."""
+    configs = comfy_e2e.make_configs("fa3_fp8")
+    pairs = [(n, comfy_e2e.LORA_SUFFIX.sub("", n, count=1)) for n in comfy_e2e.LORA_2G_CONFIGS if "_lora2g" in n]
+    assert [base for _, base in pairs] == [
+        "pack_auto", "pack_auto_resident", "pack_mixed_int8", "pack_mixed_int8_resident", "comfy_int8_marker",
+        "comfy_int8_marker_resident"]
+    for name, base in pairs:
+        twin, plain = configs[name], configs[base]
+        assert twin.chain == ((("LoraLoaderModelOnly", {"lora_name": e2e_models.LORA_2G_FILE, "strength_model": 1.0}),))
+        assert (twin.loader, twin.capped, twin.cap_gib, twin.model_format, twin.needs, plain.chain) == (
+            plain.loader, plain.capped, plain.cap_gib, plain.model_format, plain.needs, ()), name
+    assert configs["pack_mixed_int8_resident"].model_format == "int8_convrot"
+    results = [_rec("pack_auto", 5.8, "pack"), _rec("pack_auto_lora2g", 5.9, "pack", lora=True),
+               _rec("comfy_int8_marker_resident", 4.0, "comfy", capped=False),
+               _rec("comfy_int8_marker_resident_lora2g", 4.4, "comfy", capped=False, lora=True)]
+    detail, summary = comfy_e2e.summarize(results, {"wan14b": {}})
+    assert [(x["config"], x["base"]) for x in detail["lora"]] == [
+        ("pack_auto_lora2g", "pack_auto"), ("comfy_int8_marker_resident_lora2g", "comfy_int8_marker_resident")]
+    assert detail["lora"][1]["cost"] == pytest.approx(0.1) and summary["lora_cost"] is None
+
+
+def test_lora_of_a_target_size(tmp_path):
+    shapes = {"blocks.0.self_attn.q.weight": (256, 256), "blocks.0.ffn.0.weight": (512, 256)}
+    model = tmp_path / "m.safetensors"
+    safetensors.torch.save_file({k: torch.randn(v).bfloat16() for k, v in shapes.items()}, str(model))
+    per_rank = 2 * (256 + 256 + 512 + 256)
+    info = e2e_models.make_lora(model, tmp_path / "l.safetensors", seed=1, target_bytes=10.4 * per_rank)
+    assert info["rank"] == 10 and info["bytes"] == 10 * per_rank
 
 
 def test_random_lora_covers_every_block_linear(tmp_path):

@@ -53,8 +53,12 @@ pack_auto's - 1: a random rank-32 LoRA on every block linear (e2e_models.make_lo
 written beside the model), not in the default set (--configs ...,pack_auto,pack_auto_lora;
 pack_auto_12g and pack_auto_lora_12g on a 12 GiB card, where ComfyUI loads the model
 partially; issue 19: pack_auto_8g on an 8 GiB card, and comfy_fp8_marker_12g / comfy_fp8_marker_8g,
-ComfyUI's own FP8 file on the same cards). "summary_detail" names the configurations behind each number, and
-under "missing" the run each number left None lacks (the run's last lines print them).
+ComfyUI's own FP8 file on the same cards). Issue 32's --configs lora2g (LORA_2G_CONFIGS): a random H3 turbo LoRA
+(e2e_models.make_turbo_lora, 1.82 GiB bf16; on other models a LoRA of that size on every block linear) on
+LoadH3Quantized auto (the bf16 file), and on the INT8 marker file through MixedCheckpointLoader and through
+UNETLoader, each on the card and resident, beside the same configuration without it (summary_detail.lora).
+"summary_detail" names the configurations behind each number, and under "missing" the run each number left None
+lacks (the run's last lines print them).
 
 The quantize-once cache (issue 32, item 3; not in the default set): pack_auto_cached runs LoadH3Quantized auto
 twice in one server, each load its own prompt, with the cache in a folder of its own (every other configuration runs
@@ -170,8 +174,12 @@ def _mixed_loader(int8="auto"):
     return ("MixedCheckpointLoader", {"nvfp4": "auto", "int8": int8})
 
 
-def _lora():
-    return ("LoraLoaderModelOnly", {"lora_name": e2e_models.LORA_FILE, "strength_model": 1.0})
+def _lora(file=e2e_models.LORA_FILE):
+    return ("LoraLoaderModelOnly", {"lora_name": file, "strength_model": 1.0})
+
+
+def _lora_2g():
+    return _lora(e2e_models.LORA_2G_FILE)
 
 
 def _attention(backend, sol_tau=1.0):
@@ -243,6 +251,18 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
         # the quantize-once cache: a miss, a hit, and UNETLoader on the cache file; its marker file needs the host's
         # kitchen formats
         Config("pack_auto_cached", "pack", True, _pack_loader("auto"), needs="kitchen_markers", cache=True),
+        # issue 32: the H3 turbo LoRA (1.82 GiB) against the same configuration without it, the pack
+        # on bf16 (auto) and on the INT8 marker file, ComfyUI's own on that file; on the card and resident
+        Config("pack_auto_lora2g", "pack", True, _pack_loader("auto"), (_lora_2g(),), lora=True),
+        Config("pack_auto_resident_lora2g", "pack", False, _pack_loader("auto"), (_lora_2g(),), lora=True),
+        Config("pack_mixed_int8_resident", "pack", False, _mixed_loader(), model_format="int8_convrot"),
+        *(Config(f"{name}_lora2g", family, capped, loader, (_lora_2g(),), lora=True, model_format="int8_convrot",
+                 needs=needs)
+          for name, family, capped, loader, needs in (
+              ("pack_mixed_int8", "pack", True, _mixed_loader(), None),
+              ("pack_mixed_int8_resident", "pack", False, _mixed_loader(), None),
+              ("comfy_int8_marker", "comfy", True, _unet(), "kitchen_markers"),
+              ("comfy_int8_marker_resident", "comfy", False, _unet(), "kitchen_markers"))),
     ]
     # each marker file through UNETLoader on the card and resident (that file's reference), and through the
     # pack's MixedCheckpointLoader on the card (issues 19 and 21: the full H3 from its marker files)
@@ -284,7 +304,14 @@ FULL_CONFIGS = _marker_configs("int8", "fp8")
 FULL_4BIT_CONFIGS = _marker_configs("w4a8", "w4a4")
 # a model file's format -> the configuration that runs it resident through UNETLoader: its configurations' reference
 RESIDENT = {"bf16": REFERENCE, **{fmt: f"comfy_{short}_marker_resident" for short, fmt in MARKER_FILES.items()}}
-PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS, "full4": FULL_4BIT_CONFIGS, "int8file": INT8_FILE_CONFIGS}
+# issue 32's LoRA cost: each configuration and its twin with the turbo-sized LoRA (1.82 GiB)
+LORA_2G_CONFIGS = tuple(name for base in ("pack_auto", "pack_auto_resident", "pack_mixed_int8",
+                                          "pack_mixed_int8_resident", "comfy_int8_marker", "comfy_int8_marker_resident")
+                        for name in (base, f"{base}_lora2g"))
+PRESETS = {"formats": FORMAT_CONFIGS, "full": FULL_CONFIGS, "full4": FULL_4BIT_CONFIGS, "int8file": INT8_FILE_CONFIGS,
+           "lora2g": LORA_2G_CONFIGS}
+# a LoRA configuration's name less this is the same configuration without the LoRA
+LORA_SUFFIX = re.compile(r"_lora(?:2g)?(?=_|$)")
 
 DEFAULT_CONFIGS = (REFERENCE, "comfy_capped", "comfy_fp8_fast", "pack_auto", "pack_auto_flash", "pack_auto_fp8attn",
                    "pack_auto_sol", "pack_int8", "comfy_capped_static", "comfy_int8_marker", "comfy_fp8_marker")
@@ -582,13 +609,20 @@ class Bench:
         how = "reused" if info.get("reused") else f"generated in {info['seconds']:.1f} s on {info['device']}"
         print(f"model {spec.name} ({fmt}): {info['params'] / 1e9:.2f} B params, {info['bytes'] / 1e9:.2f} GB, "
               f"{how}", flush=True)
-        if fmt == "bf16" and any(self.configs[name].lora for names in (self.opts.configs,
-                                                                      *self.opts.configs_at.values())
-                                 for name in names):
-            info["lora"] = e2e_models.make_lora(path, self.base / "models" / "loras" / e2e_models.LORA_FILE,
-                                                seed=self.opts.seed)
-            print(f"lora: rank {info['lora']['rank']} on {info['lora']['layers']} layers, "
-                  f"{info['lora']['bytes'] / 1e6:.0f} MB", flush=True)
+        # the LoRA files this file's configurations chain, written for its layers (the same for bf16 and INT8 files)
+        loras = {inputs["lora_name"] for names in (self.opts.configs, *self.opts.configs_at.values())
+                 for name in names if self.configs[name].model_format == fmt
+                 for kind, inputs in self.configs[name].chain if kind == "LoraLoaderModelOnly"}
+        for file in sorted(loras):
+            target = self.base / "models" / "loras" / file
+            if file == e2e_models.LORA_2G_FILE and spec.family == "h3":
+                made = e2e_models.make_turbo_lora(path, target, self.opts.comfyui, seed=self.opts.seed,
+                                                  cpu=self.opts.cpu)
+            else:
+                made = e2e_models.make_lora(path, target, seed=self.opts.seed, **e2e_models.LORAS[file])
+            info["lora" if file == e2e_models.LORA_FILE else f"lora:{file}"] = made
+            print(f"lora {file}: rank {made['rank']} on {made['layers']} layers, {made['bytes'] / 1e6:.0f} MB",
+                  flush=True)
         return info
 
     # -- one configuration --
@@ -840,7 +874,7 @@ def summarize(results, models) -> tuple[dict, dict]:
     by_name = {r["config"]: r for r in at_all}
     lora = []
     for r in at_all:
-        base = by_name.get(r["config"].replace("_lora", "")) if r.get("lora") else None
+        base = by_name.get(LORA_SUFFIX.sub("", r["config"], count=1)) if r.get("lora") else None
         if base:
             lora.append({"config": r["config"], "base": base["config"], "cap_gib": r.get("cap_gib"),
                          "step_s": r["step_s"], "base_step_s": base["step_s"], "peak_gib": r.get("peak_gib"),

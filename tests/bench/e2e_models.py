@@ -290,6 +290,11 @@ class StreamingSafetensorsWriter:
 
 LORA_RANK = 32
 LORA_FILE = "bench_lora_r32.safetensors"
+# A LoRA of the size of Comfy-Org's turbo LoRA for MiniMax-H3 (1.82 GiB in bf16): on H3 the turbo LoRA itself
+# (make_turbo_lora), on other models the rank that makes a LoRA on every block linear that size
+LORA_2G_FILE = "bench_lora_1p82gib.safetensors"
+LORA_2G_BYTES = 1_956_193_000
+LORAS = {LORA_FILE: {"rank": LORA_RANK}, LORA_2G_FILE: {"target_bytes": LORA_2G_BYTES}}  # file -> make_lora's size
 
 
 def lora_targets(shapes: dict) -> list[tuple[str, int, int]]:
@@ -298,8 +303,10 @@ def lora_targets(shapes: dict) -> list[tuple[str, int, int]]:
             if name.startswith("blocks.") and name.endswith(".weight") and len(shape) == 2]
 
 
-def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0) -> dict:
-    """A random LoRA (kohya names, no alpha: scale 1) of `rank` on every block linear of the model file.
+def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0,
+              target_bytes: float | None = None) -> dict:
+    """A random LoRA (kohya names, no alpha: scale 1) of `rank` on every block linear of the model file; with
+    `target_bytes`, of the rank that comes nearest that size.
 
     down ~ N(0, 1/in), up ~ N(0, 0.02^2 / rank): each layer's delta has about
     2% of a unit-variance weight's scale, so the latent stays finite and the
@@ -310,9 +317,13 @@ def make_lora(model_path, lora_path, rank: int = LORA_RANK, seed: int = 0) -> di
     import torch
     with safetensors.safe_open(str(model_path), "pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    targets = lora_targets(shapes)
+    if target_bytes is not None:  # bf16 up [out, rank] and down [rank, in]; no rank past a layer's own
+        rank = max(1, min(round(target_bytes / sum(2 * (n_out + n_in) for _, n_out, n_in in targets)),
+                          *(min(n_out, n_in) for _, n_out, n_in in targets)))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for module, n_out, n_in in lora_targets(shapes):
+    for module, n_out, n_in in targets:
         tensors[f"diffusion_model.{module}.lora_down.weight"] = (
             torch.randn(rank, n_in, generator=gen) * n_in ** -0.5).bfloat16()
         tensors[f"diffusion_model.{module}.lora_up.weight"] = (

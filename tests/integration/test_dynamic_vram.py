@@ -231,7 +231,7 @@ patcher.restore_loaded_backups()
 out["switch_original_kept"] = same(original, original_saved)
 out["switch_layer_restored"] = same(layer, layer_saved)
 
-# 3. a loader's layers, built in place: the LoRA applied per call, the backups restored by ComfyUI
+# 3. a loader's layers, built in place: the LoRA folded in, the backups restored by ComfyUI
 own = comfy.sd.load_diffusion_model(unet)
 replacements, _ = quantize_layers(own.model.diffusion_model, config(), title="test", layer_type=ComfyQuantLinear)
 apply_replacements(own.model.diffusion_model, replacements)
@@ -267,7 +267,7 @@ print(json.dumps(out))
 
 def test_dynamic_vram_pages_quantized_layers_and_restores_them(comfy, tiny_wan):
     """Under dynamic VRAM the pack's layers are cast layers to upstream's real load (their scales loaded and
-    backed up, weight and bias left to the cast path), a LoRA applies per call on the dequantized weight,
+    backed up, weight and bias left to the cast path), a LoRA is folded into the quantized weight once,
     and ComfyUI's backups of an object-patched layer never land on the Linear it replaced (upstream's
     unpatch_model removes the object patches before it restores the backups)."""
     result = subprocess.run([str(comfy.host.python), "-c", BACKUPS_PROBE, str(PACK_ROOT), str(tiny_wan["path"])],
@@ -277,9 +277,10 @@ def test_dynamic_vram_pages_quantized_layers_and_restores_them(comfy, tiny_wan):
     assert out["cast_layers"] == [True], out  # cast layers: the host pages weight and bias
     assert out["live_is_layer"]
     assert out["lora_effect"] > 1e-2, out
-    # the LoRA applied per call on the dequantized weight, in fp32 on CPU
-    assert out["lora_err"] < 1e-5 and out["in_place_lora_err"] < 1e-5, out
-    assert out["second_load_err"] < 1e-6, out  # applied once, not twice
+    # the LoRA folded into the INT8 weight (host/lora_fold.py): the patched weight requantized, activations
+    # quantized as without a LoRA (measured 0.012-0.013; tests/integration/test_lora_fold.py checks the fold itself)
+    assert out["lora_err"] < 0.02 and out["in_place_lora_err"] < 0.02, out
+    assert out["second_load_err"] == 0, out  # the fold reused, not applied twice
     assert out["original_kept"] and out["tree_has_original"], out
     assert out["layer_restored"] and out["layer_output_restored"], out
     assert out["switch_original_kept"] and out["switch_layer_restored"], out

@@ -1,0 +1,238 @@
+"""The LoRA fold on a GPU under upstream ComfyUI's real dynamic VRAM (comfy-aimdo's pages and pinned copies).
+
+A subprocess in this python, with upstream's ComfyUI folder as its working directory
+($BIGDIT_COMFYUI, else the test cache's comfyui-0.33.0), switches dynamic VRAM on as
+upstream's main.py does, loads a tiny Wan through LoadH3Quantized's own path
+(host.loading.load_checkpoint: INT8 ConvRot layers, file-backed under dynamic VRAM)
+and a LoRA through LoraLoaderModelOnly's own function, and runs it through ComfyUI's
+model management (load_models_gpu, partially_unload, unload_all_models). After
+each step, every LoRA'd layer is run through the host's page path (its page, refilled
+from its pinned copy where the page is stale) and compared bit for bit with the same
+method on the tensors the layer holds, and its pinned copy is compared with them: a
+stale page or pin would give the other weights. Checked: the fold is computed once
+per LoRA set and strength, never per call; a patcher without the LoRA brings back the
+original bytes in the layer, its page and its pins; an eviction (pages and the
+force-loaded scales given back) leaves the layer consistent; an unload and a reload
+reuse the fold.
+
+    BIGDIT_COMFYUI=<upstream 0.33.0> PYTHONPATH=<its site-packages with comfy-aimdo> python -m pytest -m gpu \
+        tests/test_lora_fold_gpu.py
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfy_harness import PACK_ROOT, TESTS_DIR, cache_dir
+
+COMFYUI = Path(os.environ.get("BIGDIT_COMFYUI") or cache_dir() / "comfyui-0.33.0")
+
+
+def _missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    source = COMFYUI / "comfy" / "model_patcher.py"
+    if not source.exists() or "class ModelPatcherDynamic" not in source.read_text(errors="replace"):
+        return f"no ComfyUI with dynamic VRAM at {COMFYUI} (set BIGDIT_COMFYUI)"
+    if importlib.util.find_spec("comfy_aimdo") is None:
+        return "comfy-aimdo is not importable (put upstream's site-packages on PYTHONPATH)"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+TARGETS = {"blocks.0.ffn.0": (512, 256), "blocks.0.ffn.2": (256, 512), "blocks.1.self_attn.q": (256, 256)}
+# A layer run through its page against the same kernel on the tensors it holds: equal unless the kernel's choice
+# differs (then within bf16 rounding); a stale page or pin holds the other weights, which move a LoRA'd layer's
+# output by far more (`layer_effect`, the folded against the original layer).
+PAGE_SAME = 1e-3
+
+PROBE = r"""
+import json, os, sys, tempfile, types
+pack_root, tests_dir = sys.argv[1:3]
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"  # before its modules bind it
+import torch
+import comfy.lora, comfy.memory_management, comfy.model_management as mm, comfy.model_patcher, comfy.sd, comfy.utils
+import folder_paths
+devices = mm.get_all_torch_devices()
+try:  # upstream's main.py, both protocols of comfy-aimdo
+    ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
+except TypeError:
+    ready = comfy_aimdo.control.init_devices(d.index for d in devices)
+assert ready, "comfy-aimdo did not take the GPU"
+comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+comfy.memory_management.aimdo_enabled = True
+sys.path.insert(0, tests_dir)
+import safetensors.torch
+from tiny_models import _tiny_wan
+from checkpoint_files import write_lora
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+from bigdit.host import dynamic_vram
+from bigdit.host.loading import load_checkpoint
+from bigdit.quant.linear import QuantLinear
+
+work = tempfile.mkdtemp(prefix="bigdit-lora-fold-gpu-")
+folder_paths.add_model_folder_path("diffusion_models", work)
+folder_paths.set_temp_directory(os.path.join(work, "temp"))
+safetensors.torch.save_file(_tiny_wan({"dim": 256, "ffn_dim": 512, "num_heads": 2, "num_layers": 2, "seed": 0}),
+                            os.path.join(work, "tiny_wan2.safetensors"))
+targets = json.loads(sys.argv[3])
+write_lora(os.path.join(work, "lora.safetensors"), {k: tuple(v) for k, v in targets.items()}, seed=5)
+lora_sd = comfy.utils.load_torch_file(os.path.join(work, "lora.safetensors"))
+
+calls = {"patch": 0, "per_call": 0}
+real_calculate = comfy.lora.calculate_weight
+def counted_calculate(*a, **k):
+    calls["patch"] += 1
+    return real_calculate(*a, **k)
+comfy.lora.calculate_weight = counted_calculate
+real_patched = QuantLinear._forward_patched
+def counted_patched(self, *a, **k):
+    calls["per_call"] += 1
+    return real_patched(self, *a, **k)
+QuantLinear._forward_patched = counted_patched
+
+base = load_checkpoint("test", "diffusion_models", "tiny_wan2.safetensors", quantization="int8_convrot",
+                       group_size="16", offload_input="none").args[0]
+assert base.is_dynamic()
+device = base.load_device
+layers = {name: base.model.get_submodule("diffusion_model." + name) for name in targets}
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(1, 16, 1, 8, 8, generator=gen).to(device)
+context = torch.randn(1, 8, 4096, generator=gen).to(device)
+sigma = torch.tensor([0.7], device=device)
+x_layer = {name: torch.randn(4, m.in_features, generator=gen).to(device, m.compute_dtype) for name, m in layers.items()}
+
+
+def as_bytes(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+
+
+originals = {(n, k): as_bytes(t) for n, m in layers.items() for k, t in m._parameters.items() if t is not None}
+
+
+def load(p):
+    before = calls["patch"]
+    mm.load_models_gpu([p])
+    return calls["patch"] - before
+
+
+def model_out(p):
+    before = dict(calls)
+    with torch.no_grad():
+        outs = [p.model.apply_model(x, sigma, c_crossattn=context).float() for _ in range(2)]
+    return outs, {k: calls[k] - before[k] for k in calls}
+
+
+def layer_state():
+    # each LoRA'd layer through the host's page path, against the same method on the tensors it holds (no pager);
+    # its pinned copies against those tensors; whether it holds the original bytes
+    out = {}
+    for name, m in layers.items():
+        held = {k: v.to(device) for k, v in m._parameters.items() if v is not None and k != "bias"}
+        stand_in = QuantLinear(m.method, m.in_features, m.out_features, held, m.bias.to(device), m.compute_dtype)
+        with torch.no_grad():
+            paged, direct = m(x_layer[name]), stand_in(x_layer[name])
+        pins = []
+        for subset, entry in (m.__dict__.get("_pins") or {}).items():
+            if entry.get("pin") is not None:
+                views = comfy.memory_management.interpret_gathered_like([m.weight, m.bias], entry["pin"])
+                pins.append(all(torch.equal(as_bytes(v), as_bytes(t)) for v, t in zip(views, (m.weight, m.bias))))
+        out[name] = {"page_vs_held": rel(paged.float(), direct.float()), "pins": pins,
+                     "original": all(torch.equal(as_bytes(t), originals[(name, k)])
+                                     for k, t in m._parameters.items() if t is not None),
+                     "lowvram": m.weight_lowvram_function is not None, "per_call": len(m.weight_function)}
+    return out
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+res = {}
+l1 = comfy.sd.load_lora_for_models(base, None, lora_sd, 1.0, 0)[0]
+half = comfy.sd.load_lora_for_models(base, None, lora_sd, 0.5, 0)[0]
+load(base)
+(plain, plain2), _ = model_out(base)
+res["base"] = {"repeat": rel(plain2, plain), "layers": layer_state()}
+
+with torch.no_grad():
+    before = {name: m(x_layer[name]).float() for name, m in layers.items()}
+res["fold_calls"] = load(l1)
+(folded, folded2), res["fold_run"] = model_out(l1)
+res["fold"] = {"repeat": rel(folded2, folded), "effect": rel(folded, plain), "layers": layer_state()}
+with torch.no_grad():
+    res["layer_effect"] = min(rel(m(x_layer[name]).float(), before[name]) for name, m in layers.items())
+dynamic_vram.PAGED.reset()
+l1.partially_unload(l1.offload_device, 1e30)  # pages evicted and the force-loaded scales given back, no load after
+(evicted, _), res["evicted_run"] = model_out(l1)
+res["evicted"] = {"vs_fold": rel(evicted, folded), "copied": dynamic_vram.PAGED.copied_calls,
+                  "layers": layer_state()}
+res["reload_calls"] = load(l1)
+res["reload_vs_fold"] = rel(model_out(l1)[0][0], folded)
+
+res["restore_calls"] = load(base)
+(restored, _), _ = model_out(base)
+res["restore"] = {"vs_plain": rel(restored, plain), "layers": layer_state()}
+
+res["half_calls"] = load(half)
+(half_out, _), res["half_run"] = model_out(half)
+res["half"] = {"vs_fold": rel(half_out, folded), "layers": layer_state()}
+res["refold_calls"] = load(l1)
+res["refold_vs_fold"] = rel(model_out(l1)[0][0], folded)
+
+mm.unload_all_models()
+res["unloaded_original"] = all(torch.equal(as_bytes(t), originals[(n, k)])
+                               for n, m in layers.items() for k, t in m._parameters.items() if t is not None)
+res["after_unload_calls"] = load(l1)
+res["after_unload_vs_fold"] = rel(model_out(l1)[0][0], folded)
+res["after_unload"] = layer_state()
+print(json.dumps(res))
+"""
+
+
+def test_lora_fold_pages_and_pins_under_dynamic_vram():
+    result = subprocess.run([sys.executable, "-c", PROBE, str(PACK_ROOT), str(TESTS_DIR), json.dumps(TARGETS)],
+                            cwd=COMFYUI, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-8000:]
+    res = json.loads(result.stdout.strip().splitlines()[-1])
+    n = len(TARGETS)
+    same = 1e-5  # the same weights in every kernel: run to run, the model's output varies by less
+    assert res["base"]["repeat"] < same and res["fold"]["repeat"] < same, res
+
+    def pages_and_pins(state, original, pinned=True):
+        for name, layer in res[state]["layers"].items() if "layers" in res[state] else res[state].items():
+            assert layer["page_vs_held"] < PAGE_SAME, (state, name, layer)  # the page holds what the layer holds
+            assert all(layer["pins"]) and (layer["pins"] or not pinned), (state, name, layer)
+            assert layer["original"] is original, (state, name, layer)
+            assert not layer["lowvram"] and layer["per_call"] == 0, (state, name, layer)
+
+    pages_and_pins("base", original=True)
+    # folded once, at load; nothing per call; the output moved by the LoRA
+    assert res["fold_calls"] == n and res["fold_run"] == {"patch": 0, "per_call": 0}, res
+    assert res["fold"]["effect"] > 0.01 and res["layer_effect"] > 100 * PAGE_SAME, res
+    pages_and_pins("fold", original=False)
+    # evicted: pages refilled from the pinned copies, the scales from the host's backup: the same folded model
+    assert res["evicted"]["copied"] > 0 and res["evicted"]["vs_fold"] < same, res["evicted"]
+    assert res["evicted_run"] == {"patch": 0, "per_call": 0}, res
+    pages_and_pins("evicted", original=False)
+    assert res["reload_calls"] == 0 and res["reload_vs_fold"] < same, res
+    # no LoRA: the original bytes in the layers, their pages and pins, and the model's output as before
+    assert res["restore"]["vs_plain"] < same, res["restore"]
+    pages_and_pins("restore", original=True)
+    # another strength folds again; back to the first one folds again (the fold went with the LoRA) to the same
+    assert res["half_calls"] == n and res["half_run"] == {"patch": 0, "per_call": 0}, res
+    assert res["half"]["vs_fold"] > 1e-3, res
+    pages_and_pins("half", original=False)
+    assert res["refold_calls"] == n and res["refold_vs_fold"] < same, res
+    # unloaded: the originals; loaded again: the fold written back without computing
+    assert res["unloaded_original"], res
+    assert res["after_unload_calls"] == 0 and res["after_unload_vs_fold"] < same, res
+    pages_and_pins("after_unload", original=False, pinned=False)
