@@ -22,24 +22,24 @@ def _kitchen_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, conv
                           convrot_groupsize=convrot_groupsize, input_act=input_act)
 
 
-@torch.library.custom_op("bigdit::int8_linear", mutates_args=())
-def _int8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype, convrot: bool, convrot_groupsize: int,
-                    input_act: str | None) -> torch.Tensor:
-    return _kitchen_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+def _opaque_int8_linear(name: str, kernel):
+    """`kernel` (an INT8 linear of int8_linear's arguments) called eagerly, and while torch.compile traces as the
+    opaque op bigdit::<name>, whose fake gives the output's shape and dtype."""
+    def run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype, convrot: bool, convrot_groupsize: int, input_act: str | None) -> torch.Tensor:
+        return kernel(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
 
+    op = torch.library.custom_op(f"bigdit::{name}", run, mutates_args=())
 
-@_int8_linear_op.register_fake
-def _(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+    @op.register_fake
+    def _(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
-
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, *, convrot: bool, convrot_groupsize: int,
-                input_act: str | None) -> torch.Tensor:
-    """comfy_kitchen.int8_linear (its backend dispatch included); one graph node under torch.compile."""
-    call = _int8_linear_op if torch.compiler.is_compiling() else _kitchen_int8_linear
-    return call(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+    def call(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+             out_dtype: torch.dtype, *, convrot: bool, convrot_groupsize: int, input_act: str | None) -> torch.Tensor:
+        return (op if torch.compiler.is_compiling() else kernel)(x, weight, weight_scale, bias, out_dtype, convrot,
+                                                                    convrot_groupsize, input_act)
+    return call
 
 
 def _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
@@ -48,22 +48,7 @@ def _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convr
                                          input_act, kitchen=_kitchen_int8_linear)
 
 
-@torch.library.custom_op("bigdit::int8_linear_triton", mutates_args=())
-def _int8_linear_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           bias: torch.Tensor | None, out_dtype: torch.dtype, convrot: bool, convrot_groupsize: int,
-                           input_act: str | None) -> torch.Tensor:
-    return _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
-
-
-@_int8_linear_triton_op.register_fake
-def _(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
-
-
-def int8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                       out_dtype: torch.dtype, *, convrot: bool, convrot_groupsize: int,
-                       input_act: str | None) -> torch.Tensor:
-    """int8_triton's INT8 linear (kitchen's once those kernels failed); one graph node under torch.compile."""
-    call = _int8_linear_triton_op if torch.compiler.is_compiling() else _triton_int8_linear
-    return call(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
-
+#: comfy_kitchen.int8_linear (its backend dispatch included)
+int8_linear = _opaque_int8_linear("int8_linear", _kitchen_int8_linear)
+#: int8_triton's INT8 linear (kitchen's once those kernels failed)
+int8_linear_triton = _opaque_int8_linear("int8_linear_triton", _triton_int8_linear)
