@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from comfy_harness import PACK_ROOT, TESTS_DIR, cache_dir
+from lora_calls import COUNT_LORA_CALLS
 
 COMFYUI = Path(os.environ.get("BIGDIT_COMFYUI") or cache_dir() / "comfyui-0.33.0")
 
@@ -87,17 +88,7 @@ targets = json.loads(sys.argv[3])
 write_lora(os.path.join(work, "lora.safetensors"), {k: tuple(v) for k, v in targets.items()}, seed=5)
 lora_sd = comfy.utils.load_torch_file(os.path.join(work, "lora.safetensors"))
 
-calls = {"patch": 0, "per_call": 0}
-real_calculate = comfy.lora.calculate_weight
-def counted_calculate(*a, **k):
-    calls["patch"] += 1
-    return real_calculate(*a, **k)
-comfy.lora.calculate_weight = counted_calculate
-real_patched = QuantLinear._forward_patched
-def counted_patched(self, *a, **k):
-    calls["per_call"] += 1
-    return real_patched(self, *a, **k)
-QuantLinear._forward_patched = counted_patched
+""" + COUNT_LORA_CALLS + r"""
 
 base = load_checkpoint("test", "diffusion_models", "tiny_wan2.safetensors", quantization="int8_convrot",
                        group_size="16", offload_input="none").args[0]

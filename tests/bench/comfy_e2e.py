@@ -997,22 +997,27 @@ def parse_args(argv=None):
     return opts
 
 
-def main(argv=None):
-    opts = parse_args(argv)
-
-    def stop(signum, _frame):  # a time limit's TERM: stop the server (finally blocks), keep the JSON
+def run_and_write(bench, keep_models: bool) -> None:
+    """`bench.run()`, its JSON written whatever happens (a time limit's TERM stops the server through the finally
+    blocks), and its models folder deleted unless `keep_models`."""
+    def stop(signum, _frame):
         raise SystemExit(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
-    bench = Bench(opts)
-    print(f"comfy-e2e: {bench.payload['environment']}, configs {','.join(opts.configs)}, lengths "
-          f"{','.join(opts.lengths)}, {opts.steps} steps, work {opts.work}", flush=True)
     try:
         bench.run()
     finally:
         bench.write()
-        if not opts.keep_model:
+        if not keep_models:
             shutil.rmtree(bench.base / "models", ignore_errors=True)
+
+
+def main(argv=None):
+    opts = parse_args(argv)
+    bench = Bench(opts)
+    print(f"comfy-e2e: {bench.payload['environment']}, configs {','.join(opts.configs)}, lengths "
+          f"{','.join(opts.lengths)}, {opts.steps} steps, work {opts.work}", flush=True)
+    run_and_write(bench, opts.keep_model)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -86,7 +85,7 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
 from _pack import RESULTS  # noqa: E402
-from comfy_e2e import (BenchServer, compare, gpu_name, gpu_slug, log_lines, package_version,  # noqa: E402
+from comfy_e2e import (BenchServer, compare, gpu_name, gpu_slug, log_lines, package_version, run_and_write,  # noqa: E402
                        unoffered_choice)
 from comfy_harness import PromptError, _validation_message, comfyui_version  # noqa: E402
 
@@ -887,20 +886,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     opts = parse_args(argv)
-
-    def stop(signum, _frame):  # a time limit's TERM: stop the server (finally blocks), keep the JSON
-        raise SystemExit(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, stop)
     job = Job(opts)
     print(f"whole-job: {job.payload['environment']}, configs {','.join(opts.configs)}, settings "
           f"{','.join(opts.settings)}, RAM {opts.ram_gib} GiB, work {opts.work}", flush=True)
-    try:
-        job.run()
-    finally:
-        job.write()
-        if not opts.keep_files:
-            shutil.rmtree(job.base / "models", ignore_errors=True)
+    run_and_write(job, opts.keep_files)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import pytest
 from checkpoint_files import write_lora
 from comfy_harness import PACK_ROOT
 from graphs import chain_id, wan_t2v_graph
+from lora_calls import COUNT_LORA_CALLS
 from report_events import ReportEvents
 
 pytestmark = pytest.mark.integration
@@ -65,17 +66,7 @@ Dynamic = comfy.model_patcher.ModelPatcherDynamic
 lines = []
 handler = logging.Handler(); handler.emit = lambda record: lines.append(record.getMessage())
 logging.getLogger("bigdit").addHandler(handler); logging.getLogger("bigdit").setLevel(logging.DEBUG)
-calls = {"patch": 0, "per_call": 0}
-real_calculate = comfy.lora.calculate_weight
-def counted_calculate(*a, **k):
-    calls["patch"] += 1
-    return real_calculate(*a, **k)
-comfy.lora.calculate_weight = counted_calculate
-real_patched = QuantLinear._forward_patched
-def counted_patched(self, *a, **k):
-    calls["per_call"] += 1
-    return real_patched(self, *a, **k)
-QuantLinear._forward_patched = counted_patched
+""" + COUNT_LORA_CALLS + r"""
 lora_sd = comfy.utils.load_torch_file(lora_file)  # LoraLoaderModelOnly keeps the file's dict and reuses it
 
 gen = torch.Generator().manual_seed(0)
