@@ -23,7 +23,7 @@ from ..dtypes import torch_dtype
 from ..hardware import cuda_capability
 from ..quant.decision import QuantConfig, decide, decide_all
 from ..quant.layer import CONVERT, KEEP, LOAD, QUANTIZE, Layer
-from ..quant.linear import QuantLinear, dequantized_weight, quantized_layer
+from ..quant.linear import QuantLinear, dequantized_weight, quantized_layer, requantized_layer
 from ..quant.linear_method import LinearMethod
 from ..quant.quantize_pass import parameter_bytes
 from ..quant.registry import available_methods, get_method
@@ -180,11 +180,9 @@ class LayerBuilder:
         if layer.action == LOAD:  # copied out of the map, unless the host pages them from the file
             tensors = {k: v.to(device=home, copy=self.source.mark is None) for k, v in tensors.items()}
             built = self.layer_type(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
-        else:
-            weight = dequantized_weight(method, tensors, layer.in_features, layer.out_features, layer.compute_dtype,
-                                        self.device)
-            built = quantized_layer(layer.method, weight, layer.in_features, layer.out_features, bias,
-                                    layer.compute_dtype, self.device, home, layer_type=self.layer_type)
+        else:  # the file's tensors as a layer, for the one dequantize-then-quantize routine
+            as_stored = QuantLinear(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
+            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type)
         self.consumed.add(layer.name)
         return built
 

@@ -66,25 +66,37 @@ def dequantized_weight(method: LayerMethod, tensors: dict[str, torch.Tensor], in
     on_device = {k: v.to(device) for k, v in tensors.items()}
     stand_in = QuantLinear(method, in_features, out_features, on_device, None, compute_dtype)
     with torch.no_grad():
-        weight = method.dequantize(stand_in)
-        pre_scale = on_device.get(PRE_QUANT_SCALE)
-        if pre_scale is not None:
-            weight = weight * pre_scale.to(weight.dtype)
-    return weight
+        return _smoothing_folded(method.dequantize(stand_in), on_device.get(PRE_QUANT_SCALE))
 
 
-def requantized_layer(source: "QuantLinear", target: LayerMethod, device: torch.device, home: torch.device,
+def _smoothing_folded(weight: torch.Tensor, pre_scale: torch.Tensor | None) -> torch.Tensor:
+    """`weight` [out, in] times the smoothing scale [in] its layer multiplies the input by (AWQ's
+    pre_quant_scale): the weight that computes the same without it."""
+    return weight if pre_scale is None else weight * pre_scale.to(weight.device, weight.dtype)
+
+
+def requantized_layer(source: nn.Module, target: LayerMethod, device: torch.device, home: torch.device,
                       transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                      layer_type: type["QuantLinear"] | None = None) -> "QuantLinear":
-    """`source`'s weight dequantized on `device` (`transform`ed: a LoRA added) and quantized by `target`, as a
-    layer on `home` with `source`'s bias: the one dequantize-then-quantize routine."""
-    weight = dequantized_weight(source.method, source.stored_tensors(), source.in_features, source.out_features,
-                                source.compute_dtype, device)
+                      layer_type: type["QuantLinear"] | None = None, *,
+                      dequantize: Callable[[nn.Module, torch.device], torch.Tensor] | None = None,
+                      compute_dtype: torch.dtype | None = None) -> "QuantLinear":
+    """The one dequantize-then-quantize routine: `source`'s weight dequantized on `device` (a QuantLinear's by
+    its method; another stored layer's, a host's own, by `dequantize(source, device)`, computing in
+    `compute_dtype`), its smoothing pre_quant_scale folded in, `transform`ed (a LoRA added) and quantized by
+    `target`, as a layer on `home` with `source`'s bias, of `layer_type` (default: a QuantLinear source's type)."""
+    if isinstance(source, QuantLinear):
+        weight = dequantized_weight(source.method, source.stored_tensors(), source.in_features,
+                                    source.out_features, source.compute_dtype, device)
+        compute_dtype, layer_type = source.compute_dtype, layer_type or type(source)
+    else:
+        with torch.no_grad():
+            weight = _smoothing_folded(dequantize(source, device), source._parameters.get(PRE_QUANT_SCALE))
     if transform is not None:
         weight = transform(weight)
     bias = source._parameters.get("bias")
-    return quantized_layer(target, weight, source.in_features, source.out_features, bias, source.compute_dtype,
-                           device, home, layer_type=layer_type or type(source))
+    bias = None if bias is None else bias.detach().to(compute_dtype)
+    return quantized_layer(target, weight, source.in_features, source.out_features, bias, compute_dtype,
+                           device, home, layer_type=layer_type)
 
 
 class QuantLinear(nn.Module):

@@ -20,7 +20,7 @@ from ..units import format_gib
 from .kitchen_api import is_quantized_tensor, layout_name, layout_params, storage_dtype, tensor_bytes
 from .keep import keep_patterns
 from .registry import conversion_format, dtype_format, format_spec, get_method, kitchen_format
-from .linear import QuantLinear, quantized_layer
+from .linear import QuantLinear, quantized_layer, requantized_layer
 from .decision import QuantConfig, decide
 from .layer import CONVERT, KEEP, Layer
 from .linear_method import LinearMethod
@@ -60,11 +60,11 @@ def _stored_format(module: nn.Module) -> tuple[str | None, str | None]:
     return (dtype_name(weight.dtype), None) if owner is None else (owner.name, dtype_name(weight.dtype))
 
 
-def stored_weight(module: nn.Module, device: torch.device, weight_scale: WeightScale | None = None) -> torch.Tensor:
-    """The full-precision [out, in] weight of a layer quantized before this pass, computed on `device`;
-    `weight_scale(module)` gives a host's own per-tensor scale of a weight stored in a plain FP8 dtype."""
-    if isinstance(module, QuantLinear):
-        return module.method.dequantize(module, device)
+def host_stored_weight(module: nn.Module, device: torch.device, weight_scale: WeightScale | None = None
+                       ) -> torch.Tensor:
+    """The full-precision [out, in] weight of a host's own quantized layer (a comfy-kitchen QuantizedTensor
+    weight, or a weight in a plain FP8 dtype times `weight_scale(module)`, the host's per-tensor scale),
+    computed on `device`: how requantized_layer dequantizes a layer that is no QuantLinear."""
     weight = module.weight.detach()
     if is_quantized_tensor(weight):
         return weight.dequantize().to(device=device, dtype=torch.float32)
@@ -149,17 +149,16 @@ def quantize_linear(module: nn.Module, method: LinearMethod, device: torch.devic
     """Quantize one layer on `device` into a QuantLinear that lives where the weight lived.
 
     A full-precision Linear computes in its weight's dtype; a layer quantized before (`compute_dtype` given)
-    is dequantized first (stored_weight) and computes in `compute_dtype`. `module` itself is never modified.
+    is converted by requantized_layer (a host's own layer dequantized by host_stored_weight) and computes in
+    `compute_dtype`. `module` itself is never modified.
     """
     home = module.weight.device
+    if compute_dtype is not None:
+        return requantized_layer(module, method, device, home, layer_type=layer_type, compute_dtype=compute_dtype,
+                                 dequantize=lambda m, d: host_stored_weight(m, d, weight_scale))
     bias = None if module.bias is None else module.bias.detach()
-    if compute_dtype is None:
-        weight, compute_dtype = module.weight.detach(), module.weight.dtype
-    else:
-        weight = stored_weight(module, device, weight_scale)
-        bias = None if bias is None else bias.to(compute_dtype)
-    return quantized_layer(method, weight, module.in_features, module.out_features, bias, compute_dtype, device, home,
-                           layer_type=layer_type)
+    return quantized_layer(method, module.weight.detach(), module.in_features, module.out_features, bias,
+                           module.weight.dtype, device, home, layer_type=layer_type)
 
 
 def quantize_layers(model: nn.Module, config: QuantConfig,
@@ -170,7 +169,7 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
 
     Only one layer's weight is on the compute device at a time. Raises
     QuantizationError naming the layer if any layer fails; nothing is installed.
-    `layer_type`: the QuantLinear subclass to build (a host's); `weight_scale`: see stored_weight.
+    `layer_type`: the QuantLinear subclass to build (a host's); `weight_scale`: see host_stored_weight.
     """
     found = module_layers(model, config)
     device = config.device()

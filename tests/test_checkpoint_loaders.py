@@ -26,7 +26,7 @@ from checkpoint_files import (CONVERTER_MODES, converter_dequantized, edit_check
 
 from bigdit.loaders import CheckpointError, LayerBuilder, inspect_checkpoint
 from bigdit.loaders.safetensors_header import HeaderReader, read_header
-from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method
+from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, get_method, quantize_layers
 
 # (out, in) of the Linear layers, named as in ComfyUI's WanModel (dim 128, ffn 256).
 LINEARS = {
@@ -713,6 +713,55 @@ def test_nvfp4_awq_requantized_folds_the_scale_into_the_weight(plain_file, tmp_p
     assert layer.method.describe() == "int8_convrot(g=256)" and not hasattr(layer, "pre_quant_scale")
     x = layer_input(name)
     assert rel_err(layer(x), reference_output(name, x)) < TOLERANCE["nvfp4"] + TOLERANCE["int8_convrot"]
+
+
+class UpstreamNvfp4Linear(nn.Module):
+    """Upstream ComfyUI's mixed-precision Linear as the quantization pass meets it: a comfy-kitchen NVFP4
+    QuantizedTensor weight, its bias and AWQ's pre_quant_scale as parameters (comfy/ops.py)."""
+
+    def __init__(self, weight, bias, pre_quant_scale):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False)
+        self.pre_quant_scale = nn.Parameter(pre_quant_scale, requires_grad=False)
+
+
+def test_nvfp4_awq_converts_alike_on_every_path(plain_file, tmp_path):
+    """One dequantize-then-quantize routine (quant/linear.py's requantized_layer) for an NVFP4 layer with AWQ's
+    pre_quant_scale: converted while loading (loaders/build.py), by the quantization pass from the loaded layer
+    and from upstream's own layer (quant/quantize_pass.py), and by requantized_layer itself, the same tensors bit
+    for bit; the scale folded into the weight, so the INT8 layer computes what the NVFP4 layer with its scale did."""
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+    from bigdit.quant.linear import requantized_layer
+    name, cpu = "blocks.0.ffn.2", torch.device("cpu")
+    path = tmp_path / "awq.safetensors"
+    scale = write_nvfp4_awq(plain_file, path, [name])[name]
+    at_load = build(path, conversions={"nvfp4": "requantize"})[0].get_submodule(name)
+    loaded = build(path)[0]
+    stored = loaded.get_submodule(name)
+    target = at_load.method
+    assert target.describe() == "int8_convrot(g=256)" and "pre_quant_scale" in stored.stored_tensors()
+    by_routine = requantized_layer(stored, target, cpu, cpu)
+    config = QuantConfig(method=None, conversions={"nvfp4": "requantize"}, compute_device=cpu)
+    by_pass = quantize_layers(loaded, config)[0][name]
+    # upstream's layer holds the same NVFP4 weight (kitchen's quantization is deterministic) and scale
+    sd = plain_state_dict()
+    qdata, params = get_layout_class("TensorCoreNVFP4Layout").quantize(sd[f"{name}.weight"].float() / scale.float())
+    upstream = UpstreamNvfp4Linear(QuantizedTensor(qdata, "TensorCoreNVFP4Layout", params), sd[f"{name}.bias"].float(),
+                                   scale)
+    by_pass_upstream = quantize_layers(nn.ModuleDict({"layer": upstream}), config)[0]["layer"]
+    expected = at_load.stored_tensors()
+    assert set(expected) == {"weight", "weight_scale"}
+    for layer in (by_routine, by_pass, by_pass_upstream):
+        assert layer.method.describe() == target.describe()
+        got = layer.stored_tensors()
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    for layer in (by_routine, by_pass):
+        assert torch.equal(layer.bias, at_load.bias)
+    # measured 0.0097: the INT8 re-quantization's own error (0.29 without the scale folded in)
+    x = layer_input(name)
+    assert rel_err(at_load(x), stored(x)) < TOLERANCE["int8_convrot"]
 
 
 def test_unknown_marker_keys_are_named_in_one_warning(plain_file, tmp_path, caplog):
