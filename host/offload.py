@@ -4,6 +4,7 @@ at least the plan's estimate and the blocks left in RAM stream one ahead, pinned
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -12,8 +13,8 @@ import comfy.model_management
 import comfy.patcher_extension
 
 from ..pack_logging import pack_logger
-from ..offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe,
-                              memory_estimate_at_least, packed_parts, paged_run_line)
+from ..offload.budget import (Budget, ModelView, OffloadReport, brief_line, check_fits, describe, packed_parts,
+                              paged_run_line)
 from ..offload.plan import CUDA_WORKSPACE_BYTES, MemoryPlan
 from ..offload.session import StreamSession
 from ..offload.streaming import normalize_device
@@ -43,6 +44,21 @@ def available(device: torch.device) -> int:
     loaded = [] if device.type == "cpu" else getattr(comfy.model_management, "current_loaded_models", [])
     return int(comfy.model_management.get_free_memory(device)) + sum(
         int(model.model_loaded_memory()) for model in loaded if model.device == device and model.model is not None)
+
+
+@contextmanager
+def memory_estimate_at_least(base_model, estimate):
+    """ComfyUI's BaseModel.memory_required answers at least `estimate(input_shape)` inside the block (the plan's
+    activations and extra bytes: offload.budget.ModelView.memory_required)."""
+    previous, comfy_estimate = vars(base_model).get("memory_required"), base_model.memory_required
+    base_model.memory_required = lambda shape, *args, **kwargs: max(comfy_estimate(shape, *args, **kwargs),
+                                                                     estimate(shape))
+    try:
+        yield
+    finally:
+        del base_model.memory_required
+        if previous is not None:
+            base_model.memory_required = previous
 
 
 class _Offload:

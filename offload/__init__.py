@@ -7,5 +7,6 @@
 - `budget.py`: modes, capacity, the estimate ComfyUI's memory budget asks for, and the
   report's text, from plain numbers.
 
-nodes/offload.py adapts them to ComfyUI (sampler wrappers, memory_required, its pin functions).
+host/offload.py adapts them to ComfyUI (sampler wrappers, its memory_required patched to answer at least
+the plan's estimate, its pin functions).
 """

@@ -1,12 +1,11 @@
 """The numbers and text around a memory plan, from plain values: modes, capacity, the estimate
 ComfyUI's budget asks for, and the report.
 
-Two modes (nodes/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
+Two modes (host/options.py: OFFLOAD_MODES): "auto" streams what does not fit, "none" streams
 nothing and fails when the model does not fit.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping, NamedTuple, Sequence
@@ -160,17 +159,3 @@ def packed_parts(latent_shapes) -> Callable[[Sequence[int]], list[tuple[int, ...
     if not latent_shapes or len(latent_shapes) < 2:
         return lambda shape: [tuple(shape)]
     return lambda shape: [(int(shape[0]), *tuple(part)[1:]) for part in latent_shapes]
-
-
-@contextmanager
-def memory_estimate_at_least(base_model, estimate):
-    """BaseModel.memory_required answers at least `estimate(input_shape)` inside the block."""
-    previous, comfy_estimate = vars(base_model).get("memory_required"), base_model.memory_required
-    base_model.memory_required = lambda shape, *args, **kwargs: max(comfy_estimate(shape, *args, **kwargs),
-                                                                     estimate(shape))
-    try:
-        yield
-    finally:
-        del base_model.memory_required
-        if previous is not None:
-            base_model.memory_required = previous
