@@ -27,6 +27,7 @@ from ..pack_logging import pack_logger
 from . import registry
 from .base import Backend, KernelCall, Unsupported, dims
 from .kernels import Sdpa, SdpaCudnn, SdpaFlash, _sdpa
+from .options import NO_OPTIONS, CallOptions
 from .registry import register_backend
 
 log = pack_logger(__name__)
@@ -142,9 +143,9 @@ class Auto(Backend):
         self._used.clear()
         return lines
 
-    def kernel_call(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
+    def kernel_call(self, q, k, v, *, layout="BHSD", mask=None, scale=None,
+                    options: CallOptions = NO_OPTIONS) -> KernelCall:
         dims(q, layout)
-        options = transformer_options or {}
         key = shape_key(q, k, v, layout, mask)
         decision = _DECISIONS.get(key)
         if decision is not None:

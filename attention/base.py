@@ -19,6 +19,7 @@ from ..dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..hardware import cuda_capability as capability
 from ..pack_logging import pack_logger
 from . import compiled_ops
+from .options import NO_OPTIONS, CallOptions
 
 log = pack_logger(__name__)
 
@@ -175,7 +176,7 @@ class Impl:
         self.unavailable()
         self.constraints  # noqa: B018 - a property that may read the package's build config
 
-    def kernel_call(self, q, k, v, *, layout, mask, scale, options) -> KernelCall:
+    def kernel_call(self, q, k, v, *, layout, mask, scale, options: CallOptions) -> KernelCall:
         self.constraints.check(q, k, v, layout, mask)
         why = self.unavailable()
         if why:
@@ -216,12 +217,13 @@ class Backend:
     def impls_for(self, device: torch.device) -> list[Impl]:
         return self._impls
 
-    def kernel_call(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> KernelCall:
+    def kernel_call(self, q, k, v, *, layout="BHSD", mask=None, scale=None,
+                    options: CallOptions = NO_OPTIONS) -> KernelCall:
         dims(q, layout)  # validates the layout
         reasons, missing = [], []
         for impl in self.impls_for(q.device):
             try:
-                call = impl.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=transformer_options or {})
+                call = impl.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=options)
             except Unsupported as e:
                 reasons.append((impl.label, e.args[0]))
                 if isinstance(e, Unavailable):
@@ -248,8 +250,9 @@ class Backend:
                         "; ".join(f"{label} is unavailable ({why})" for label, why in missing))
         return True
 
-    def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None) -> torch.Tensor:
-        return self.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=transformer_options).run()
+    def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None,
+                 options: CallOptions = NO_OPTIONS) -> torch.Tensor:
+        return self.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=options).run()
 
     def __repr__(self):
         return f"<attention backend {self.name}: {[i.label for i in self._impls]}>"

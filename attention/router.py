@@ -9,6 +9,7 @@ import torch
 from ..pack_logging import pack_logger
 from . import registry
 from .base import Unsupported
+from .options import NO_OPTIONS, CallOptions
 from .schedule import DenseSchedule, parse_layers
 
 log = pack_logger(__name__)
@@ -96,8 +97,7 @@ class Router:
     def begin_forward(self) -> None:
         self.schedule.begin_forward()
 
-    def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, transformer_options=None):
-        options = transformer_options or {}
+    def __call__(self, q, k, v, *, layout="BHSD", mask=None, scale=None, options: CallOptions = NO_OPTIONS):
         chain = [self.backend, self.dense, self.reference]
         if self.schedule.active:
             why = self.schedule.dense_reason(options, (layout, tuple(q.shape), tuple(k.shape)))
@@ -116,7 +116,7 @@ class Router:
         declined = []
         for backend in optional:
             try:
-                call = backend.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
+                call = backend.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=options)
             except Unsupported as e:
                 declined.append((backend.name, e.args[0]))
                 continue
@@ -129,7 +129,7 @@ class Router:
                 declined.append((backend.name, f"{call.label} failed: {type(e).__name__}: {first_line}"))
                 continue
             return self._ran(call.label, out, declined)
-        call = reference.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, transformer_options=options)
+        call = reference.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale, options=options)
         return self._ran(call.label, call.run(), declined)
 
     def _by_step(self, dense_step, chain, q, k, v, layout, mask, scale, options):
@@ -152,7 +152,7 @@ class Router:
         for backend in chain:
             try:
                 return backend.kernel_call(q, k, v, layout=layout, mask=mask, scale=scale,
-                                    transformer_options=options), declined
+                                    options=options), declined
             except Unsupported as e:
                 declined.append((backend.name, e.args[0]))
         raise Unsupported("; ".join(f"{name}: {why}" for name, why in declined))

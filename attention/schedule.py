@@ -1,20 +1,22 @@
 """Which calls run the dense backend by schedule: the first `dense_steps`
 sampling steps and the blocks listed in `dense_layers`.
 
-Step: ComfyUI's sampler puts the schedule in transformer_options
-["sample_sigmas"] and the current sigma in ["sigmas"]; the step is the
-position of that sigma in the schedule (a sampler's intermediate evaluations
-between two sigmas count as the earlier step). Steps count from the first
-sigma of each sampler node's own schedule.
+Each call comes with its `CallOptions` (attention/options.py), which the host
+fills from its own per-call options (host/attention.py).
 
-Block: a model that reports transformer_options["block_index"] (Flux,
-HunyuanVideo, Qwen-Image, and MiniMax-H3 in recent ComfyUI) is taken at its
-word, in its own numbering. Models that do not (Wan in ComfyUI 0.3.75) get
-their attention calls counted within one diffusion-model forward, separately
-for each (query shape, key shape): the n-th self-attention call of a forward
-is block n, and cross-attention calls count on their own. The counter is
-reset by `begin_forward()`, which the node calls from a DIFFUSION_MODEL
-wrapper at the start of every forward.
+Step: the position of the current sigma (`sigmas`) in the sampler's schedule
+(`sample_sigmas`); a sampler's intermediate evaluations between two sigmas
+count as the earlier step. Steps count from the first sigma of each sampler
+node's own schedule.
+
+Block: a model that reports its block (`block_index`: Flux, HunyuanVideo,
+Qwen-Image, and MiniMax-H3 in recent ComfyUI) is taken at its word, in its own
+numbering. Models that do not (Wan in ComfyUI 0.3.75) get their attention
+calls counted within one diffusion-model forward, separately for each (query
+shape, key shape): the n-th self-attention call of a forward is block n, and
+cross-attention calls count on their own. The counter is reset by
+`begin_forward()`, which the node calls from a DIFFUSION_MODEL wrapper at the
+start of every forward.
 
 Under torch.compile the block is known while tracing (a constant of the
 graph) but the step is data: `dense_step` gives it as a boolean tensor that
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from ..pack_logging import pack_logger
+from .options import CallOptions
 
 log = pack_logger(__name__)
 
@@ -120,8 +123,8 @@ class DenseSchedule:
     def begin_forward(self) -> None:
         self._counts.clear()
 
-    def step(self, options: dict) -> int | None:
-        sigmas, schedule = options.get("sigmas"), options.get("sample_sigmas")
+    def step(self, options: CallOptions) -> int | None:
+        sigmas, schedule = options.sigmas, options.sample_sigmas
         if sigmas is None or schedule is None:
             return None
         # one host sync per forward: every call of a forward shares these tensors
@@ -132,15 +135,14 @@ class DenseSchedule:
             self._step_key = (sigmas, schedule)
         return self._step
 
-    def block(self, options: dict, key) -> int:
-        index = options.get("block_index")
-        if index is not None:
-            return int(index)
+    def block(self, options: CallOptions, key) -> int:
+        if options.block_index is not None:
+            return options.block_index
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
         return n
 
-    def dense_reason(self, options: dict, key) -> str | None:
+    def dense_reason(self, options: CallOptions, key) -> str | None:
         """'step' or 'layer' when this call is scheduled dense, else None.
         `key` identifies the call's shapes for block counting. Under
         torch.compile the step is not read here (see `dense_step`)."""
@@ -154,11 +156,11 @@ class DenseSchedule:
                 return "step"
         return None
 
-    def dense_step(self, options: dict) -> torch.Tensor | None:
+    def dense_step(self, options: CallOptions) -> torch.Tensor | None:
         """Whether this call's step is one of the dense steps, as a 0-d bool tensor on the sigmas' device
         (None without step information): `step`'s arithmetic in tensor ops (float64, as Python's floats),
         so that under torch.compile the step is read with no host sync and no graph break."""
-        sigmas, schedule = options.get("sigmas"), options.get("sample_sigmas")
+        sigmas, schedule = options.sigmas, options.sample_sigmas
         if sigmas is None or schedule is None:
             self._no_step()
             return None
@@ -171,6 +173,6 @@ class DenseSchedule:
     def _no_step(self) -> bool:
         if not self._warned:
             self._warned = True
-            log.warning("attention: no sampling step in transformer_options "
-                        "(sigmas/sample_sigmas); dense_steps is not applied to these calls")
+            log.warning("attention: no sampling step for these calls (the sampler's sigmas and schedule are "
+                        "not known); dense_steps is not applied to them")
         return True

@@ -18,6 +18,7 @@ import torch
 from . import compiled_ops
 from .base import FLOAT_DTYPES, Backend, BackendParam, Constraints, Impl, KernelCall, Unsupported, convert, dims, load
 from .kernels import kitchen
+from .options import CallOptions
 from .registry import register_backend
 
 BLOCK = 64
@@ -40,18 +41,18 @@ def _compiled_kernel(device: torch.device) -> bool:
     return kitchen().sol_attn_is_available(device)
 
 
-def h3_sinks(options: dict, tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def h3_sinks(options: CallOptions, tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """MiniMax-H3 conditioning rows as (sink_blocks, sink_q) block ranges.
 
-    Upstream ComfyUI's H3 publishes its packed layout as
-    transformer_options["minimax_h3_layout"] ([text | conditioning | audio |
-    video] segments). Everything before the video is attended exactly by
-    every query (sink_blocks) and the target-audio query rows run dense
-    (sink_q), as upstream's sparse node does by default. Other models: none.
+    Upstream ComfyUI's H3 publishes its packed layout ([text | conditioning |
+    audio | video] segments; `options.packed`). Everything before the video is
+    attended exactly by every query (sink_blocks) and the target-audio query
+    rows run dense (sink_q), as upstream's sparse node does by default. Other
+    models, or another sequence than the layout's: none.
     """
     none = ((0, 0), (0, 0))
-    layout = options.get("minimax_h3_layout")
-    if layout is None or getattr(layout, "seq_len", None) != tokens:
+    layout = options.packed
+    if layout is None or layout.length != tokens:
         return none
     video = next(((a, b) for a, b, kind in layout.segments if kind == "video"), None)
     if video is None or video[0] <= 0:

@@ -8,9 +8,12 @@ where `func` is the attention function ComfyUI would have used. Layouts:
 q/k/v are (B, S, heads*D) unless skip_reshape, then (B, heads, S, D); the
 output is (B, S, heads*D) unless skip_output_reshape, then (B, heads, S, D).
 Masks are 2-D (Sq, Sk), 3-D (B, Sq, Sk) or 4-D, boolean or additive, with
-SDPA's meaning, as ComfyUI's attention_pytorch reads them.
+SDPA's meaning, as ComfyUI's attention_pytorch reads them. The router gets the
+keys of transformer_options it uses as a `CallOptions` (`call_options`).
 """
 from __future__ import annotations
+
+from ..attention.options import CallOptions, PackedLayout
 
 KEY = "optimized_attention_override"
 MARKER = "_bigdit_attention_override"
@@ -56,7 +59,7 @@ class AttentionOverride:
             if mask.ndim == 3:  # (B, Sq, Sk): add the heads dimension
                 mask = mask.unsqueeze(1)
         out = self.router(q, k, v, layout=layout, mask=mask, scale=kwargs.get("scale"),
-                          transformer_options=kwargs.get("transformer_options"))
+                          options=call_options(kwargs.get("transformer_options")))
         if skip_output_reshape:
             return out if layout == "BHSD" else out.transpose(1, 2)
         if layout == "BHSD":
@@ -70,6 +73,20 @@ class AttentionOverride:
 
     def __repr__(self):
         return f"<bigdit attention override: {self.router.describe()}>"
+
+
+def call_options(transformer_options: dict | None) -> CallOptions:
+    """What the router reads of a call's transformer_options: the sampler's current sigmas and schedule, the
+    block a model reports (Flux, HunyuanVideo, Qwen-Image, recent MiniMax-H3) and the packed layout that
+    upstream's MiniMax-H3 publishes (an object with `seq_len` and (start, stop, kind) `segments`)."""
+    options = transformer_options or {}
+    layout = options.get("minimax_h3_layout")
+    length, segments = getattr(layout, "seq_len", None), getattr(layout, "segments", None)
+    packed = (None if length is None or segments is None
+              else PackedLayout(int(length), tuple((int(a), int(b), str(kind)) for a, b, kind in segments)))
+    block = options.get("block_index")
+    return CallOptions(sigmas=options.get("sigmas"), sample_sigmas=options.get("sample_sigmas"),
+                       block_index=None if block is None else int(block), packed=packed)
 
 
 def is_ours(override) -> bool:

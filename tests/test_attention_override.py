@@ -105,9 +105,23 @@ def test_clones_share_the_override():
     assert clone["transformer_options"][KEY] is hook
 
 
+def test_the_router_reads_transformer_options_through_the_hook():
+    """host/attention.py hands the router the keys of transformer_options it uses (the attention/ core reads
+    none): the block a model reports and the sampler's step decide the dense schedule."""
+    router = Router("sdpa", dense_backend="sdpa", dense_steps=1, dense_layers="7")
+    options = {}
+    install(options, router)
+    sigmas = torch.tensor([1.0, 0.5, 0.0])
+    q, k, v = comfy_qkv()
+    for block, sigma in ((7, 0.5), (3, 1.0), (3, 0.5)):
+        call(dict(options, block_index=block, sigmas=sigma * torch.ones(1), sample_sigmas=sigmas), q, k, v)
+    assert snapshot(router.stats)["scheduled_dense"] == {"layer": 1, "step": 1}
+
+
 def test_our_override_is_recognised_across_two_imports_of_the_pack():
     # ComfyUI imports the pack under its folder name, tests as `bigdit`: two module copies
-    spec = importlib.util.spec_from_file_location("other_copy_override", override_module.__file__)
+    spec = importlib.util.spec_from_file_location(f"{override_module.__package__}.other_copy_override",
+                                                  override_module.__file__)
     other = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(other)
     options = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bigdit.attention import Router
+from bigdit.attention import CallOptions, Router
 from bigdit.attention.schedule import DenseSchedule, block_count, check_layers, parse_layers
 from probes import snapshot
 
@@ -45,7 +45,7 @@ def test_parse_layers_rejects(text, words):
 @pytest.mark.parametrize("sigma, step", [(1.0, 0), (0.75, 1), (0.6, 1), (0.25, 3), (0.7500001, 1)])
 def test_step_from_sigmas(sigma, step):
     schedule = DenseSchedule(dense_steps=1)
-    options = {"sigmas": torch.tensor([sigma, sigma]), "sample_sigmas": SIGMAS}
+    options = CallOptions(sigmas=torch.tensor([sigma, sigma]), sample_sigmas=SIGMAS)
     assert schedule.step(options) == step
 
 
@@ -54,7 +54,7 @@ def test_step_from_sigmas(sigma, step):
 def test_dense_step_tensor_agrees_with_step(sigma, dense_steps):
     """The step as torch.compile reads it (tensor arithmetic, no host sync) decides as the eager one does."""
     schedule = DenseSchedule(dense_steps=dense_steps)
-    options = {"sigmas": torch.tensor([sigma, sigma]), "sample_sigmas": SIGMAS}
+    options = CallOptions(sigmas=torch.tensor([sigma, sigma]), sample_sigmas=SIGMAS)
     dense = schedule.dense_step(options)
     assert dense.dtype == torch.bool and dense.dim() == 0
     assert bool(dense) == (schedule.step(options) < dense_steps)
@@ -75,12 +75,12 @@ def sample(router, steps=4, blocks=3, cross=False):
     ran_dense = {}
     for step in range(steps):
         router.begin_forward()
-        options = {"sigmas": SIGMAS[step:step + 1], "sample_sigmas": SIGMAS}
+        options = CallOptions(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS)
         for block in range(blocks):
-            out = router(q, k, v, transformer_options=options)
+            out = router(q, k, v, options=options)
             ran_dense[step, block, "self"] = torch.equal(out, dense_self)
             if cross:
-                router(q, text_k, text_v, transformer_options=options)
+                router(q, text_k, text_v, options=options)
     return ran_dense
 
 
@@ -115,8 +115,8 @@ def test_block_index_reported_by_the_model_wins():
     router = Router("sol", dense_backend="sdpa", sol_tau=2.0, dense_layers="7", sol_min_tokens=0)
     q, k, v = qkv()
     dense = F.scaled_dot_product_attention(q, k, v)
-    assert torch.equal(router(q, k, v, transformer_options={"block_index": 7}), dense)
-    assert not torch.equal(router(q, k, v, transformer_options={"block_index": 0}), dense)
+    assert torch.equal(router(q, k, v, options=CallOptions(block_index=7)), dense)
+    assert not torch.equal(router(q, k, v, options=CallOptions(block_index=0)), dense)
     assert snapshot(router.stats)["scheduled_dense"] == {"layer": 1}
 
 
@@ -126,7 +126,7 @@ def test_no_step_information_warns_once_and_runs_sol(caplog):
     q, k, v = qkv()
     with caplog.at_level(logging.WARNING, logger="bigdit.attention.schedule"):
         for _ in range(3):
-            router(q, k, v, transformer_options={})
+            router(q, k, v, options=CallOptions())
     assert len([r for r in caplog.records if "dense_steps is not applied" in r.getMessage()]) == 1
     assert snapshot(router.stats)["calls"] == {"sol": 3}
 

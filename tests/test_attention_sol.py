@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from bench.attention_inputs import psnr, random_qkv, structured_qkv
 from bigdit.attention import Router, Unsupported, registry
 from bigdit.attention.sol import h3_sinks
+from bigdit.host.attention import call_options
 from probes import snapshot
 
 pytestmark = pytest.mark.kitchen_feature("sol_attn")
@@ -96,13 +97,14 @@ def h3_layout(t):
 
 
 def test_h3_conditioning_rows_become_sinks():
-    assert h3_sinks({"minimax_h3_layout": h3_layout(512)}, 512) == ((0, 3), (1, 3))
-    assert h3_sinks({"minimax_h3_layout": h3_layout(512)}, 640) == ((0, 0), (0, 0))  # another sequence
-    assert h3_sinks({}, 512) == ((0, 0), (0, 0))
+    """Upstream's H3 layout as the host reads it from transformer_options (host/attention.py's call_options)."""
+    options = call_options({"minimax_h3_layout": h3_layout(512)})
+    assert h3_sinks(options, 512) == ((0, 3), (1, 3))
+    assert h3_sinks(options, 640) == ((0, 0), (0, 0))  # another sequence
+    assert h3_sinks(call_options({}), 512) == ((0, 0), (0, 0))
     q, k, v = qkv(t=512)
-    options = {"minimax_h3_layout": h3_layout(512)}
     dense = F.scaled_dot_product_attention(q, k, v)
-    out = sol(3.0)(q, k, v, transformer_options=options)
+    out = sol(3.0)(q, k, v, options=options)
     # sink_q blocks 1-2 (query rows 64-191) attend everything exactly: dense rows
     torch.testing.assert_close(out[:, :, 64:192], dense[:, :, 64:192], atol=FP32_TOL, rtol=0)
     assert (out[:, :, 192:] - dense[:, :, 192:]).abs().max() > 1e-2  # video rows stay sparse
