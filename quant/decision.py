@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..dtypes import FLOAT_DTYPES, dtype_name
-from .descriptor import Conversion
 from .layer import CONVERT, KEEP, LOAD, QUANTIZE, Layer
 from .linear_method import LinearMethod, default_device
 from .patterns import first_match
@@ -117,16 +116,15 @@ def _stored(config: QuantConfig, layer: Layer, dominant: torch.dtype | None, loa
     if spec is None:
         return layer.decided(KEEP, None, "already quantized")
     mode = config.conversions.get(layer.stored)
-    conversion: Conversion = spec.stored_decision(layer, mode, StoredContext(config, dominant))
+    layer = spec.stored_decision(layer, mode, StoredContext(config, dominant))  # CONVERT or KEEP
     if not loading:
-        action = KEEP if conversion.target is None else CONVERT
-        return layer.decided(action, conversion.target, conversion.reason, conversion.path)
-    reason = f"{layer.stored} {'from' if conversion.target is None else 'in'} the checkpoint"
-    if conversion.brief is not None:
-        reason += f", {conversion.brief}"
-    if conversion.target is not None:
-        return layer.decided(CONVERT, conversion.target, reason, conversion.path)
-    return layer.decided(LOAD, stored_method(layer), reason, conversion.path)
+        return layer
+    reason = f"{layer.stored} {'in' if layer.action == CONVERT else 'from'} the checkpoint"
+    if layer.brief is not None:
+        reason += f", {layer.brief}"
+    if layer.action == CONVERT:
+        return layer.decided(CONVERT, layer.method, reason, layer.path)
+    return layer.decided(LOAD, stored_method(layer), reason, layer.path)
 
 
 def _choose(config: QuantConfig, layer: Layer, dtype: torch.dtype, dominant: torch.dtype | None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
+    from .layer import Layer
     from .linear_method import LinearMethod
 
 
@@ -109,16 +110,6 @@ def read_marker(params: dict[str, MarkerParam], marker: dict) -> tuple[dict, lis
     return values, unknown
 
 
-@dataclass(frozen=True)
-class Conversion:
-    """A stored layer's fate: re-quantized to `target`, or (None) run as stored; the reason for its record, and
-    how it runs on this device for the report (`path`, its short form `brief`)."""
-    target: "LinearMethod | None"
-    reason: str
-    path: str | None = None
-    brief: str | None = None
-
-
 class QuantFormat:
     """A format's declarations; subclasses override what differs and register with `@register_format`."""
     name: str = ""
@@ -177,11 +168,12 @@ class QuantFormat:
         """Option sets for `method`, most preferred first, for picking the first that takes a shape."""
         return ({},)
 
-    def stored_decision(self, layer, mode: str | None, context) -> "Conversion":
-        """What becomes of a layer stored in this format, under one of its `conversion_modes` (None: as stored):
-        a target method to re-quantize it to, or None and how it runs. `context` (decision.StoredContext) gives
-        the device, the config's choice for a full-precision layer, and the device's native formats."""
-        return Conversion(None, "already quantized")
+    def stored_decision(self, layer: "Layer", mode: str | None, context) -> "Layer":
+        """`layer`, stored in this format, decided under one of its `conversion_modes` (None: as stored) by
+        `layer.conversion`: a target method to re-quantize it to, or None and how it runs. `context`
+        (decision.StoredContext) gives the device, the config's choice for a full-precision layer, and the
+        device's native formats."""
+        return layer.conversion(None, "already quantized")
 
     def convention_keys(self, file) -> list[str]:
         """The keys (tensors, or metadata) that make `file` (loaders/conventions.py's ConventionFile) one of this

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from ..dtypes import HALF_DTYPES, dtype_name
 from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
-from .descriptor import PER_ROW, Contract, Conversion, QuantFormat
+from .descriptor import PER_ROW, Contract, QuantFormat
+from .layer import Layer
 from .linear_method import LinearMethod, output_dtype
 from .registry import register_format
 
@@ -215,12 +216,13 @@ class Fp8Format(QuantFormat):
     def weight_format(self, params: dict, storage_dtype: torch.dtype) -> str:
         return dtype_name(storage_dtype)
 
-    def stored_decision(self, layer, mode, context) -> Conversion:
+    def stored_decision(self, layer, mode, context) -> Layer:
         if mode != "requantize":
-            return Conversion(None, "already quantized")
+            return layer.conversion(None, "already quantized")
         method, reason = context.float_choice(layer, torch.float8_e4m3fn)
-        return Conversion(method, reason if method is None else f"re-quantized from {layer.stored_label or NAME}: "
-                                                                f"{reason}")
+        if method is not None:
+            reason = f"re-quantized from {layer.stored_label or NAME}: {reason}"
+        return layer.conversion(method, reason)
 
     convention = SCALED_FP8
     convention_label = "a scaled_fp8 marker"

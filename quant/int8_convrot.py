@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from ..hardware import cuda_at_least
 from . import compiled_ops, int8_triton
-from .descriptor import PER_ROW, Contract, Conversion, MarkerParam, QuantFormat, power_of_4
+from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
+from .layer import Layer
 from .kernel_select import KernelChooser, rows_bucket
 from .linear_method import LinearMethod, output_dtype
 from .registry import register_format
@@ -200,19 +201,19 @@ class Int8TensorwiseFormat(QuantFormat):
     def native(self, device: torch.device) -> bool:
         return cuda_at_least(device, (7, 5))
 
-    def stored_decision(self, layer, mode, context) -> Conversion:
+    def stored_decision(self, layer, mode, context) -> Layer:
         if mode == "requantize":
             target = next((m for m in context.fastest_native(layer) if m.name != CONVROT), None)
             if target is not None:
                 label = f"re-quantized at load to {target.describe()}"
-                return Conversion(target, label, label, label)
+                return layer.conversion(target, label, label, label)
         elif mode == "auto" and context.device.type == "cuda":
             target, why = context.faster_native(layer, self.method(**layer.options))
             if target is not None:  # the record gives the measurement; the report's headline counts the paths
                 label = f"re-quantized at load to {target.describe()}"
-                return Conversion(target, f"{label}: {why}", label, f"{label}: {why}")
-            return Conversion(None, f"already quantized; {why}", "kept as INT8", f"kept as INT8: {why}")
-        return Conversion(None, "already quantized")
+                return layer.conversion(target, f"{label}: {why}", label, f"{label}: {why}")
+            return layer.conversion(None, f"already quantized; {why}", "kept as INT8", f"kept as INT8: {why}")
+        return layer.conversion(None, "already quantized")
 
     def marker_meaning(self, marker: dict) -> dict:
         meaning = super().marker_meaning(marker)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_capability
-from .descriptor import Conversion, QuantFormat
+from .descriptor import QuantFormat
+from .layer import Layer
 from .linear_method import LinearMethod, output_dtype
 
 
@@ -92,12 +93,12 @@ class BlockFormat(QuantFormat):
     dequantized before each matmul, or, under the mode "requantize" where the format offers it, are
     re-quantized at load to the device's fastest native format."""
 
-    def stored_decision(self, layer, mode, context) -> Conversion:
+    def stored_decision(self, layer, mode, context) -> Layer:
         if self.native(context.device):
-            return Conversion(None, "already quantized", "native comfy-kitchen GEMM", "native GEMM")
+            return layer.conversion(None, "already quantized", "native comfy-kitchen GEMM", "native GEMM")
         if mode == "requantize" and mode in self.conversion_modes:
             targets = context.fastest_native(layer)
             if targets:
                 label = f"re-quantized at load to {targets[0].describe()}"
-                return Conversion(targets[0], label, label, label)
-        return Conversion(None, "already quantized", "dequantized before each matmul", "dequantized per call")
+                return layer.conversion(targets[0], label, label, label)
+        return layer.conversion(None, "already quantized", "dequantized before each matmul", "dequantized per call")

@@ -39,6 +39,7 @@ class Layer:
     method: LinearMethod | None = None        # what the built layer runs (LOAD: the stored format's own)
     reason: str = ""
     path: str | None = None                   # a stored format: how it runs on this device, for the report
+    brief: str | None = None                  # a stored format: its fate in a few words, for a loader's reason
     # the outcome
     bytes_before: int = 0
     bytes_after: int = 0
@@ -46,6 +47,13 @@ class Layer:
     def decided(self, action: str, method: LinearMethod | None, reason: str, path: str | None = None) -> "Layer":
         self.action, self.method, self.reason, self.path = action, method, reason, path
         return self
+
+    def conversion(self, target: LinearMethod | None, reason: str, path: str | None = None,
+                   brief: str | None = None) -> "Layer":
+        """A stored layer as its format decides it (QuantFormat.stored_decision): re-quantized to `target`
+        (CONVERT), or, None, run as stored (KEEP; a load builds it as stored, LOAD: decision.decide)."""
+        self.brief = brief
+        return self.decided(KEEP if target is None else CONVERT, target, reason, path)
 
     @property
     def shape(self) -> tuple[int, int]:

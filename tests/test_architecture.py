@@ -88,7 +88,8 @@ def test_nodes_holds_only_node_classes():
 def test_one_record_crosses_from_decision_to_build():
     """The one-pipeline rule: `decide` is defined once (quant/decision.py) and returns the one per-layer record,
     `Layer` (quant/layer.py); the builders that carry decisions out (the quantization pass, the loaders' builder)
-    call it, and no other class of the core holds a decided method beside a reason."""
+    call it, a format's `stored_decision` returns that record, and no other class of the pack holds a method
+    (a field typed LinearMethod, whatever its name) beside a reason."""
     decides = [(str(rel), n) for rel, tree in pack_modules() for n in ast.walk(tree)
                if isinstance(n, ast.FunctionDef) and n.name == "decide"]
     assert [rel for rel, _ in decides] == ["quant/decision.py"]
@@ -99,10 +100,14 @@ def test_one_record_crosses_from_decision_to_build():
     records = set()
     for rel, tree in pack_modules():
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            fields = {t.target.id for t in cls.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
-            if {"method", "reason"} <= fields:
+            fields = {t.target.id: ast.unparse(t.annotation) for t in cls.body
+                      if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+            if "reason" in fields and any("LinearMethod" in annotation for annotation in fields.values()):
                 records.add(f"{rel}:{cls.name}")
     assert records == {"quant/layer.py:Layer"}
+    stored_decisions = {str(rel): ast.unparse(n.returns).strip("'\"") for rel, tree in pack_modules()
+                        for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "stored_decision"}
+    assert len(stored_decisions) >= 4 and set(stored_decisions.values()) == {"Layer"}, stored_decisions
 
 
 def test_packages_import_in_one_direction():

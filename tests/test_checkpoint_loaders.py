@@ -274,13 +274,13 @@ def test_int8_auto_converts_only_what_its_measurement_found_faster():
     fp8 = get_method("float8_e4m3fn")
     faster = StubContext((fp8, "faster at 5376->28672 (int8_convrot 1.000 ms, float8_e4m3fn 0.800 ms)"))
     conversion = spec.stored_decision(layer, "auto", faster)
-    assert conversion.target is fp8 and conversion.path.startswith("re-quantized at load to float8_e4m3fn")
+    assert conversion.method is fp8 and conversion.path.startswith("re-quantized at load to float8_e4m3fn")
     assert "int8_convrot 1.000 ms" in conversion.reason and "int8_convrot 1.000 ms" in conversion.brief
     # the stored format's own method is what it was measured against: the marker's rotation and group
     assert faster.asked == [((28672, 5376), "int8_convrot", True, 256)]
     slower = spec.stored_decision(layer, "auto", StubContext((None, "int8_convrot as fast or faster")))
-    assert slower.target is None and slower.path == "kept as INT8" and "as fast or faster" in slower.reason
-    assert spec.stored_decision(layer, "keep", faster).target is None
+    assert slower.method is None and slower.path == "kept as INT8" and "as fast or faster" in slower.reason
+    assert spec.stored_decision(layer, "keep", faster).method is None
 
 
 def test_int8_auto_measurement_weighs_time_and_error(monkeypatch):
