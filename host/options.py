@@ -5,7 +5,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from ..pack_logging import pack_logger
-from ..quant.registry import format_aliases, online_formats
+from ..quant.registry import format_aliases, loader_conversions, online_formats
 
 log = pack_logger(__name__)
 
@@ -47,6 +47,17 @@ OFFLOAD_MODES = Choices("offload mode", ("auto", "none"), {"layerwise": "auto"},
 # LoadH3Quantized's `quantization`; old values are the spellings of earlier versions (today's is the markers' and
 # the reports').
 QUANTIZATIONS = Choices("quantization", ("auto", *online_formats(), "none"), format_aliases())
+
+
+def load_conversions(inputs: dict[str, str], quantizing: bool = False) -> tuple[tuple[str, str], ...]:
+    """(input, mode) for each conversion input of the loaders (quant.registry.loader_conversions): where the load
+    quantizes, a format's `quantizing_conversion` (no input then); else the node's value, by default the first
+    of the format's modes."""
+    def mode(spec) -> str:
+        if quantizing and spec.quantizing_conversion:
+            return spec.quantizing_conversion
+        return inputs.get(spec.conversion_option, spec.conversion_modes[0])
+    return tuple((spec.conversion_option, mode(spec)) for spec in loader_conversions())
 
 
 def validates(*names: str):

@@ -6,23 +6,17 @@ from comfy_api.latest import io
 
 from ..host import building, categories
 from ..host.loading import load_checkpoint
-from ..host.options import OFFLOAD_MODES, QUANTIZATIONS
+from ..host.options import OFFLOAD_MODES, QUANTIZATIONS, load_conversions
 from ..quant.keep import describe_keep
-from ..quant.registry import conversion_format, fit_formats, group_sizes, marker_format_list, online_summaries
+from ..quant.registry import fit_formats, group_sizes, loader_conversions, marker_format_list, online_summaries
 from ..quant.registry import rotation_formats
 
-_NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized before "
-                  "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
-                  "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
-                  "the report says which happened.")
-_INT8_TOOLTIP = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: where "
-                 "this GPU's fastest native format (FP8 on sm89+) is measured faster than INT8 at the layer's shape "
-                 "and stays within its error bound, re-quantize the layer to it while loading, on the GPU, layer by "
-                 "layer; else keep INT8. keep: always INT8. requantize: to that format wherever the GPU has one. "
-                 "The report says what was converted, why, and the timings.")
-_INT8_MODES = conversion_format("int8").conversion_modes
-_INT8_INPUT = io.Combo.Input("int8", options=list(_INT8_MODES), default=_INT8_MODES[0], optional=True,
-                             tooltip=_INT8_TOOLTIP)
+# the loaders' inputs for what becomes of a file's stored formats, as each format declares its own
+_CONVERSION_INPUTS = {
+    spec.conversion_option: io.Combo.Input(spec.conversion_option, options=list(spec.conversion_modes),
+                                           default=spec.conversion_modes[0], optional=True,
+                                           tooltip=spec.conversion_tooltip)
+    for spec in loader_conversions()}
 
 
 class MixedCheckpointLoader(io.ComfyNode):
@@ -46,9 +40,7 @@ class MixedCheckpointLoader(io.ComfyNode):
                     "unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                     tooltip="A safetensors file in models/diffusion_models with per-layer quantization markers, "
                             "a scaled_fp8 marker or a Quanto quantization map."),
-                io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
-                               tooltip=_NVFP4_TOOLTIP),
-                _INT8_INPUT,
+                *_CONVERSION_INPUTS.values(),
             ],
             outputs=[
                 io.Model.Output(display_name="model",
@@ -61,9 +53,9 @@ class MixedCheckpointLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, nvfp4="auto", int8="auto"):
+    def execute(cls, unet_name, **conversions):
         return load_checkpoint("MixedCheckpointLoader", "diffusion_models", unet_name,
-                               conversions=(("nvfp4", nvfp4), ("int8", int8)), node_id=cls.hidden.unique_id)
+                               conversions=load_conversions(conversions), node_id=cls.hidden.unique_id)
 
 
 class LoadH3Quantized(io.ComfyNode):
@@ -109,7 +101,8 @@ class LoadH3Quantized(io.ComfyNode):
                     tooltip="The most GiB the quantized Linear layers may take (0: no limit). Where the chosen "
                             f"quantization needs more, the largest layers move to {' then '.join(fit_formats())}, "
                             "largest first, until they fit: 4-bit, less exact; the report lists what moved."),
-                _INT8_INPUT,
+                # a stored format a quantizing load converts by itself has no input here
+                *(_CONVERSION_INPUTS[spec.conversion_option] for spec in loader_conversions(quantizing=True)),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The quantized diffusion model."),
@@ -127,12 +120,11 @@ class LoadH3Quantized(io.ComfyNode):
         return QUANTIZATIONS.problem(quantization) or OFFLOAD_MODES.problem(offload) or True
 
     @classmethod
-    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers="", fit_gib=0.0, int8="auto"):
+    def execute(cls, unet_name, quantization, offload, group_size="256", ignored_layers="", fit_gib=0.0,
+                **conversions):
         quantization = QUANTIZATIONS.read(quantization, "LoadH3Quantized")
-        # quantizing: NVFP4 layers off their native GPUs are re-quantized to this GPU's fastest native format
-        nvfp4 = "auto" if quantization == "none" else "requantize"
         return load_checkpoint("LoadH3Quantized", "diffusion_models", unet_name,
-                               conversions=(("nvfp4", nvfp4), ("int8", int8)),
+                               conversions=load_conversions(conversions, quantizing=quantization != "none"),
                                quantization=quantization, group_size=group_size,
                                ignored_layers=ignored_layers, fit_gib=fit_gib, offload_input=offload,
                                cached=True, node_id=cls.hidden.unique_id)
@@ -159,9 +151,7 @@ class QuantizedCLIPLoader(io.ComfyNode):
                     "rename_prefixes", default="", multiline=True, optional=True,
                     tooltip="Rename key prefixes of the file to ComfyUI's names, one 'old -> new' per line "
                             "(empty new strips the prefix). Two names mapping to one is refused."),
-                io.Combo.Input("nvfp4", options=["auto", "requantize"], default="auto", optional=True,
-                               tooltip=_NVFP4_TOOLTIP),
-                _INT8_INPUT,
+                *_CONVERSION_INPUTS.values(),
             ],
             outputs=[
                 io.Clip.Output(display_name="clip", tooltip="The text encoder."),
@@ -171,9 +161,9 @@ class QuantizedCLIPLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, clip_name, type, rename_prefixes="", nvfp4="auto", int8="auto"):
+    def execute(cls, clip_name, type, rename_prefixes="", **conversions):
         return load_checkpoint("QuantizedCLIPLoader", "text_encoders", clip_name, clip_type=type,
-                               rename_prefixes=rename_prefixes, conversions=(("nvfp4", nvfp4), ("int8", int8)))
+                               rename_prefixes=rename_prefixes, conversions=load_conversions(conversions))
 
 
 NODES = (MixedCheckpointLoader, LoadH3Quantized, QuantizedCLIPLoader)

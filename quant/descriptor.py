@@ -138,6 +138,14 @@ class QuantFormat:
     conversion_modes: tuple[str, ...] = ()
     #: The node input that sets that mode (e.g. the loaders' "nvfp4"), where a node offers one.
     conversion_option: str | None = None
+    #: The loaders offer that input, a choice of the modes, with this tooltip, in the order of
+    #: `conversion_rank` (saved workflows hold an input's value by its place: a new input takes the next rank).
+    #: Empty: no loader offers it (FP8's is QuantizeModelINT8's switch).
+    conversion_tooltip: str = ""
+    conversion_rank: int = 0
+    #: The mode a load that quantizes (LoadH3Quantized with a quantization) takes for these layers in place of
+    #: the input, which that loader then does not offer; None: it offers the input.
+    quantizing_conversion: str | None = None
     #: An older file convention whose files hold this format's layers ("scaled_fp8", "quanto"), read by
     #: `read_convention`.
     convention: str | None = None

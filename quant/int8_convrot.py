@@ -189,6 +189,13 @@ class Int8TensorwiseFormat(QuantFormat):
     # that format wherever there is one
     conversion_modes = ("auto", "keep", "requantize")
     conversion_option = "int8"
+    conversion_tooltip = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: where "
+                          "this GPU's fastest native format (FP8 on sm89+) is measured faster than INT8 at the "
+                          "layer's shape and stays within its error bound, re-quantize the layer to it while "
+                          "loading, on the GPU, layer by layer; else keep INT8. keep: always INT8. requantize: to "
+                          "that format wherever the GPU has one. The report says what was converted, why, and the "
+                          "timings.")
+    conversion_rank = 1   # after nvfp4's
     marker_params = {
         "convrot": MarkerParam((bool,), False, means="true or false"),
         "convrot_groupsize": MarkerParam((int,), 256, power_of_4, "a power of 4 from 4 up"),

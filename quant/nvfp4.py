@@ -56,6 +56,11 @@ class Nvfp4Format(BlockFormat):
     kitchen_layouts = (LAYOUT,)
     conversion_modes = ("auto", "requantize")   # requantize: off sm100+, to the GPU's fastest native format
     conversion_option = NAME
+    conversion_tooltip = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native there, elsewhere dequantized "
+                          "before each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize "
+                          "them at load to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before "
+                          "that and on CPU); the report says which happened.")
+    quantizing_conversion = "requantize"   # a load that quantizes anyway converts them where they are not native
     contract = Contract(
         required=frozenset({"weight", "weight_scale", "weight_scale_2"}),
         optional=frozenset({"input_scale", PRE_QUANT_SCALE}), shapes={PRE_QUANT_SCALE: "K"},

@@ -69,9 +69,12 @@ def conversion_format(option: str) -> QuantFormat:
     return found
 
 
-def conversion_options() -> dict[str, QuantFormat]:
-    """The loaders' conversion inputs by name, each with the format it converts (its modes are the choices)."""
-    return {spec.conversion_option: spec for spec in _FORMATS.values() if spec.conversion_option}
+def loader_conversions(quantizing: bool = False) -> list[QuantFormat]:
+    """The formats whose stored layers a loader input converts (a `conversion_option` with a tooltip), in the
+    inputs' order; `quantizing`: those a load that quantizes still offers an input for."""
+    found = [spec for spec in _FORMATS.values() if spec.conversion_option and spec.conversion_tooltip
+             and not (quantizing and spec.quantizing_conversion)]
+    return sorted(found, key=lambda spec: spec.conversion_rank)
 
 
 def dtype_format(dtype) -> QuantFormat | None:

@@ -11,9 +11,8 @@ from bigdit.quant.registry import formats
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 NOT_PACK = {"tests", "web", "example_workflows", "shared"}
-# The same spelling for another thing: torch's dtype name, and the loader nodes' input `nvfp4` (its id stays,
-# for saved workflows) with its modes.
-SAME_SPELLING = {("dtypes.py", "float8_e4m3fn"), ("nodes/loader_nodes.py", "nvfp4")}
+# The same spelling for another thing: torch's dtype name. (The loaders' input `nvfp4` is named by its format.)
+SAME_SPELLING = {("dtypes.py", "float8_e4m3fn")}
 
 
 def docstrings(tree):

@@ -8,7 +8,9 @@ from safetensors.torch import save_file
 
 from bigdit.loaders import inspect_checkpoint
 from bigdit.loaders.load import online_config, online_method, parse_prefix_rules, progress_total
-from bigdit.host.options import OFFLOAD_MODES, QUANTIZATIONS
+from bigdit.host.options import OFFLOAD_MODES, QUANTIZATIONS, load_conversions
+from bigdit.quant import registry
+from bigdit.quant.descriptor import QuantFormat
 from bigdit.quant.keep import keep_patterns
 
 
@@ -29,6 +31,34 @@ def test_unknown_values_are_named_with_the_choices():
                                              "mxfp4, convrot_w4a4, asym_w4a8_int8, none, got 'int4'")
     with pytest.raises(ValueError, match="offload mode must be one of auto, none, got 'all'"):
         OFFLOAD_MODES.read("all")
+
+
+@pytest.fixture
+def int4_stored():
+    """A throwaway stored format with conversion modes, registered for one test."""
+    @registry.register_format
+    class Int4Stored(QuantFormat):
+        name = "int4_stored"
+        conversion_modes = ("keep", "requantize")
+        conversion_option = "int4"
+        conversion_tooltip = "INT4 layers. keep, or requantize to this GPU's fastest native format."
+        conversion_rank = 2
+    try:
+        yield Int4Stored
+    finally:
+        registry._FORMATS.pop("int4_stored")
+
+
+def test_the_loaders_conversion_inputs_are_the_registrys(int4_stored):
+    """The loader nodes build their conversion inputs from the registry (nodes/loader_nodes.py): every format that
+    declares one, in its rank; LoadH3Quantized leaves out a format its quantizing load converts by itself."""
+    assert [spec.conversion_option for spec in registry.loader_conversions()] == ["nvfp4", "int8", "int4"]
+    assert [spec.conversion_option for spec in registry.loader_conversions(quantizing=True)] == ["int8", "int4"]
+    assert load_conversions({}) == (("nvfp4", "auto"), ("int8", "auto"), ("int4", "keep"))
+    assert load_conversions({"nvfp4": "requantize", "int4": "requantize"}) == (
+        ("nvfp4", "requantize"), ("int8", "auto"), ("int4", "requantize"))
+    assert load_conversions({"int8": "keep"}, quantizing=True) == (
+        ("nvfp4", "requantize"), ("int8", "keep"), ("int4", "keep"))
 
 
 def test_prefix_rules():
