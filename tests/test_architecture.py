@@ -1,7 +1,8 @@
 """ARCHITECTURE.md's checkable claims, read from the source with `ast` (nothing is imported): only host/ and nodes/
-import ComfyUI, the packages import each other in one direction (the core never imports host/ or nodes/), nodes/
-holds only node classes, one per-layer record crosses from the decision to the built layer, no node module is
-over 200 lines, and the layout's tree names every top-level module and package."""
+import ComfyUI, the packages import each other in one direction (the core never imports host/ or nodes/), the core
+holds no key of ComfyUI's transformer_options, nodes/ holds only node classes, one per-layer record crosses from the
+decision to the built layer, one routine dequantizes and quantizes again, no node module is over 200 lines, and the
+layout's tree names every top-level module and package."""
 import ast
 from pathlib import Path
 
@@ -108,6 +109,79 @@ def test_one_record_crosses_from_decision_to_build():
     stored_decisions = {str(rel): ast.unparse(n.returns).strip("'\"") for rel, tree in pack_modules()
                         for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "stored_decision"}
     assert len(stored_decisions) >= 4 and set(stored_decisions.values()) == {"Layer"}, stored_decisions
+
+
+# what turns a stored weight into full precision (a method's `dequantize`, QuantLinear's `dequantized`, stored
+# tensors' `dequantized_weight`), and what quantizes one
+DEQUANTIZERS = {"dequantize", "dequantized", "dequantized_weight"}
+QUANTIZERS = {"quantized_layer", "quantize_weight"}
+ROUTINE = "requantized_layer"
+
+
+def _calls(node):
+    """(position, name) of the calls below `node` in source order, leaving out what it hands the routine."""
+    found, handed = [], set()
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        func = call.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == ROUTINE:
+            handed |= {id(n) for arg in (*call.args, *(k.value for k in call.keywords)) for n in ast.walk(arg)}
+        found.append(((call.lineno, call.col_offset), name, id(call)))
+    return sorted(((position, name) for position, name, key in found if key not in handed), key=lambda c: c[0])
+
+
+def test_one_dequantize_then_quantize_routine():
+    """quant/linear.py's requantized_layer is the one dequantize-then-quantize routine (AWQ's pre_quant_scale
+    folded in; QuantLinear's patch routines beside it requantize a patch in the layer's own format): outside
+    quant/linear.py no function dequantizes a weight and then quantizes, itself or through a module-level helper
+    of the pack that dequantizes; what a function hands the routine (a host's own dequantization) is the
+    routine's. The loaders' builder and the quantization pass convert through it."""
+    modules = {str(rel): tree for rel, tree in pack_modules()}
+    defined = [rel for rel, tree in modules.items() for n in ast.walk(tree)
+               if isinstance(n, ast.FunctionDef) and n.name == ROUTINE]
+    assert defined == ["quant/linear.py"]
+    dequantizers, grew = set(DEQUANTIZERS), True
+    helpers = [n for rel, tree in modules.items() if rel != "quant/linear.py" for n in tree.body
+               if isinstance(n, ast.FunctionDef)]
+    while grew:
+        more = {n.name for n in helpers if {name for _, name in _calls(n)} & dequantizers} - dequantizers
+        dequantizers |= more
+        grew = bool(more)
+    assert "host_stored_weight" in dequantizers  # the closure finds the pass's helper for a host's layers
+    both = set()
+    for rel, tree in modules.items():
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and rel != "quant/linear.py"):
+            calls = _calls(function)
+            first = min((position for position, name in calls if name in dequantizers), default=None)
+            if first is not None and any(position > first and name in QUANTIZERS for position, name in calls):
+                both.add(f"{rel}:{function.name}")
+    assert not both
+    callers = {rel for rel, tree in modules.items() if any(name == ROUTINE for _, name in _calls(tree))}
+    assert {"loaders/build.py", "quant/quantize_pass.py"} <= callers
+
+
+def test_the_core_reads_no_host_options():
+    """ComfyUI's per-call options reach the core as a view the host fills: host/attention.py's call_options
+    reads transformer_options' keys into attention.options.CallOptions. No module of the core (attention/ and
+    offload/ included) names transformer_options or holds one of those keys as a string."""
+    host = ast.parse((PACK_ROOT / "host" / "attention.py").read_text())
+    reader = next(n for n in ast.walk(host) if isinstance(n, ast.FunctionDef) and n.name == "call_options")
+    keys = {call.args[0].value for call in ast.walk(reader) if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute) and call.func.attr == "get"
+            and call.args and isinstance(call.args[0], ast.Constant)}
+    assert {"sigmas", "sample_sigmas", "block_index", "minimax_h3_layout"} <= keys
+    found = set()
+    for rel, tree in pack_modules():
+        if unit_of(rel) not in CORE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in keys | {"transformer_options"}:
+                found.add((str(rel), node.value))
+            name = (node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, (ast.arg, ast.keyword))
+                    else node.attr if isinstance(node, ast.Attribute) else None)
+            if name == "transformer_options":
+                found.add((str(rel), name))
+    assert not found
 
 
 def test_packages_import_in_one_direction():
