@@ -26,6 +26,7 @@ from ..quant.layer import CONVERT, KEEP, LOAD, QUANTIZE, Layer
 from ..quant.linear import QuantLinear, dequantized_weight, quantized_layer
 from ..quant.linear_method import LinearMethod
 from ..quant.quantize_pass import parameter_bytes
+from ..quant.real_error import watch_auto_choice, watch_conversion
 from ..quant.registry import available_methods, get_method
 from ..quant.report import QuantReport
 from ..units import format_gib
@@ -185,15 +186,20 @@ class LayerBuilder:
                                         self.device)
             built = quantized_layer(layer.method, weight, layer.in_features, layer.out_features, bias,
                                     layer.compute_dtype, self.device, home, layer_type=self.layer_type)
+            if self.config.conversions.get(stored.format) == "auto":  # checked at its first real call
+                watch_conversion(built, layer.name, method, tensors, weight, bias)
         self.consumed.add(layer.name)
         return built
 
     def _quantize(self, layer: Layer, weight: torch.Tensor, bias, home) -> QuantLinear:
         start = time.perf_counter()
-        weight = self.staging.to_device(weight)
-        built = quantized_layer(layer.method, weight, layer.in_features, layer.out_features, bias,
+        staged = self.staging.to_device(weight)
+        built = quantized_layer(layer.method, staged, layer.in_features, layer.out_features, bias,
                                 layer.compute_dtype, self.device, home,
                                 self.staging.to_host if home.type == "cpu" else None, layer_type=self.layer_type)
+        # auto's choice is checked at the layer's first real call; its fallbacks read the weight again from the map
+        watch_auto_choice(built, layer.name, self.config.method, staged,
+                          weight if self.source.file_map.holds(weight) else None, bias)
         if self.device.type == "cpu":
             trim_heap()  # the layer's temporaries left holes between the quantized tensors that stay
         self._quantize_seconds += time.perf_counter() - start
