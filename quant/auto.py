@@ -6,7 +6,9 @@ has the measurements). Then, once per (device, in, out, compute dtype), a
 micro-benchmark times the plain GEMM against the candidates at a representative
 token count, all in the dtype the layer computes in (ComfyUI may run a bf16 file
 in fp16); a layer whose formats are all slower than its plain GEMM stays as it
-is, so no layer gets slower.
+is, so no layer gets slower. Speed is measured here on random data; accuracy on
+the layer's own weight and first real input (quant/real_error.py), with the
+later formats of the order as its fallbacks (`AutoSelector.fallbacks`).
 """
 from __future__ import annotations
 

@@ -54,8 +54,10 @@ ERROR_BOUND = 0.08
 SAMPLE_ROWS = 256
 
 #: Rows of the Gaussian projection. For any matrix M of the sampled rows, |M P^T|^2 / |M|^2 has mean 1 and relative
-#: standard deviation sqrt(2 / (64 s)), s the stable rank of M (1 at worst, tens for a few hundred real tokens): the
-#: estimated error is within about 10% of the error on those rows once s >= 4, and within 25% even for s = 1 (95%).
+#: standard deviation sqrt(2 / (64 s)), s the stable rank of M (1 at worst, tens for a few hundred real tokens).
+#: Simulated (95% of draws), the estimated error over the true error of those rows: 0.95-1.05 where the error and
+#: the output have stable rank 16, 0.90-1.09 at rank 4, 0.81-1.28 at rank 1. So even at worst a layer at FP8's usual
+#: 0.04 is not rejected, nor one at 0.1 accepted.
 SKETCH_DIM = 64
 
 _SEED = 20261206
@@ -129,9 +131,8 @@ class Unquantized(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         dtype = output_dtype(x, layer.compute_dtype)
-        bias = layer.tensors_for(x).get("bias")
-        return F.linear(apply_input_act(x, input_act).to(dtype), self.dequantize(layer, x.device).to(dtype),
-                        None if bias is None else bias.to(dtype))
+        bias = None if layer.bias is None else layer.bias.to(x.device, dtype)
+        return F.linear(apply_input_act(x, input_act).to(dtype), self.dequantize(layer, x.device).to(dtype), bias)
 
 
 @dataclass(frozen=True)
@@ -170,23 +171,25 @@ class RealErrorCheck:
     def __call__(self, layer: QuantLinear, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
         if self.route is not None and layer._unpatched is None:  # a LoRA written into the layer: its own weights
             return self.route(x, input_act)
-        out = layer.method.apply(layer, x, input_act=input_act)
         if self.route is not None or not _eager() or layer._unpatched is not None or not x.numel():
-            return out
-        return self._check(layer, x, input_act, out)
+            return layer.method.apply(layer, x, input_act=input_act)
+        return self._check(layer, x, input_act)
 
-    def _check(self, layer: QuantLinear, x: torch.Tensor, input_act: str | None, out: torch.Tensor) -> torch.Tensor:
+    def _check(self, layer: QuantLinear, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
+        out = layer.method.apply(layer, x, input_act=input_act)
         x2d = x.reshape(-1, x.shape[-1])
         rows = sample_rows(x2d.shape[0], x.device)
         with torch.no_grad():
             inputs = apply_input_act(x2d[rows], input_act)
         error = self.sketch.error(inputs, out.reshape(-1, out.shape[-1])[rows])
         checked = RealError(self.name, layer.method.name, error, len(rows), x2d.shape[0])
-        tried, best = [], (error, None, out, None)  # (error, route, output, label): only the best output is held
+        # (error, route, output, label) of the best so far: only its output and the latest candidate's are held
+        tried, best = [], (error, None, out, None)
+        del out
         for fallback in self.fallbacks if error > self.bound else ():
             candidate = fallback.build(x.device)
             candidate_out = candidate(x, input_act)
-            candidate_error = self.sketch.error(inputs, candidate_out.reshape(-1, out.shape[-1])[rows])
+            candidate_error = self.sketch.error(inputs, candidate_out.reshape(-1, candidate_out.shape[-1])[rows])
             tried.append((fallback.label, candidate_error))
             if candidate_error < best[0]:
                 best = (candidate_error, candidate, candidate_out, fallback.label)

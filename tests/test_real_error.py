@@ -30,16 +30,16 @@ MASSIVE = 1e5       # their size against the others'
 ROWS = 300
 
 
-def weights(outliers: bool, seed=0):
+def weights(outliers: bool, seed=0, k=K, n=N):
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(N, K, generator=gen) * K ** -0.5
+    weight = torch.randn(n, k, generator=gen) * k ** -0.5
     if outliers:
         weight[:, :OUTLIERS] /= MASSIVE
-    return weight.to(torch.bfloat16), (torch.randn(N, generator=gen) * 0.02).to(torch.bfloat16)
+    return weight.to(torch.bfloat16), (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
 
 
-def activations(outliers: bool, seed=1, rows=ROWS):
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed))
+def activations(outliers: bool, seed=1, rows=ROWS, k=K):
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
     if outliers:
         x[:, :OUTLIERS] = MASSIVE
     return x.to(torch.bfloat16)
@@ -64,29 +64,30 @@ def sm89_auto(monkeypatch):
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, k=K, n=N):
         super().__init__()
-        self.proj = nn.Linear(K, N)
+        self.proj = nn.Linear(k, n, device="meta")
 
 
-def load(path, **builder_kw):
-    """The file's model built layer by layer as the loaders build it (tests/test_checkpoint_loaders.py), on CPU in
-    bf16; (model, the file's map)."""
+def load(path, device="cpu", **builder_kw):
+    """The file's model built layer by layer as the loaders build it (tests/test_checkpoint_loaders.py), in bf16,
+    on `device`; (model, the file's map)."""
     contents = inspect_checkpoint(path)
-    model = Model()
+    n, k = contents.header.tensors["proj.weight"].shape
+    model, device = Model(k, n), torch.device(device)
     with contents.open() as source:
-        builder = LayerBuilder(contents, source, torch.device("cpu"), **builder_kw)
+        builder = LayerBuilder(contents, source, device, **builder_kw)
         builder.resolve_methods()
         sd = contents.state_dict(source)
-        built = builder.build("proj", sd["proj.weight"], K, N, sd["proj.bias"], torch.bfloat16, torch.device("cpu"))
+        built = builder.build("proj", sd["proj.weight"], k, n, sd["proj.bias"], torch.bfloat16, device)
         builder.finish()
     apply_replacements(model, {"proj": built})
     return model, source.file_map
 
 
-def plain_file(tmp_path, outliers: bool):
-    weight, bias = weights(outliers)
-    path = tmp_path / f"plain_{outliers}.safetensors"
+def plain_file(tmp_path, outliers: bool, k=K, n=N):
+    weight, bias = weights(outliers, k=k, n=n)
+    path = tmp_path / f"plain_{outliers}_{k}x{n}.safetensors"
     save({"proj.weight": weight, "proj.bias": bias}, path)
     return path, weight, bias
 
@@ -231,6 +232,8 @@ def test_no_check_while_compiling(tmp_path, sm89_auto):
     out = layer(x)  # the first eager call checks
     assert layer.real_error.runs == "full precision" and rel_err(out, reference(x, weight, bias)) < 0.01
     torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, backend="eager")(x), out)  # the fallback, traced
+    torch._dynamo.reset()
 
 
 def test_a_lora_written_into_the_layer_defers_the_check_and_keeps_its_weights(tmp_path, sm89_auto):
@@ -291,3 +294,74 @@ def test_the_run_report_gives_the_checks(tmp_path, sm89_auto):
     assert line.endswith(f"-> full precision {outcome.tried[-1][1]:.4f}")
     model.proj(activations(outliers=True))
     assert witness.take().render() == "ran 1/1 quantized layers"   # said once
+
+
+# ---- on the GPU's own FP8 kernels -------------------------------------------------------------------------------
+
+def fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+H3_ROWS, H3_WIDTH = 32_700, 5120   # H3's tokens per call, its attention's width
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 GEMMs (sm89+)")
+def test_on_the_gpu_at_the_rows_h3_runs(tmp_path):
+    """auto as it chooses on this GPU (its table: FP8), the layer on the GPU, at H3's rows and width: well-behaved
+    activations keep FP8 and the check adds a few ms to that one call; outliers fall back to bf16 within 0.01."""
+    selector = AutoSelector(torch.device("cuda"))
+    selector.measure = False
+    path, weight, bias = plain_file(tmp_path, outliers=True, k=H3_WIDTH, n=H3_WIDTH)
+    ref = lambda x: reference(x, weight.cuda(), bias.cuda())
+    calm = activations(outliers=False, rows=H3_ROWS, k=H3_WIDTH).cuda()
+    wild = activations(outliers=True, rows=H3_ROWS, k=H3_WIDTH).cuda()
+
+    def layer():
+        return load(path, device="cuda", online=QuantConfig(method=selector))[0].proj
+
+    warm = layer()
+    assert warm.method.name == FP8
+    warm(calm)  # the FP8 kernels compiled, the projection drawn
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        return out, start.elapsed_time(end)
+
+    kept = layer()
+    out, checked_ms = timed(lambda: kept(calm))
+    _, plain_ms = min((timed(lambda: kept(calm)) for _ in range(3)), key=lambda r: r[1])
+    assert kept.real_error.runs is None and kept.real_check is None
+    assert kept.real_error.error == pytest.approx(rel_err(out, ref(calm)), rel=0.15) and kept.real_error.error < 0.05
+    print(f"first call {checked_ms:.2f} ms (checked), then {plain_ms:.2f} ms")
+    assert checked_ms - plain_ms < 10
+
+    rejected = layer()
+    out = rejected(wild)
+    assert rejected.real_error.error > ERROR_BOUND and rejected.real_error.runs == "full precision"
+    assert rel_err(out, ref(wild)) < 0.01 and rel_err(rejected(wild), ref(wild)) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 GEMMs (sm89+)")
+def test_no_check_while_a_cuda_graph_captures(tmp_path):
+    selector = AutoSelector(torch.device("cuda"))
+    selector.measure = False
+    path, weight, bias = plain_file(tmp_path, outliers=True)
+    x = activations(outliers=True).cuda()
+    load(path, device="cuda", online=QuantConfig(method=selector))[0].proj(x)  # kernels compiled outside the capture
+    layer = load(path, device="cuda", online=QuantConfig(method=selector))[0].proj
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert layer.real_error is None and layer.real_check.route is None  # captured as built
+    assert rel_err(captured, reference(x, weight.cuda(), bias.cuda())) > 0.1
+    assert rel_err(layer(x), reference(x, weight.cuda(), bias.cuda())) < 0.01   # the first eager call checks
