@@ -26,6 +26,7 @@ from ..quant.layer import CONVERT, KEEP, LOAD, QUANTIZE, Layer
 from ..quant.linear import QuantLinear, dequantized_weight, quantized_layer, requantized_layer
 from ..quant.linear_method import LinearMethod
 from ..quant.quantize_pass import parameter_bytes
+from ..quant.real_error import watch_auto_choice, watch_conversion
 from ..quant.registry import available_methods, get_method
 from ..quant.report import QuantReport
 from ..units import format_gib
@@ -182,16 +183,24 @@ class LayerBuilder:
             built = self.layer_type(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
         else:  # the file's tensors as a layer, for the one dequantize-then-quantize routine
             as_stored = QuantLinear(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
-            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type)
+            watched = self.config.conversions.get(stored.format) == "auto"  # checked at its first real call
+            dequantized = []  # the check's reference: the weight the routine dequantized
+            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type,
+                                      transform=(lambda w: dequantized.append(w) or w) if watched else None)
+            if watched:
+                watch_conversion(built, layer.name, method, tensors, dequantized[0], bias)
         self.consumed.add(layer.name)
         return built
 
     def _quantize(self, layer: Layer, weight: torch.Tensor, bias, home) -> QuantLinear:
         start = time.perf_counter()
-        weight = self.staging.to_device(weight)
-        built = quantized_layer(layer.method, weight, layer.in_features, layer.out_features, bias,
+        staged = self.staging.to_device(weight)
+        built = quantized_layer(layer.method, staged, layer.in_features, layer.out_features, bias,
                                 layer.compute_dtype, self.device, home,
                                 self.staging.to_host if home.type == "cpu" else None, layer_type=self.layer_type)
+        # auto's choice is checked at the layer's first real call; its fallbacks read the weight again from the map
+        watch_auto_choice(built, layer.name, self.config.method, staged,
+                          weight if self.source.file_map.holds(weight) else None, bias)
         if self.device.type == "cpu":
             trim_heap()  # the layer's temporaries left holes between the quantized tensors that stay
         self._quantize_seconds += time.perf_counter() - start

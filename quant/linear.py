@@ -121,6 +121,10 @@ class QuantLinear(nn.Module):
         self._unpatched: dict[str, nn.Parameter] | None = None
         self.patch_error: float | None = None
         self.runs = 0  # calls, for the run-time witness (quant/witness.py)
+        # auto's choice checked at the first real call, then any fallback's route (quant/real_error.py): called as
+        # `real_check(layer, x, input_act)` in place of the method's apply; `real_error` is the check's outcome.
+        self.real_check: Callable | None = None
+        self.real_error = None
 
     def tensors_on(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """This layer's parameters on `device` (default: the weight's); a per-call copy of those elsewhere.
@@ -180,6 +184,8 @@ class QuantLinear(nn.Module):
         weight_patches, bias_patches = self.weight_patches("weight"), self.weight_patches("bias")
         if weight_patches or bias_patches:
             return self._forward_patched(x, input_act, weight_patches, bias_patches)
+        if self.real_check is not None:
+            return self.real_check(self, x, input_act)
         return self.method.apply(self, x, input_act=input_act)
 
     def weight_patches(self, name: str) -> list:

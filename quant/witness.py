@@ -1,4 +1,5 @@
-"""Run-time witness: how many of the layers a report calls quantized really executed.
+"""Run-time witness: how many of the layers a report calls quantized really executed, and what the first-call
+checks of auto's choices found among them (quant/real_error.py).
 
 Each QuantLinear counts its calls in `runs`, in its forward. Counting is
 skipped while torch.compile traces (a Python side effect there would guard and
@@ -6,7 +7,7 @@ recompile on every change), so layers compiled into a graph are not counted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,9 +23,14 @@ class RunCount:
     ran: int
     claimed: int
     missing: list[str]  # names of the layers that did not run
+    checked: list = field(default_factory=list)  # real_error.RealError outcomes new since the last take
 
     def render(self) -> str:
-        return f"ran {self.ran}/{self.claimed} quantized layers"
+        line = f"ran {self.ran}/{self.claimed} quantized layers"
+        if self.checked:
+            from .real_error import summary  # it builds on QuantLinear, which counts its runs here
+            line += "; " + summary(self.checked)
+        return line
 
 
 class RunWitness:
@@ -33,6 +39,7 @@ class RunWitness:
     def __init__(self, layers: dict[str, nn.Module]):
         self.layers = layers
         self._start = self._counts()
+        self._checked: set[str] = set()  # layers whose check outcome a take() gave already
 
     def _counts(self) -> dict[str, int]:
         return {name: getattr(module, "runs", 0) for name, module in self.layers.items()}
@@ -45,4 +52,10 @@ class RunWitness:
         now = self._counts()
         missing = [name for name in self.layers if now[name] <= self._start[name]]
         self._start = now
-        return RunCount(len(self.layers) - len(missing), len(self.layers), missing)
+        checked = []
+        for name, module in self.layers.items():
+            outcome = getattr(module, "real_error", None)
+            if outcome is not None and name not in self._checked:
+                self._checked.add(name)
+                checked.append(outcome)
+        return RunCount(len(self.layers) - len(missing), len(self.layers), missing, checked)

@@ -283,9 +283,10 @@ def test_int8_auto_converts_only_what_its_measurement_found_faster():
     assert spec.stored_decision(layer, "keep", faster).method is None
 
 
-def test_int8_auto_measurement_weighs_time_and_error(monkeypatch):
+def test_int8_auto_measurement_weighs_time(monkeypatch):
     """auto._measure_conversion times the stored INT8 layer against its FP8 re-quantization of the same weight
-    (the clock scripted: INT8 first), and takes FP8 only where faster and within the error bound."""
+    (the clock scripted: INT8 first) and takes FP8 where faster; its error is checked on the layer's real input
+    (tests/test_real_error.py), not on this probe's."""
     from bigdit.quant import auto
     int8, fp8 = get_method("int8_tensorwise", convrot=True, convrot_groupsize=64), get_method("float8_e4m3fn")
     cpu = torch.device("cpu")
@@ -296,14 +297,10 @@ def test_int8_auto_measurement_weighs_time_and_error(monkeypatch):
 
     clock(2.0, 1.0)
     chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
-    assert chosen == "float8_e4m3fn" and why.startswith("faster at 256->128 (int8_convrot 2.000 ms, error ")
+    assert chosen == "float8_e4m3fn" and why == "faster at 256->128 (int8_convrot 2.000 ms, float8_e4m3fn 1.000 ms)"
     clock(1.0, 2.0)
     chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
     assert chosen is None and why.startswith("int8_convrot as fast or faster")
-    clock(2.0, 1.0)
-    monkeypatch.setattr(auto, "CONVERSION_ERROR_BOUND", 0.001)  # FP8 of INT8's weight measures about 0.03
-    chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
-    assert chosen is None and why.startswith("float8_e4m3fn over the error bound 0.001")
 
 
 def test_state_dict_stands_in_for_quantized_weights(plain_file, tmp_path):

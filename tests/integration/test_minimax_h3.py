@@ -72,8 +72,13 @@ def h3_loader(quantization, offload, group_size="256", ignored_layers=""):
 def test_load_h3_quantized_against_unetloader(comfy, tiny_h3, baseline, quantization):
     """Each quantization with each offload mode: offload only moves weights, so the two runs of one
     quantization must be bit-identical (which also makes each reproducible)."""
+    start = len(comfy.log_text())
     runs = {offload: run(comfy, tiny_h3, loader=h3_loader(quantization, offload))
             for offload in ("none", "auto")}
+    if quantization == "auto":  # each layer auto chose is checked at its first real call: all within the bound here
+        checked = re.findall(r"last run: ran 13/13 quantized layers; auto's formats on real input: 13 checked "
+                             r"\(bound 0\.08\), error up to (0\.\d+)$", comfy.log_text()[start:], re.M)
+        assert len(checked) == 2 and all(float(error) < 0.08 for error in checked), comfy.log_text()[start:][-3000:]
     for offload, (video, audio, history, report_id) in runs.items():
         report = history["outputs"][report_id]["text"][0]
         assert report.splitlines()[0] == ("quantized 0/22 linear layers" if quantization == "none"
