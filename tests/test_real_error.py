@@ -18,7 +18,6 @@ from checkpoint_files import save, write_markers
 from bigdit.loaders import LayerBuilder, inspect_checkpoint
 from bigdit.quant import QuantConfig, QuantLinear, apply_replacements, auto, real_error
 from bigdit.quant.auto import AutoSelector
-from bigdit.quant.descriptor import Conversion
 from bigdit.quant.real_error import ERROR_BOUND, OutputSketch, sample_rows, watch_auto_choice
 from bigdit.quant.registry import format_spec, get_method
 from bigdit.quant.witness import RunWitness
@@ -173,7 +172,7 @@ def int8_converted_by_auto(monkeypatch):
     """int8: auto converts stored INT8 layers to FP8, as where it measured FP8 faster on the GPU (scripted)."""
     fp8 = get_method(FP8)
     spec = format_spec("int8_tensorwise")
-    monkeypatch.setattr(type(spec), "stored_decision", lambda self, layer, mode, context: Conversion(
+    monkeypatch.setattr(type(spec), "stored_decision", lambda self, layer, mode, context: layer.conversion(
         fp8 if mode == "auto" else None, "scripted: FP8 measured faster"))
 
 
