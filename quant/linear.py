@@ -4,7 +4,7 @@ It holds the method's stored tensors as frozen parameters (so `.to()`,
 `state_dict()` and a host's size accounting see their true bytes) and
 delegates the forward to the method. `quantized_layer` makes one from a
 full-precision weight, for every caller; `requantized_layer` is the one
-dequantize-then-quantize routine (a stored format converted, a LoRA folded in).
+dequantize-then-quantize routine (a stored layer converted to another format).
 
 Two generic hooks serve a host that manages weights itself (host/ adapts
 ComfyUI's protocols onto them, in a subclass): `weight_pager` (the host pages
@@ -76,23 +76,25 @@ def _smoothing_folded(weight: torch.Tensor, pre_scale: torch.Tensor | None) -> t
 
 
 def requantized_layer(source: nn.Module, target: LayerMethod, device: torch.device, home: torch.device,
-                      transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
                       layer_type: type["QuantLinear"] | None = None, *,
                       dequantize: Callable[[nn.Module, torch.device], torch.Tensor] | None = None,
                       compute_dtype: torch.dtype | None = None) -> "QuantLinear":
     """The one dequantize-then-quantize routine: `source`'s weight dequantized on `device` (a QuantLinear's by
     its method; another stored layer's, a host's own, by `dequantize(source, device)`, computing in
-    `compute_dtype`), its smoothing pre_quant_scale folded in, `transform`ed (a LoRA added) and quantized by
-    `target`, as a layer on `home` with `source`'s bias, of `layer_type` (default: a QuantLinear source's type)."""
+    `compute_dtype`), its smoothing pre_quant_scale folded in, and quantized by `target`, as a layer on `home`
+    with `source`'s bias, of `layer_type` (default: a QuantLinear source's type).
+
+    A patch written into `source` (a LoRA) is left out, as its host patches the new layer itself: a layer that
+    does not hold its unpatched weight (the host keeps it) raises."""
     if isinstance(source, QuantLinear):
-        weight = dequantized_weight(source.method, source.stored_tensors(), source.in_features,
-                                    source.out_features, source.compute_dtype, device)
+        held = source._unpatched
+        tensors = source.stored_tensors() if held is not None and "weight" not in held else source.unpatched_tensors()
+        weight = dequantized_weight(source.method, tensors, source.in_features, source.out_features,
+                                    source.compute_dtype, device)
         compute_dtype, layer_type = source.compute_dtype, layer_type or type(source)
     else:
         with torch.no_grad():
             weight = _smoothing_folded(dequantize(source, device), source._parameters.get(PRE_QUANT_SCALE))
-    if transform is not None:
-        weight = transform(weight)
     bias = source._parameters.get("bias")
     bias = None if bias is None else bias.detach().to(compute_dtype)
     return quantized_layer(target, weight, source.in_features, source.out_features, bias, compute_dtype,

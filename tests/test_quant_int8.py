@@ -329,6 +329,24 @@ def test_patched_layer_computes_without_per_call_work_and_restores_bit_exactly(m
     assert set(q.stored_tensors()) == set(original) - {"bias"}  # nothing patched is left (it would raise)
 
 
+def test_a_patch_written_in_is_not_converted():
+    """requantized_layer converts a layer without the patch written into it (a LoRA its host applies to the new
+    layer itself): from the tensors the patch replaced, bit for bit as before the patch; where the layer does not
+    hold its unpatched weight (the host's backup does), it refuses."""
+    from bigdit.quant import get_method
+    from bigdit.quant.linear import requantized_layer
+    cpu, fp8 = torch.device("cpu"), get_method("float8_e4m3fn")
+    q, _ = quantize_one_with(make_linear(256, 128), get_method("int8_convrot"))
+    before = requantized_layer(q, fp8, cpu, cpu).stored_tensors()
+    q.write_patched(q.dequantized(dtype=torch.float32) + 0.3 * torch.randn(128, 256))
+    after = requantized_layer(q, fp8, cpu, cpu).stored_tensors()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    q.restore_unpatched()
+    q.write_patched(q.dequantized(dtype=torch.float32) * 2, keep_weight=False)
+    with pytest.raises(RuntimeError, match="a weight patch"):
+        requantized_layer(q, fp8, cpu, cpu)
+
+
 @pytest.mark.parametrize("method_name", ["int8_convrot", "float8_e4m3fn"])
 def test_patch_quantized_once_is_written_back_without_quantizing(method_name, monkeypatch):
     """A patch quantized once (QuantLinear.quantized_patch, what host/lora_fold.py keeps per LoRA) is written in,
