@@ -183,12 +183,9 @@ class LayerBuilder:
             built = self.layer_type(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
         else:  # the file's tensors as a layer, for the one dequantize-then-quantize routine
             as_stored = QuantLinear(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
-            watched = self.config.conversions.get(stored.format) == "auto"  # checked at its first real call
-            dequantized = []  # the check's reference: the weight the routine dequantized
-            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type,
-                                      transform=(lambda w: dequantized.append(w) or w) if watched else None)
-            if watched:
-                watch_conversion(built, layer.name, method, tensors, dequantized[0], bias)
+            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type)
+            if self.config.conversions.get(stored.format) == "auto":  # checked at its first real call
+                watch_conversion(built, layer.name, method, tensors, bias, self.device)
         self.consumed.add(layer.name)
         return built
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..pack_logging import pack_logger
 from .kitchen_api import apply_input_act
-from .linear import QuantLinear, quantized_layer
+from .linear import QuantLinear, dequantized_weight, quantized_layer
 from .linear_method import LinearMethod, output_dtype
 
 log = pack_logger(__name__)
@@ -256,11 +256,12 @@ def watch_auto_choice(built: QuantLinear, name: str, selector, reference: torch.
 
 
 def watch_conversion(built: QuantLinear, name: str, stored: LinearMethod, tensors: dict[str, torch.Tensor],
-                     reference: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Give `built` (converted from a stored layer: `stored`'s `tensors`, in the file's map, and `reference`, their
-    dequantized weight on the converting device) its first-call check: fallbacks the stored layer as the file
-    holds it, then its weight in full precision."""
+                     bias: torch.Tensor | None, device: torch.device) -> None:
+    """Give `built` (converted from a stored layer: `stored`'s `tensors`, in the file's map) its first-call check
+    against their dequantized weight (computed on `device`): fallbacks the stored layer as the file holds it, then
+    its weight in full precision."""
     k, n, dtype = built.in_features, built.out_features, built.compute_dtype
+    reference = dequantized_weight(stored, tensors, k, n, dtype, device)
     fallbacks = [_as_held(stored, tensors, k, n, bias, dtype, f"{stored.name} as stored"),
                  _as_held(Unquantized(stored), tensors, k, n, bias, dtype, Unquantized(stored).describe())]
     built.real_check = RealErrorCheck(name, OutputSketch(reference, bias), fallbacks)
