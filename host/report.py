@@ -46,7 +46,7 @@ class NodeRun:
     layers ran); each arrives from a callback of the same sampling, and the
     node's text is re-sent with every part. A sampling's ON_PRE_RUN starts a new line.
     """
-    ORDER = ("offload", "lora", "layers")
+    ORDER = ("offload", "lora", "layers", "kernels")
 
     def __init__(self, node_id, text: str = ""):
         self.node_id = node_id
@@ -72,8 +72,8 @@ def compiled_by_comfy(patcher) -> bool:
 
 
 def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], title: str) -> None:
-    """After each sampling of `patcher` (or a clone of it), add to `run` how many of `layers` executed,
-    and log a warning when fewer ran than the report claims."""
+    """After each sampling of `patcher` (or a clone of it), add to `run` how many of `layers` executed and which
+    kernels their calls ran (and any that failed), and log a warning when fewer ran than the report claims."""
     if not layers:
         return
     witness = RunWitness(layers)
@@ -94,8 +94,11 @@ def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], 
                             "them%s.", title, count.claimed, count.ran, ", ".join(count.missing[:5]),
                             ", ..." if len(count.missing) > 5 else "",
                             "" if count.ran else ", or they ran under torch.compile, which is not counted")
-        log.info("%s, last run: %s", title, part)
+        kernels = count.render_kernels()  # which kernels ran, counted under torch.compile too
+        log.info("%s, last run: %s%s", title, part, f"; {kernels}" if kernels else "")
         run.add("layers", part)
+        if kernels:
+            run.add("kernels", kernels)
 
     callbacks = comfy.patcher_extension.CallbacksMP
     patcher.add_callback_with_key(callbacks.ON_PRE_RUN, WITNESS_KEY, begin)

@@ -25,14 +25,16 @@ if it.triton is None:
     pytest.skip("Triton (with tensor descriptors) cannot be imported", allow_module_level=True)
 
 TESTS = Path(__file__).resolve().parent
-CHECKS = ["activation", "gemm_int32", "gemm_epilogue", "int8_linear_vs_kitchen", "unavailable", "method_and_compile"]
+CHECKS = ["activation", "gemm_int32", "gemm_epilogue", "int8_linear_vs_kitchen", "unavailable", "method_and_compile",
+          "shipped_configs"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernels_in_the_triton_interpreter(check):
     """Each check asserts against its reference (see the script): rotate + quantize within one code on ties and
     scales to fp32 rounding, the int32 sums exactly, the epilogue to one output rounding, the whole path no
-    worse than 1.1x kitchen's eager error, the method forced to it and compiled as one op."""
+    worse than 1.1x kitchen's eager error, the method forced to it and compiled as one op, and each of those
+    with every config the pack ships."""
     env = {k: v for k, v in os.environ.items() if k != "BIGDIT_INT8_KERNEL"}
     result = subprocess.run([sys.executable, str(TESTS / "int8_triton_interpreted.py"), check], capture_output=True,
                             text=True, env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
