@@ -46,7 +46,7 @@ class NodeRun:
     layers ran); each arrives from a callback of the same sampling, and the
     node's text is re-sent with every part. A sampling's ON_PRE_RUN starts a new line.
     """
-    ORDER = ("offload", "lora", "layers", "kernels")
+    ORDER = ("offload", "lora", "layers")
 
     def __init__(self, node_id, text: str = ""):
         self.node_id = node_id
@@ -95,10 +95,10 @@ def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], 
                             ", ..." if len(count.missing) > 5 else "",
                             "" if count.ran else ", or they ran under torch.compile, which is not counted")
         kernels = count.render_kernels()  # which kernels ran, counted under torch.compile too
-        log.info("%s, last run: %s%s", title, part, f"; {kernels}" if kernels else "")
-        run.add("layers", part)
         if kernels:
-            run.add("kernels", kernels)
+            part = f"{part}; {kernels}"
+        log.info("%s, last run: %s", title, part)
+        run.add("layers", part)
 
     callbacks = comfy.patcher_extension.CallbacksMP
     patcher.add_callback_with_key(callbacks.ON_PRE_RUN, WITNESS_KEY, begin)

@@ -159,7 +159,7 @@ class Int8ConvRotMethod(LinearMethod):
         candidates["dequant"] = dequant_gemm
         shape = (rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
         choice = _chooser.choose(x.device, shape, candidates, measured=("kitchen", "kitchen_split", "triton"),
-                                 default="triton" if cuda_at_least(x.device, TRITON_FROM) else "kitchen")
+                                 default="triton" if x.is_cuda and cuda_at_least(x.device, TRITON_FROM) else "kitchen")
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 

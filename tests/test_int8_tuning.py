@@ -262,6 +262,7 @@ def test_a_transient_failure_is_retried_and_a_lasting_one_turns_triton_off(monke
     args, ops = int8_call()
     kitchen = ops._kitchen_int8_linear  # counts itself, as the method's fallback does
     monkeypatch.setattr(it, "_failure", None)
+    monkeypatch.setattr(it, "_warned", set())
     monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
     run = witness.RunWitness({})
     failures = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), None,
