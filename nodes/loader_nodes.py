@@ -15,11 +15,12 @@ _NVFP4_TOOLTIP = ("NVFP4 layers run natively only on sm100+ GPUs. auto: native t
                   "each matmul (correct, saves memory, not fast). requantize: elsewhere, re-quantize them at load "
                   "to this GPU's fastest native format (FP8 on sm89/sm90, INT8 ConvRot before that and on CPU); "
                   "the report says which happened.")
-_INT8_TOOLTIP = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: where "
-                 "this GPU's fastest native format (FP8 on sm89+) is measured faster than INT8 at the layer's shape "
-                 "and stays within its error bound, re-quantize the layer to it while loading, on the GPU, layer by "
-                 "layer; else keep INT8. keep: always INT8. requantize: to that format wherever the GPU has one. "
-                 "The report says what was converted, why, and the timings.")
+_INT8_TOOLTIP = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: kept as the file "
+                 "stores them, on the pack's INT8 kernel; a layer is re-quantized while loading to this GPU's fastest "
+                 "native format (FP8 on sm89+) only where a measurement kept in the tuning store says that pays at "
+                 "its shape (BIGDIT_INT8_TUNE=1 makes them). Nothing is timed at load. keep: always INT8. "
+                 "requantize: to that format wherever the GPU has one. The report says which path the layers took "
+                 "and why.")
 _INT8_MODES = conversion_format("int8").conversion_modes
 _INT8_INPUT = io.Combo.Input("int8", options=list(_INT8_MODES), default=_INT8_MODES[0], optional=True,
                              tooltip=_INT8_TOOLTIP)
