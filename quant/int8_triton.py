@@ -51,9 +51,11 @@ log = pack_logger(__name__)
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # missing or broken Triton (or one without tensor descriptors): kitchen runs instead
     triton = None
+    OutOfResources = ()
 
 GROUP_SIZES = (16, 64, 256)
 INPUT_ACTS = (None, "swiglu")
@@ -192,8 +194,8 @@ def quantize_rows(x: torch.Tensor, convrot: bool, group_size: int,
         meta, run = _split(config)
         _rotate_quantize_kernel[(triton.cdiv(rows, meta["ROWS"]),)](**args, **meta, **run)
 
-    shape = {"M_BUCKET": rows_bucket(rows), "K": k, "G": group, "SWIGLU": swiglu, "ROTATE": convrot}
-    launch(config_for("activation", shape, x.device, launch))
+    _run("activation", {"M_BUCKET": rows_bucket(rows), "K": k, "G": group, "SWIGLU": swiglu, "ROTATE": convrot},
+         x.device, launch)
     return q, scale
 
 
@@ -222,9 +224,25 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_sc
             _gemm_kernel[tiles](a_ptr=a, w_ptr=weight, stride_a=a.stride(0), stride_w=weight.stride(0), **common,
                                 **meta, **run)
 
-    launch(config_for("gemm_tma" if tma else "gemm", {"M_BUCKET": rows_bucket(m), "N": n, "K": k}, a.device,
-                      launch))
+    _run("gemm_tma" if tma else "gemm", {"M_BUCKET": rows_bucket(m), "N": n, "K": k}, a.device, launch)
     return out
+
+
+def _run(kernel: str, shape: dict, device: torch.device, launch) -> None:
+    """`launch` with the config chosen for `kernel` at `shape`; a GEMM config this GPU has not the shared memory
+    or registers for (a shipped or rule config on a card it was not measured on) gives way, for the process, to
+    the smallest tiles (`gemm_small`), said once."""
+    config = config_for(kernel, shape, device, launch)
+    try:
+        launch(config)
+    except OutOfResources as exc:
+        small = None if kernel == "activation" else gemm_small(shape)
+        if small is None or small == config:
+            raise
+        log.warning("INT8 Triton %s at %s: %s does not run on this GPU (%s); %s instead", kernel,
+                    shape_text(kernel, shape), config, exc, small)
+        _CHOSEN[_chosen_key(kernel, shape, device)] = (small, "fallback")
+        launch(small)
 
 
 def _split(config: dict) -> tuple[dict, dict]:
@@ -293,6 +311,12 @@ def gemm_rule(shape: dict, tma: bool, shared_memory: int) -> dict:
     raise AssertionError("unreachable: the last tile always returns")
 
 
+def gemm_small(shape: dict) -> dict:
+    """The GEMM's smallest tiles (64x64x32, 2 stages: 16 KiB of shared memory), for a GPU the others do not fit."""
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32 if shape["K"] >= 32 else 16, "GROUP_M": 8,
+            "num_warps": 4, "num_stages": 2}
+
+
 def search_candidates(kernel: str, shape: dict) -> list[dict]:
     """What a search times: each kernel's candidate list (the configs of the H200's development runs), those
     that fit the shape."""
@@ -326,10 +350,14 @@ def _shared_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
+def _chosen_key(kernel: str, shape: dict, device: torch.device) -> tuple:
+    return kernel, str(device), tuple(shape[k] for k in SHAPE_KEYS[kernel])
+
+
 def config_for(kernel: str, shape: dict, device: torch.device, launch=None) -> dict:
     """The config `kernel` runs `shape` with on `device` (see the module's docstring); `launch(config)` runs the
     kernel, for a search. Chosen once per process and shape."""
-    key = (kernel, str(device), tuple(shape[k] for k in SHAPE_KEYS[kernel]))
+    key = _chosen_key(kernel, shape, device)
     chosen = _CHOSEN.get(key)
     if chosen is None:
         chosen = _CHOSEN[key] = choose_config(kernel, shape, device, launch)

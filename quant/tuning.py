@@ -42,6 +42,7 @@ VERSION = 1
 MAX_BYTES = 4 * 2 ** 20  # far above what tuning writes; a larger file is not this store's
 TUNE_ENV = "BIGDIT_INT8_TUNE"
 FILE_NAME = "bigdit_tuning.json"
+_WARNED: set[tuple[str, str]] = set()
 
 
 def search_asked() -> bool:
@@ -155,7 +156,8 @@ class TuningStore:
         self.path = path
         self._lock = threading.Lock()
         self.entries, self.problem = read_entries(path) if path else ({}, None)
-        if self.problem:
+        if self.problem and (path, self.problem) not in _WARNED:  # once a process: each load reads it again
+            _WARNED.add((path, self.problem))
             log.warning("tuning store %s is ignored (%s); it is rewritten at the next tuning", path, self.problem)
 
     def get(self, device: str | None, kernel: str, version: str, shape: str):

@@ -189,6 +189,25 @@ def test_a_search_runs_only_when_asked_and_what_it_finds_is_kept(store, on_h100,
                                               it.shape_text("activation", shape)) == fastest
 
 
+def test_a_gemm_config_this_gpu_cannot_run_gives_way_to_the_smallest_tiles(monkeypatch, caplog):
+    """A shipped or rule config over an unmeasured card's shared memory: the smallest tiles run instead, from then
+    on, said once; the Triton path stays on."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(it, "_CHOSEN", {})
+    shape, cpu, ran = {"M_BUCKET": 4096, "N": 2048, "K": 1024}, torch.device("cpu"), []
+
+    def launch(config):
+        if config["BLOCK_N"] > 64:
+            raise OutOfResources(147456, 101376, "shared memory")
+        ran.append(config)
+    it._run("gemm", shape, cpu, launch)
+    it._run("gemm", shape, cpu, launch)
+    assert ran == [it.gemm_small(shape)] * 2 and it.fits("gemm", it.gemm_small(shape), shape)
+    assert sum("does not run on this GPU" in r.message for r in caplog.records) == 1
+    with pytest.raises(OutOfResources):  # the smallest tiles failing too is the kernels' failure
+        it._run("gemm", {"M_BUCKET": 4096, "N": 2048, "K": 1024 + 16}, cpu, lambda config: launch({"BLOCK_N": 128}))
+
+
 # -- the kernel choice ---------------------------------------------------------------------------------------------
 
 def chooser(version="v1"):
