@@ -6,9 +6,9 @@ fastest depends on the GPU and the shape. The choice for a (device, shape) is, i
 order: the kernel an env var pins; a measurement kept in the tuning store
 (quant/tuning.py) for this GPU, shape and kernel version; where the user asked
 for tuning (BIGDIT_INT8_TUNE=1), a measurement made now, at the first call, and
-kept there; else the caller's default, with nothing timed. It is settled before
-torch.compile traces a call (nothing is measured then), so a compiled model runs
-the kernel an eager one would.
+kept there; else the caller's default, with nothing timed. While torch.compile
+traces a call the same order holds, nothing measured and nothing written, so a
+compiled model runs the kernel an eager one would.
 """
 from __future__ import annotations
 
