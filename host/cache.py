@@ -64,13 +64,18 @@ def settings() -> tuple[Settings | None, str]:
         return None, f"{ENV_LIMIT}={text!r} is not a number of GiB"
     if gib == 0:
         return None, f"{ENV_LIMIT}=0"
+    return Settings(cache_folder(), int(gib * GIB)), ""
+
+
+def cache_folder() -> str:
+    """The cache's folder, whether the cache is on or off (the tuning store sits beside it, host/tuning.py)."""
     folder = os.environ.get(ENV_FOLDER, "").strip()
     if not folder:
         try:
             folder = folder_paths.get_folder_paths(FOLDER_NAME)[0]
         except (KeyError, IndexError):  # not in extra_model_paths.yaml
             folder = os.path.join(folder_paths.models_dir, FOLDER_NAME)
-    return Settings(os.path.abspath(folder), int(gib * GIB)), ""
+    return os.path.abspath(folder)
 
 
 def environment(device) -> dict:

@@ -14,6 +14,7 @@ from .file_backed import back_with_file
 from .lora_fold import install_lora_fold
 from .report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
+from .tuning import use_tuning_store
 
 
 def comfy_host(clip_type: str | None, disable_dynamic: bool = False) -> ComfyHost:
@@ -42,6 +43,7 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
     input (None) no offload is installed, as on a text encoder. `cached`: a diffusion model goes through the
     quantize-once cache (host/cache.py)."""
     path = folder_paths.get_full_path_or_raise(folder, file_name)
+    use_tuning_store()  # what auto's conversion and the kernels' configs read
     options = LoadOptions(title, text_encoder=clip_type is not None, conversions=conversions, quantization=quantization,
                           group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes,
                           fit_gib=float(fit_gib))

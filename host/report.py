@@ -72,8 +72,8 @@ def compiled_by_comfy(patcher) -> bool:
 
 
 def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], title: str) -> None:
-    """After each sampling of `patcher` (or a clone of it), add to `run` how many of `layers` executed,
-    and log a warning when fewer ran than the report claims."""
+    """After each sampling of `patcher` (or a clone of it), add to `run` how many of `layers` executed and which
+    kernels their calls ran (and any that failed), and log a warning when fewer ran than the report claims."""
     if not layers:
         return
     witness = RunWitness(layers)
@@ -94,6 +94,9 @@ def watch_quantized_layers(patcher, run: NodeRun, layers: dict[str, nn.Module], 
                             "them%s.", title, count.claimed, count.ran, ", ".join(count.missing[:5]),
                             ", ..." if len(count.missing) > 5 else "",
                             "" if count.ran else ", or they ran under torch.compile, which is not counted")
+        kernels = count.render_kernels()  # which kernels ran, counted under torch.compile too
+        if kernels:
+            part = f"{part}; {kernels}"
         log.info("%s, last run: %s", title, part)
         run.add("layers", part)
 

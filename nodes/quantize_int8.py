@@ -20,8 +20,8 @@ class QuantizeModelINT8(io.ComfyNode):
             description=(
                 "Quantizes the diffusion model's Linear layers to INT8 with ConvRot (comfy-kitchen), layer by "
                 "layer, on a clone: other branches that use the input MODEL keep the original weights. Halves the "
-                "Linear weights' memory; on GPUs with INT8 tensor cores the fastest measured INT8 kernel runs per "
-                "shape."
+                "Linear weights' memory; on CUDA from sm80 the pack's Triton INT8 kernels run, elsewhere "
+                "comfy-kitchen's."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to quantize. It is cloned, never changed."),
@@ -36,8 +36,9 @@ class QuantizeModelINT8(io.ComfyNode):
                             f"Always kept, as by LoadH3Quantized ({describe_keep()})."),
                 io.Combo.Input(
                     "row_split", options=["auto", "off"], default="auto", optional=True,
-                    tooltip="auto: on CUDA, splitting long inputs into row chunks is one of the kernels measured "
-                            "per shape, and used only if faster. off: never split."),
+                    tooltip="auto: on CUDA, splitting long inputs into row chunks is one of the kernels timed per "
+                            "shape where tuning is asked (BIGDIT_INT8_TUNE=1), and used only if faster. off: never "
+                            "split."),
                 io.Boolean.Input(
                     "requantize_fp8", default=False, optional=True,
                     tooltip="Layers that come in FP8 (an fp8 weight_dtype, a scaled_fp8 or FP8-marker file): "

@@ -12,7 +12,10 @@ later formats of the order as its fallbacks (`AutoSelector.fallbacks`).
 """
 from __future__ import annotations
 
+import functools
 import os
+import sys
+import time
 from typing import Callable
 
 import torch
@@ -23,6 +26,7 @@ from ..hardware import cuda_capability
 from .kernel_select import _time_ms
 from .linear import quantized_layer, requantized_layer
 from .linear_method import LinearMethod, default_device
+from . import tuning
 from .registry import format_spec, formats, get_method, register_selector
 
 DEFAULT_ROWS = 8192
@@ -124,44 +128,85 @@ class AutoSelector:
         return times
 
 
-# Measured conversions of a stored format for the process: (device, in, out, dtype, rows, stored, target) ->
-# (target's format or None, reason naming the timings).
-_CONVERSIONS: dict[tuple, tuple[str | None, str]] = {}
+#: A conversion pays where the time it saves over one job's calls of the layer exceeds what it costs at load:
+#: the calls of the shortest job the pack's templates run (MiniMax-H3's turbo LoRA, 8 steps at CFG 1).
+JOB_CALLS = 8
 
 
-def faster_than_stored(device: torch.device, layer, stored: LinearMethod) -> tuple[LinearMethod | None, str]:
-    """This device's fastest native format for `layer`'s shape where it runs faster than `stored` (the method of
-    the format the file stores the layer in), else None. Measured once per shape and process; the reason gives the
-    numbers. Its error is checked on the layer's real weight and first real input (quant/real_error.py)."""
+@functools.lru_cache(maxsize=None)
+def _method_version(method_type: type) -> str:
+    """What a measurement of a method's speed holds for: its declared kernel version, else its module's source."""
+    declared = getattr(method_type, "kernel_version", None)
+    return declared or tuning.source_digest(sys.modules[method_type.__module__])
+
+
+def faster_than_stored(device: torch.device, layer, stored: LinearMethod) -> tuple[LinearMethod | None, str, str]:
+    """(this device's fastest native format for `layer`'s shape, or None to keep the stored format; why, for the
+    report's headline; the numbers behind it, for the layer's record). Converted only where the tuning store
+    holds a measurement of this shape on this GPU (made where the user asked, BIGDIT_INT8_TUNE=1, and kept) that
+    says the conversion pays: faster per call by more than its cost at load over JOB_CALLS calls. Nothing is timed
+    otherwise. The error on random data goes into the numbers only: a converted layer's error is checked on its real
+    weight and first real input (quant/real_error.py), which falls back to the stored layer over the bound."""
     candidates = [m for m in fastest_native_methods(device, layer.in_features, layer.out_features)
                   if m.name != stored.name]
     if not candidates or device.type != "cuda":
-        return None, "no faster native format on this device"
+        return None, "no faster native format on this device", "nothing to measure"
     target = candidates[0]
     dtype = layer.compute_dtype if layer.compute_dtype in FLOAT_DTYPES else torch.bfloat16
     rows = int(os.environ.get("BIGDIT_AUTO_ROWS", DEFAULT_ROWS))
-    key = (str(device), layer.in_features, layer.out_features, dtype, rows, stored.describe(), target.describe())
-    if key not in _CONVERSIONS:
-        _CONVERSIONS[key] = _measure_conversion(device, layer.in_features, layer.out_features, dtype, rows,
-                                                stored, target)
-    chosen, reason = _CONVERSIONS[key]
-    return (target if chosen else None), reason
+    gpu = tuning.device_key(device)
+    kernel = f"convert.{stored.describe()}->{target.describe()}"
+    version = tuning.digest(_method_version(type(stored)), _method_version(type(target)), torch.__version__)
+    shape = f"{layer.in_features}x{layer.out_features} {dtype_name(dtype)} rows={rows}"
+    measured = tuning.current().get(gpu, kernel, version, shape)
+    if not _is_measurement(measured):
+        if not tuning.search_asked():
+            return None, f"no stored measurement says {target.name} pays on this GPU", \
+                f"{tuning.TUNE_ENV}=1 measures it at the next load"
+        measured = _measure_conversion(device, layer.in_features, layer.out_features, dtype, rows, stored, target)
+        tuning.current().put(gpu, kernel, version, shape, measured)
+    pays, numbers = _pays(measured, stored, target)
+    if pays:
+        return target, f"a stored measurement says {target.name} pays on this GPU", numbers
+    return None, f"a stored measurement says {target.name} does not pay on this GPU", numbers
+
+
+def _is_measurement(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(key), (int, float)) for key in
+                                           ("stored_ms", "target_ms", "target_error", "convert_ms"))
+
+
+def _pays(measured: dict, stored: LinearMethod, target: LinearMethod) -> tuple[bool, str]:
+    saved = measured["stored_ms"] - measured["target_ms"]
+    numbers = (f"{stored.name} {measured['stored_ms']:.3f} ms, {target.name} {measured['target_ms']:.3f} ms a call, "
+               f"error on random data {measured['target_error']:.4f}; converting {measured['convert_ms']:.1f} ms")
+    if saved * JOB_CALLS <= measured["convert_ms"]:
+        return False, f"{numbers}: {JOB_CALLS} calls save {max(saved, 0.0) * JOB_CALLS:.1f} ms"
+    return True, f"{numbers}: {JOB_CALLS} calls save {saved * JOB_CALLS:.1f} ms"
 
 
 def _measure_conversion(device, k: int, n: int, dtype, rows: int, stored: LinearMethod,
-                        target: LinearMethod) -> tuple[str | None, str]:
+                        target: LinearMethod) -> dict:
+    """Times a layer of `stored` and its re-quantization to `target` (a call of each, and the conversion as a
+    load makes it: on the device, back to host memory) on a random weight, and the target's error: the tuning
+    store's entry."""
     gen = torch.Generator(device=device).manual_seed(0)
     weight = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * k ** -0.5
     x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
+    reference = F.linear(x.float(), weight.float())
     source = quantized_layer(stored, weight, k, n, None, dtype, device, device)
-    converted = requantized_layer(source, target, device, device)
-    times = {}
-    for name, layer in ((stored.name, source), (target.name, converted)):
-        layer(x)  # first call runs any kernel measurement of the format itself
+    requantized_layer(source, target, device, torch.device("cpu"))  # its kernels compiled, its buffers allocated
+    start = time.perf_counter()
+    converted = requantized_layer(source, target, device, torch.device("cpu"))  # the copy home waits for the GPU
+    convert_ms = (time.perf_counter() - start) * 1e3
+    converted = converted.to(device)
+    times, errors = {}, {}
+    for name, layer in (("stored", source), ("target", converted)):
+        out = layer(x)
+        errors[name] = float((out.float() - reference).norm() / reference.norm())
         times[name] = _time_ms(lambda: layer(x), iters=5)
-    if times[target.name] >= times[stored.name]:
-        return None, f"{stored.name} as fast or faster at {k}->{n} ({_fmt(times)})"
-    return target.name, f"faster at {k}->{n} ({_fmt(times)})"
+    return {"stored_ms": times["stored"], "target_ms": times["target"], "target_error": errors["target"],
+            "convert_ms": convert_ms}
 
 
 @register_selector("auto")

@@ -5,7 +5,9 @@ trace comfy-kitchen's backend dispatch (its registry logs at every call, and
 a logger call breaks the graph), so each such kernel is a
 `torch.library.custom_op` here, with a fake implementation giving its output's
 shape and dtype: the compiled graph calls it as one node, and the dispatch
-runs inside it at run time, as in eager mode.
+runs inside it at run time, as in eager mode. Each INT8 linear counts its calls
+in the run witness (quant/witness.py) from inside, so that a compiled model's
+report says which kernel ran too.
 
 Eager calls (not compiling) go straight to the kernel, as before this module
 existed: the same code, the same numbers, without the custom op's dispatch
@@ -15,11 +17,30 @@ from __future__ import annotations
 
 import torch
 
+from . import int8_triton, witness
 
-def _kitchen_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
+
+def _kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
     import comfy_kitchen as ck
     return ck.int8_linear(x, weight, weight_scale, bias, out_dtype, convrot=convrot,
                           convrot_groupsize=convrot_groupsize, input_act=input_act)
+
+
+def _kitchen_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
+    witness.count_kernel(int8_triton.TALLY, "kitchen")
+    return _kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+
+
+def _kitchen_split_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act,
+                               rows_per_call):
+    witness.count_kernel(int8_triton.TALLY, "kitchen_split")
+    return torch.cat([_kitchen(x[i:i + rows_per_call], weight, weight_scale, bias, out_dtype, convrot,
+                               convrot_groupsize, input_act) for i in range(0, x.shape[0], rows_per_call)])
+
+
+def _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
+    return int8_triton.linear_or_kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize,
+                                         input_act, kitchen=_kitchen_int8_linear)
 
 
 def _opaque_int8_linear(name: str, kernel):
@@ -42,13 +63,28 @@ def _opaque_int8_linear(name: str, kernel):
     return call
 
 
-def _triton_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
-    from . import int8_triton
-    return int8_triton.linear_or_kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize,
-                                         input_act, kitchen=_kitchen_int8_linear)
+@torch.library.custom_op("bigdit::int8_linear_split", mutates_args=())
+def _split_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype, convrot: bool, convrot_groupsize: int, input_act: str | None,
+              rows_per_call: int) -> torch.Tensor:
+    return _kitchen_split_int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize,
+                                      input_act, rows_per_call)
+
+
+@_split_op.register_fake
+def _(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act, rows_per_call):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
 #: comfy_kitchen.int8_linear (its backend dispatch included)
 int8_linear = _opaque_int8_linear("int8_linear", _kitchen_int8_linear)
-#: int8_triton's INT8 linear (kitchen's once those kernels failed)
+#: int8_triton's INT8 linear (kitchen's where those kernels failed)
 int8_linear_triton = _opaque_int8_linear("int8_linear_triton", _triton_int8_linear)
+
+
+def int8_linear_split(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype, *, convrot: bool, convrot_groupsize: int, input_act: str | None,
+                      rows_per_call: int) -> torch.Tensor:
+    """comfy_kitchen.int8_linear on a 2-D `x` in calls of `rows_per_call` rows, as one op."""
+    return (_split_op if torch.compiler.is_compiling() else _kitchen_split_int8_linear)(
+        x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act, rows_per_call)

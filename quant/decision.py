@@ -56,7 +56,8 @@ class QuantConfig:
 
 class StoredContext:
     """What a stored format's `stored_decision` may ask of the config: the device, the choice the config makes
-    for the layer as a full-precision one, and this device's native formats for its shape."""
+    for the layer as a full-precision one, this device's native formats for its shape, and whether a kept
+    measurement says converting to the fastest of them pays."""
 
     def __init__(self, config: QuantConfig, dominant: torch.dtype | None):
         self.config, self.dominant = config, dominant
@@ -69,7 +70,9 @@ class StoredContext:
         from .auto import fastest_native_methods  # auto builds on this module's callers
         return fastest_native_methods(self.device, layer.in_features, layer.out_features)
 
-    def faster_native(self, layer: Layer, stored: LinearMethod) -> tuple[LinearMethod | None, str]:
+    def faster_native(self, layer: Layer, stored: LinearMethod) -> tuple[LinearMethod | None, str, str]:
+        """auto's conversion of a stored layer: (the target or None, why, the numbers); nothing timed unless
+        asked (quant/auto.py `faster_than_stored`)."""
         from .auto import faster_than_stored
         return faster_than_stored(self.device, layer, stored)
 

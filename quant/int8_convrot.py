@@ -3,19 +3,23 @@
 Weights: per-output-channel INT8 after a group-wise Hadamard rotation
 (ConvRot), which spreads outliers across each group before rounding.
 Activations: rotated and quantized per token at run time, inside
-comfy-kitchen's fused kernel (its eager backend composes the same from
-torch ops on CPU) or int8_triton's, whichever the first call of a shape
-measures faster on the GPU (`BIGDIT_INT8_KERNEL` pins one).
+int8_triton's kernels on CUDA from sm80 (where they measured 1.4-1.6x
+comfy-kitchen's at every H3 shape on the H100 and H200), else comfy-kitchen's
+fused kernel (its eager backend composes the same from torch ops on CPU).
+Nothing is timed to choose: a measurement kept in the tuning store overrides
+that default, made only where asked (BIGDIT_INT8_TUNE=1, quant/kernel_select.py);
+`BIGDIT_INT8_KERNEL` pins one.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_at_least
-from . import compiled_ops, int8_triton
+from . import compiled_ops, int8_triton, tuning, witness
 from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
 from .layer import Layer
 from .kernel_select import KernelChooser, rows_bucket
@@ -27,12 +31,25 @@ TENSORWISE = "int8_tensorwise"  # ComfyUI's marker format, with or without the r
 LAYOUT = "TensorWiseINT8Layout"
 GROUP_SIZES = (16, 64, 256)
 
-# Row split: 8192-row calls dodge a slow Stream-K schedule of long GEMMs on
-# some GPUs and cost a few percent on others, so it is a candidate, measured per GPU.
+# Row split: 8192-row calls dodge a slow Stream-K schedule of kitchen's long GEMMs on
+# some GPUs and cost a few percent on others, so it is a candidate where the user asks for tuning.
 DEFAULT_SPLIT_ROWS = 8192
+# The Triton kernels are the default from Ampere on; on Turing (not measured with them) kitchen's kernel.
+TRITON_FROM = (8, 0)
 
+
+def _kitchen_version() -> str | None:
+    try:
+        return importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+#: The INT8 kernels' version: the Triton kernels' source and comfy-kitchen's release, which a stored kernel
+#: choice (and a stored conversion measurement, quant/auto.py) was measured with.
+KERNEL_VERSION = tuning.digest(int8_triton.KERNEL_VERSION, _kitchen_version())
 _chooser = KernelChooser(CONVROT, force_env="BIGDIT_INT8_KERNEL",
-                         known=("kitchen", "kitchen_split", "triton", "dequant"))
+                         known=("kitchen", "kitchen_split", "triton", "dequant"), version=KERNEL_VERSION)
 
 
 def _env_int(name: str) -> int | None:
@@ -58,6 +75,7 @@ class Int8ConvRotMethod(LinearMethod):
     """INT8 with per-channel (or per-tensor) weight scales; `convrot=False` is
     plain `int8_tensorwise`, as ComfyUI checkpoints without the rotation store it."""
     name = CONVROT
+    kernel_version = KERNEL_VERSION  # what a stored measurement of its speed was made with
 
     def __init__(self, group_size: int = 256, row_split: str = "auto", convrot: bool = True):
         if convrot and group_size not in GROUP_SIZES:
@@ -105,8 +123,8 @@ class Int8ConvRotMethod(LinearMethod):
         x2d = x.reshape(-1, x.shape[-1])
         out_dtype = output_dtype(x, layer.compute_dtype)
 
-        def fused(rows: torch.Tensor) -> torch.Tensor:
-            return compiled_ops.int8_linear(rows, weight, scale, bias, out_dtype, convrot=self.convrot,
+        def kitchen() -> torch.Tensor:
+            return compiled_ops.int8_linear(x2d, weight, scale, bias, out_dtype, convrot=self.convrot,
                                             convrot_groupsize=self.group_size, input_act=input_act)
 
         def triton_fused() -> torch.Tensor:
@@ -114,11 +132,14 @@ class Int8ConvRotMethod(LinearMethod):
                                                    convrot_groupsize=self.group_size, input_act=input_act)
 
         def split(rows_per_call: int) -> torch.Tensor:
-            parts = [fused(x2d[i:i + rows_per_call]) for i in range(0, x2d.shape[0], rows_per_call)]
-            return torch.cat(parts)
+            return compiled_ops.int8_linear_split(x2d, weight, scale, bias, out_dtype, convrot=self.convrot,
+                                                  convrot_groupsize=self.group_size, input_act=input_act,
+                                                  rows_per_call=rows_per_call)
 
         def dequant_gemm() -> torch.Tensor:
             from .kitchen_api import apply_input_act
+            if not torch.compiler.is_compiling():
+                witness.count_kernel(int8_triton.TALLY, "dequant")
             w = self.dequantize(layer, x.device).to(out_dtype)
             return F.linear(apply_input_act(x2d, input_act).to(out_dtype), w,
                             None if bias is None else bias.to(out_dtype))
@@ -127,7 +148,7 @@ class Int8ConvRotMethod(LinearMethod):
         forced_rows = forced_row_split(rows, n_out)
         if forced_rows:
             return split(forced_rows).reshape(*lead, n_out)
-        candidates = {"kitchen": lambda: fused(x2d)}
+        candidates = {"kitchen": kitchen}
         if (forced_rows is None and x.device.type == "cuda" and self.row_split == "auto"
                 and rows > DEFAULT_SPLIT_ROWS):
             candidates["kitchen_split"] = lambda: split(DEFAULT_SPLIT_ROWS)
@@ -137,8 +158,9 @@ class Int8ConvRotMethod(LinearMethod):
         # fused kernel (allocator and clock effects) when side by side it is not, and would
         # be picked wrongly.
         candidates["dequant"] = dequant_gemm
-        key = (str(x.device), rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
-        choice = _chooser.choose(key, candidates, x.device, measured=("kitchen", "kitchen_split", "triton"))
+        shape = (rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
+        choice = _chooser.choose(x.device, shape, candidates, measured=("kitchen", "kitchen_split", "triton"),
+                                 default="triton" if x.is_cuda and cuda_at_least(x.device, TRITON_FROM) else "kitchen")
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 
@@ -184,17 +206,17 @@ class Int8TensorwiseFormat(QuantFormat):
     kitchen_layouts = (LAYOUT,)
     contract = Contract(required=frozenset({"weight", "weight_scale"}), weight_dtypes=("I8",),
                         encodings={"weight_scale": "float"}, stored_max=128.0)   # int8's -128
-    # auto: re-quantized at load where this GPU's fastest native format is measured faster than the INT8
-    # path at the layer's shape and within its error bound (FP8 on sm89+), else kept; keep; requantize: to
-    # that format wherever there is one
+    # auto: kept as stored, re-quantized at load to this GPU's fastest native format (FP8 on sm89+) only where
+    # the tuning store holds a measurement of the layer's shape on this GPU that says the conversion pays
+    # (quant/auto.py); keep; requantize: to that format wherever there is one
     conversion_modes = ("auto", "keep", "requantize")
     conversion_option = "int8"
-    conversion_tooltip = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: where "
-                          "this GPU's fastest native format (FP8 on sm89+) is measured faster than INT8 at the "
-                          "layer's shape and stays within its error bound, re-quantize the layer to it while "
-                          "loading, on the GPU, layer by layer; else keep INT8. keep: always INT8. requantize: to "
-                          "that format wherever the GPU has one. The report says what was converted, why, and the "
-                          "timings.")
+    conversion_tooltip = ("INT8 marker layers (with or without ConvRot, as in Comfy-Org's files). auto: kept as "
+                          "the file stores them, on the pack's INT8 kernel; a layer is re-quantized while loading "
+                          "to this GPU's fastest native format (FP8 on sm89+) only where a measurement kept in the "
+                          "tuning store says that pays at its shape (BIGDIT_INT8_TUNE=1 makes them). Nothing is "
+                          "timed at load. keep: always INT8. requantize: to that format wherever the GPU has one. "
+                          "The report says which path the layers took and why.")
     conversion_rank = 1   # after nvfp4's
     marker_params = {
         "convrot": MarkerParam((bool,), False, means="true or false"),
@@ -214,12 +236,15 @@ class Int8TensorwiseFormat(QuantFormat):
             if target is not None:
                 label = f"re-quantized at load to {target.describe()}"
                 return layer.conversion(target, label, label, label)
-        elif mode == "auto" and context.device.type == "cuda":
-            target, why = context.faster_native(layer, self.method(**layer.options))
-            if target is not None:  # the record gives the measurement; the report's headline counts the paths
-                label = f"re-quantized at load to {target.describe()}"
-                return layer.conversion(target, f"{label}: {why}", label, f"{label}: {why}")
-            return layer.conversion(None, f"already quantized; {why}", "kept as INT8", f"kept as INT8: {why}")
+        elif mode == "auto":
+            # converted only where a kept measurement says it pays (quant/auto.py): nothing is timed at load
+            target, why, numbers = context.faster_native(layer, self.method(**layer.options))
+            # the report's headline counts the paths (why included); the record gives the numbers
+            if target is not None:
+                path = f"re-quantized at load to {target.describe()}: {why}"
+                return layer.conversion(target, f"{path} ({numbers})", path, f"{path} ({numbers})")
+            path = f"kept as INT8: {why}"
+            return layer.conversion(None, f"already quantized; {path} ({numbers})", path, f"{path} ({numbers})")
         return layer.conversion(None, "already quantized")
 
     def marker_meaning(self, marker: dict) -> dict:

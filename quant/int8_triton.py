@@ -12,7 +12,12 @@ dense INT8 rate at MiniMax-H3's shapes (0.75-1.21x bf16 F.linear). Two kernels t
   scale and the bias applied in the epilogue, which writes the output dtype. From Hopper on operands
   come by TMA (`_gemm_tma_kernel`), before through pointer loads (`_gemm_kernel`), both K-major as
   Hopper's INT8 wgmma needs, in grouped tile order.
-Each is autotuned per (row bucket, shape) the first time a shape runs.
+
+Each launch takes its config (tiles, warps, stages) from, in order: the tuning store (quant/tuning.py, this
+GPU's entry for the shape at this `KERNEL_VERSION`); a search of the candidates below, only where the user asked
+for one (BIGDIT_INT8_TUNE=1), its winner put in the store; the configs the pack ships per GPU family
+(`int8_triton_tuned.json`, used while its kernel version is this one); a rule of the shape and the GPU's shared
+memory. Nothing is timed unless asked, so a first call costs a compilation, not a search.
 
 `int8_linear` has comfy_kitchen.int8_linear's contract for weights stored by TensorWiseINT8Layout
 (int8 [N, K], already rotated; scale fp32 [N, 1] or per tensor). Its arithmetic, which the tests hold
@@ -25,15 +30,20 @@ output dtype; these kernels keep fp32, so they are no less accurate.
 
 `available` / `unavailable_reason` say where the kernels take a call (a CUDA tensor, or a CPU one under
 Triton's interpreter); elsewhere the caller runs kitchen. `linear_or_kitchen` is the call the method
-makes: a kernel that fails at run time (a Triton that cannot compile for this GPU) is said once, then
-kitchen computes for the rest of the process.
+makes, counted in the run witness (quant/witness.py): a kernel that fails at run time has kitchen compute
+that call; an out-of-memory is tried again at the next call, any other failure (a Triton that cannot compile
+for this GPU) leaves kitchen computing for the rest of the process. Either is logged and reported once.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from ..hardware import cuda_capability
+from ..hardware import cuda_capability, time_ms
 from ..pack_logging import pack_logger
+from . import tuning, witness
 from .kernel_select import rows_bucket
 
 log = pack_logger(__name__)
@@ -41,16 +51,28 @@ log = pack_logger(__name__)
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # missing or broken Triton (or one without tensor descriptors): kitchen runs instead
     triton = None
+    OutOfResources = ()
 
 GROUP_SIZES = (16, 64, 256)
 INPUT_ACTS = (None, "swiglu")
 X_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KRON = 16  # a group of 256 rotates as H16 (x) H16: two 16-wide steps instead of one 256-wide product
-_failure: str | None = None  # why the kernels failed at run time, once they did
+TALLY = "int8"  # these kernels' and kitchen's INT8 linears in the run reports ("ran int8: triton x400 calls")
+_failure: str | None = None  # why the kernels failed for good at run time, once they did
+_warned: set[str] = set()  # failure kinds logged
+
+# The configs' shape keys, as the kernels take them; `shape_text` writes them into the store.
+SHAPE_KEYS = {"activation": ("M_BUCKET", "K", "G", "SWIGLU", "ROTATE"), "gemm": ("M_BUCKET", "N", "K"),
+              "gemm_tma": ("M_BUCKET", "N", "K")}
+LAUNCH = ("num_warps", "num_stages")
+SHIPPED_FILE = Path(__file__).with_name("int8_triton_tuned.json")
+SMEM_MARGIN = 8192  # bytes of shared memory a GEMM config leaves beside its pipeline (barriers, the epilogue)
+_CHOSEN: dict[tuple, tuple[dict, str]] = {}  # (kernel, device, shape) -> (config, where it came from)
 
 
 def _interpreter_on() -> bool:
@@ -102,17 +124,31 @@ def available(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return unavailable_reason(x, weight, weight_scale, bias, out_dtype, convrot, group_size, input_act) is None
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether a failure may pass by itself (an out-of-memory), so that the kernels are tried again."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
 def linear_or_kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act, kitchen):
-    """`int8_linear`; `kitchen` (the same arguments) for a weight off 16-byte alignment and once the kernels have
-    failed, the first failure logged."""
+    """`int8_linear`, counted in the run witness; `kitchen` (the same arguments, counting itself) for a weight off
+    16-byte alignment and where the kernels failed (see the module's docstring)."""
     global _failure
     if _failure is None and weight.data_ptr() % 16 == 0:  # TMA's alignment (a view into a file may lack it)
         try:
-            return int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
-        except Exception as exc:  # a Triton that imports but cannot compile or launch for this GPU
-            _failure = f"{type(exc).__name__}: {exc}"
-            log.warning("INT8: the Triton kernels failed (%s); comfy-kitchen's int8_linear runs instead "
-                        "(slower) for the rest of this process", _failure)
+            out = int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+        except Exception as exc:  # a Triton that cannot compile or launch for this GPU, or no memory left
+            why, again = f"{type(exc).__name__}: {exc}", transient(exc)
+            if not again:
+                _failure = why
+            witness.kernel_failed(TALLY, "triton", why, retried=again)
+            if type(exc).__name__ not in _warned:
+                _warned.add(type(exc).__name__)
+                log.warning("INT8: the Triton kernels failed (%s); comfy-kitchen's int8_linear computed the call "
+                            "(slower), %s", why, "and Triton is tried again at the next call" if again else
+                            "and computes the rest of this process's calls")
+        else:
+            witness.count_kernel(TALLY, "triton")
+            return out
     return kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
 
 
@@ -151,10 +187,15 @@ def quantize_rows(x: torch.Tensor, convrot: bool, group_size: int,
         return q, scale
     group = group_size if convrot else 16  # unrotated rows step in 16-wide groups (the matrix is loaded, not used)
     h = hadamard(group, x.device)
-    args = dict(x_ptr=x, h_ptr=h, q_ptr=q, scale_ptr=scale, M=rows, K=k, M_BUCKET=rows_bucket(rows),
-                stride_x=x.stride(0), stride_q=q.stride(0), G=group, HG=KRON if group == KRON * KRON else group,
-                SWIGLU=swiglu, ROTATE=convrot)
-    _launch(_rotate_quantize_kernel, lambda meta: (triton.cdiv(rows, meta["ROWS"]),), args, x.device)
+    args = dict(x_ptr=x, h_ptr=h, q_ptr=q, scale_ptr=scale, M=rows, stride_x=x.stride(0), stride_q=q.stride(0),
+                K=k, G=group, HG=KRON if group == KRON * KRON else group, SWIGLU=swiglu, ROTATE=convrot)
+
+    def launch(config: dict) -> None:
+        meta, run = _split(config)
+        _rotate_quantize_kernel[(triton.cdiv(rows, meta["ROWS"]),)](**args, **meta, **run)
+
+    _run("activation", {"M_BUCKET": rows_bucket(rows), "K": k, "G": group, "SWIGLU": swiglu, "ROTATE": convrot},
+         x.device, launch)
     return q, scale
 
 
@@ -168,75 +209,207 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_sc
         return out
     w_scale = weight_scale.reshape(-1).float()
     common = dict(out_ptr=out, a_scale_ptr=a_scale, w_scale_ptr=w_scale,
-                  bias_ptr=bias if bias is not None else w_scale, M=m, N=n, K=k, M_BUCKET=rows_bucket(m),
-                  stride_out=out.stride(0), PER_CHANNEL=w_scale.numel() > 1, HAS_BIAS=bias is not None)
-    tiles = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    if tma:  # block shapes are set per config (`_set_block_shapes`)
-        args = dict(a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [16, 16]),
-                    w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [16, 16]), **common)
-        _launch(_gemm_tma_kernel, tiles, args, a.device)
-    else:
-        args = dict(a_ptr=a, w_ptr=weight, stride_a=a.stride(0), stride_w=weight.stride(0), **common)
-        _launch(_gemm_kernel, tiles, args, a.device)
+                  bias_ptr=bias if bias is not None else w_scale, M=m, N=n, K=k, stride_out=out.stride(0),
+                  PER_CHANNEL=w_scale.numel() > 1, HAS_BIAS=bias is not None)
+
+    def launch(config: dict) -> None:
+        meta, run = _split(config)
+        tiles = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        if tma:
+            _gemm_tma_kernel[tiles](
+                a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),
+                w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]]),
+                **common, **meta, **run)
+        else:
+            _gemm_kernel[tiles](a_ptr=a, w_ptr=weight, stride_a=a.stride(0), stride_w=weight.stride(0), **common,
+                                **meta, **run)
+
+    _run("gemm_tma" if tma else "gemm", {"M_BUCKET": rows_bucket(m), "N": n, "K": k}, a.device, launch)
     return out
 
 
-def _launch(kernel, grid, args: dict, device: torch.device) -> None:
-    """An autotuned kernel's launch; under Triton's interpreter (CPU), where nothing can be timed, with the
-    first config its pruning keeps."""
-    if device.type == "cuda":
-        kernel[grid](**args)
-        return
-    config = kernel.early_config_prune(kernel.configs, {}, **args)[0]
-    meta = {**args, **config.all_kwargs()}
-    if config.pre_hook is not None:
-        config.pre_hook(meta)
-    kernel.fn[grid](**args, **config.kwargs)
+def _run(kernel: str, shape: dict, device: torch.device, launch) -> None:
+    """`launch` with the config chosen for `kernel` at `shape`; a GEMM config this GPU has not the shared memory
+    or registers for (a shipped or rule config on a card it was not measured on) gives way, for the process, to
+    the smallest tiles (`gemm_small`), said once."""
+    config = config_for(kernel, shape, device, launch)
+    try:
+        launch(config)
+    except OutOfResources as exc:
+        small = None if kernel == "activation" else gemm_small(shape)
+        if small is None or small == config:
+            raise
+        log.warning("INT8 Triton %s at %s: %s does not run on this GPU (%s); %s instead", kernel,
+                    shape_text(kernel, shape), config, exc, small)
+        _CHOSEN[_chosen_key(kernel, shape, device)] = (small, "fallback")
+        launch(small)
 
 
-def _set_block_shapes(nargs: dict) -> None:
-    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+def _split(config: dict) -> tuple[dict, dict]:
+    """A config's kernel parameters and its launch options (warps, stages)."""
+    return ({key: value for key, value in config.items() if key not in LAUNCH},
+            {key: config[key] for key in LAUNCH if key in config})
 
 
-def _prune_activation(configs, named_args, **kwargs):
-    args = {**named_args, **kwargs}
-    k, g, rotate = args["K"], args["G"], args["ROTATE"]
-    kept = [c for c in configs if g <= c.kwargs["WIDTH"] <= triton.next_power_of_2(k)
-            # a full-matrix product needs 16 rows of groups (tl.dot's smallest tile)
-            and (not rotate or g == KRON * KRON or c.kwargs["ROWS"] * c.kwargs["WIDTH"] // g >= 16)]
-    return kept or [triton.Config({"ROWS": 16, "WIDTH": g}, num_warps=4)]
+# -- configs: the tuning store, a search where asked, the shipped table, a rule --------------------------------
+
+def shape_text(kernel: str, shape: dict) -> str:
+    """A shape as the store and the shipped table key it: "M_BUCKET=32768,N=21504,K=5376"."""
+    return ",".join(f"{key}={int(shape[key])}" for key in SHAPE_KEYS[kernel])
 
 
-def _prune_gemm(configs, named_args, **kwargs):
-    k = {**named_args, **kwargs}["K"]
-    return [c for c in configs if c.kwargs["BLOCK_K"] <= max(16, triton.next_power_of_2(k))] or configs[-1:]
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def fits(kernel: str, config, shape: dict) -> bool:
+    """Whether `config` (a dict, as stored) is one `kernel` can run at `shape`: its keys, and the widths the kernel
+    assumes (an activation step holds whole groups and, where the rotation is one full-matrix product, 16 of them;
+    a GEMM's K step no wider than K's power of two)."""
+    if not isinstance(config, dict) or not all(isinstance(v, int) and v > 0 for v in config.values()):
+        return False
+    if kernel == "activation":
+        if set(config) != {"ROWS", "WIDTH", *LAUNCH}:
+            return False
+        k, g, rotate = shape["K"], shape["G"], shape["ROTATE"]
+        return (g <= config["WIDTH"] <= _next_pow2(k) and config["WIDTH"] % g == 0
+                and (not rotate or g == KRON * KRON or config["ROWS"] * config["WIDTH"] // g >= 16))
+    return (set(config) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", *LAUNCH}
+            and config["BLOCK_K"] <= max(16, _next_pow2(shape["K"])))
+
+
+def activation_rule(shape: dict) -> dict:
+    """The activation kernel's config by rule: a row up to 16384 wide in one step, else 1024-wide steps; warps
+    as the H200's winners (4 for a row of 8192, 16 for 16384), rows per program to give a rotation of small
+    groups its 16 groups."""
+    k, g, rotate = shape["K"], shape["G"], shape["ROTATE"]
+    width = max(g, _next_pow2(k)) if k <= 16384 else max(g, 1024)
+    rows = 1 if k <= 16384 else 2
+    if rotate and g != KRON * KRON:
+        rows = max(rows, -(-16 * g // width))
+    return {"ROWS": rows, "WIDTH": width, "num_warps": 16 if width >= 16384 else 4, "num_stages": 3}
+
+
+def gemm_rule(shape: dict, tma: bool, shared_memory: int) -> dict:
+    """The GEMM's config by rule: the largest tile (128x256x128 first, as won on the H200 at H3's shapes) whose
+    pipeline of at least 3 stages (at most 4) fits the GPU's shared memory, row tiles of 64 below 128 rows."""
+    m, n, k = shape["M_BUCKET"], shape["N"], shape["K"]
+    block_k_max = 128 if k >= 128 else max(16, _next_pow2(k))
+    tiles = [(128, 256, 128, 8), (128, 128, 128, 8), (128, 128, 64, 8), (64, 128, 64, 4), (64, 64, 64, 4),
+             (64, 64, 32, 4)]
+    if m < 128:
+        tiles = [t for t in tiles if t[0] == 64]
+    if n < 256:
+        tiles = [t for t in tiles if t[1] <= 128]
+    budget = shared_memory - SMEM_MARGIN
+    for bm, bn, bk, warps in tiles:
+        bk = min(bk, block_k_max)
+        stages = min(4, budget // ((bm + bn) * bk))
+        if stages >= 3 or (bm, bn) == (64, 64):
+            return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 16 if tma else 8,
+                    "num_warps": warps, "num_stages": max(2, stages)}
+    raise AssertionError("unreachable: the last tile always returns")
+
+
+def gemm_small(shape: dict) -> dict:
+    """The GEMM's smallest tiles (64x64x32, 2 stages: 16 KiB of shared memory), for a GPU the others do not fit."""
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32 if shape["K"] >= 32 else 16, "GROUP_M": 8,
+            "num_warps": 4, "num_stages": 2}
+
+
+def search_candidates(kernel: str, shape: dict) -> list[dict]:
+    """What a search times: each kernel's candidate list (the configs of the H200's development runs), those
+    that fit the shape."""
+    if kernel == "activation":
+        found = [{"ROWS": r, "WIDTH": w, "num_warps": nw, "num_stages": 3}
+                 for r, w, nw in [(8, 256, 4), (2, 1024, 4), (1, 8192, 4), (1, 8192, 8), (1, 16384, 16)]]
+    else:
+        tiles = ([(128, 256, 128, 4, 8, 16), (128, 256, 128, 4, 8, 8), (256, 128, 128, 4, 8, 16),
+                  (128, 128, 128, 4, 4, 8), (64, 256, 128, 4, 4, 8)] if kernel == "gemm_tma" else
+                 [(128, 128, 128, 3, 8, 8), (256, 128, 128, 3, 8, 8), (128, 256, 128, 3, 8, 8),
+                  (128, 128, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8)])
+        found = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": w, "num_stages": s}
+                 for bm, bn, bk, s, w, gm in tiles]
+    return [config for config in found if fits(kernel, config, shape)]
+
+
+def _shipped() -> tuple[str | None, dict]:
+    """(the kernel version the shipped table was tuned for, {family: {kernel: {shape: config}}})."""
+    try:
+        data = json.loads(SHIPPED_FILE.read_text())
+        return data["kernel_version"], data["families"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("INT8: the shipped Triton configs (%s) do not read (%s); rules choose them", SHIPPED_FILE, exc)
+        return None, {}
+
+
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory a block may opt in to on `device`; off CUDA (the interpreter) an Ada's 99 KiB."""
+    if device.type != "cuda":
+        return 101376
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _chosen_key(kernel: str, shape: dict, device: torch.device) -> tuple:
+    return kernel, str(device), tuple(shape[k] for k in SHAPE_KEYS[kernel])
+
+
+def config_for(kernel: str, shape: dict, device: torch.device, launch=None) -> dict:
+    """The config `kernel` runs `shape` with on `device` (see the module's docstring); `launch(config)` runs the
+    kernel, for a search. Chosen once per process and shape."""
+    key = _chosen_key(kernel, shape, device)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        chosen = _CHOSEN[key] = choose_config(kernel, shape, device, launch)
+        log.debug("INT8 Triton %s at %s: %s (%s)", kernel, shape_text(kernel, shape), chosen[0], chosen[1])
+    return chosen[0]
+
+
+def choose_config(kernel: str, shape: dict, device: torch.device, launch=None) -> tuple[dict, str]:
+    """(the config, where it came from: "store", "search", "shipped" or "rule")."""
+    text, gpu = shape_text(kernel, shape), tuning.device_key(device)
+    stored = tuning.current().get(gpu, f"int8_triton.{kernel}", KERNEL_VERSION, text)
+    if fits(kernel, stored, shape):
+        return dict(stored), "store"
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # a CUDA graph times nothing
+    if launch is not None and gpu is not None and tuning.search_asked() and not capturing:
+        found = _search(kernel, shape, device, launch)
+        if found is not None:
+            tuning.current().put(gpu, f"int8_triton.{kernel}", KERNEL_VERSION, text, found)
+            return found, "search"
+    version, families = SHIPPED
+    shipped = families.get(tuning.gpu_family(device), {}).get(kernel, {}).get(text)
+    if version == KERNEL_VERSION and fits(kernel, shipped, shape):
+        return dict(shipped), "shipped"
+    if kernel == "activation":
+        return activation_rule(shape), "rule"
+    return gemm_rule(shape, kernel == "gemm_tma", _shared_memory(device)), "rule"
+
+
+def _search(kernel: str, shape: dict, device: torch.device, launch) -> dict | None:
+    """The fastest of the candidates (and the rule's config) at this call, timed on its own inputs; None where
+    none ran."""
+    rule = (activation_rule(shape) if kernel == "activation" else
+            gemm_rule(shape, kernel == "gemm_tma", _shared_memory(device)))
+    candidates = [rule] + [c for c in search_candidates(kernel, shape) if c != rule]
+    timings = {}
+    for index, config in enumerate(candidates):
+        try:
+            launch(config)  # compiles
+            timings[index] = time_ms(lambda: launch(config), device, 10)
+        except Exception as exc:  # a config this GPU cannot run (shared memory, registers): not a candidate
+            log.debug("INT8 Triton %s: %s does not run (%s: %s)", kernel, config, type(exc).__name__, exc)
+    if not timings:
+        return None
+    best = min(timings, key=timings.get)
+    log.info("INT8 Triton %s at %s: searched %d configs, %s fastest (%.3f ms); kept in the tuning store", kernel,
+             shape_text(kernel, shape), len(timings), candidates[best], timings[best])
+    return candidates[best]
 
 
 if triton is not None:
     # 1.5 * 2^23: a sum with it keeps no fraction bits in fp32, so v + _RNE - _RNE rounds v half to even
     _RNE = tl.constexpr(12582912.0)
-
-    def _activation_configs():
-        # (rows per program, columns per step, warps). A step as wide as the row (a power of two up to 16384)
-        # reads it once; narrower steps read it twice, few rows at a time, so the second read hits L2. On the
-        # H200 whole rows won: 0.32 ms for 32,700 rows of 5376 or 7168, 1.07 ms for fc2's SwiGLU of 2 x 14336.
-        # Few configs: each is compiled and timed at a shape's first call (a load's auto measurement included).
-        shapes = [(8, 256, 4), (2, 1024, 4), (1, 8192, 4), (1, 8192, 8), (1, 16384, 16)]
-        return [triton.Config({"ROWS": r, "WIDTH": w}, num_warps=nw) for r, w, nw in shapes]
-
-    def _gemm_configs(tma: bool):
-        # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, GROUP_M); 128-byte K steps fill the 128-byte swizzle of
-        # int8 tiles. On the H200 128x256x128, 8 warps, 4 stages, GROUP_M 16 won at H3's four shapes.
-        if tma:
-            shapes = [(128, 256, 128, 4, 8, 16), (128, 256, 128, 4, 8, 8), (256, 128, 128, 4, 8, 16),
-                      (128, 128, 128, 4, 4, 8), (64, 256, 128, 4, 4, 8)]
-        else:
-            shapes = [(128, 128, 128, 3, 8, 8), (256, 128, 128, 3, 8, 8), (128, 256, 128, 3, 8, 8),
-                      (128, 128, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8)]
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_stages=s,
-                              num_warps=w, pre_hook=_set_block_shapes if tma else None)
-                for bm, bn, bk, s, w, gm in shapes]
 
     @triton.jit
     def _activation(x_ptr, offs, mask, k, SWIGLU: tl.constexpr):
@@ -290,10 +463,8 @@ if triton is not None:
         q = (q + _RNE) - _RNE
         tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
 
-    @triton.autotune(configs=_activation_configs(), key=["M_BUCKET", "K", "G", "SWIGLU", "ROTATE"],
-                     prune_configs_by={"early_config_prune": _prune_activation})
     @triton.jit
-    def _rotate_quantize_kernel(x_ptr, h_ptr, q_ptr, scale_ptr, M, M_BUCKET, stride_x, stride_q, K: tl.constexpr,
+    def _rotate_quantize_kernel(x_ptr, h_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, K: tl.constexpr,
                                 G: tl.constexpr, HG: tl.constexpr, SWIGLU: tl.constexpr, ROTATE: tl.constexpr,
                                 ROWS: tl.constexpr, WIDTH: tl.constexpr):
         """ROWS rows of x per program: int8 rows into q, scales into scale. With WIDTH >= K each row is read
@@ -353,10 +524,8 @@ if triton is not None:
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out, c.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
-    @triton.autotune(configs=_gemm_configs(tma=False), key=["M_BUCKET", "N", "K"],
-                     prune_configs_by={"early_config_prune": _prune_gemm})
     @triton.jit
-    def _gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, M_BUCKET,
+    def _gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N,
                      stride_a, stride_w, stride_out, K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """One output tile per program, operands through pointer loads (pipelined by num_stages)."""
@@ -377,10 +546,8 @@ if triton is not None:
         _epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_out,
                   PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N)
 
-    @triton.autotune(configs=_gemm_configs(tma=True), key=["M_BUCKET", "N", "K"],
-                     prune_configs_by={"early_config_prune": _prune_gemm})
     @triton.jit
-    def _gemm_tma_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, M_BUCKET, stride_out,
+    def _gemm_tma_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_out,
                          K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """One output tile per program, operands by TMA (zero past the edges) into wgmma."""
@@ -392,3 +559,15 @@ if triton is not None:
             acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
         _epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_out,
                   PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+def _jit_functions() -> list:
+    """This module's Triton functions (kernels and the helpers they call), by name."""
+    return [value for _, value in sorted(globals().items())
+            if type(value).__module__.startswith("triton") and callable(getattr(value, "fn", None))]
+
+
+#: The kernels' version: a digest of their source, which keys their configs in the tuning store and the table
+#: the pack ships (quant/int8_triton_tuned.json; tests/test_int8_tuning.py holds the two equal).
+KERNEL_VERSION = tuning.source_digest(*(f.fn for f in _jit_functions())) if triton is not None else None
+SHIPPED = _shipped()

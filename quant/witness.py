@@ -1,12 +1,18 @@
-"""Run-time witness: how many of the layers a report calls quantized really executed, and what the first-call
-checks of auto's choices found among them (quant/real_error.py).
+"""Run-time witness: how many of the layers a report calls quantized really executed, on which kernels, and what
+the first-call checks of auto's choices found among them (quant/real_error.py).
 
 Each QuantLinear counts its calls in `runs`, in its forward. Counting is
 skipped while torch.compile traces (a Python side effect there would guard and
 recompile on every change), so layers compiled into a graph are not counted.
+
+Kernels that a method chooses among at run time (INT8: the pack's Triton kernels, comfy-kitchen's, its row
+split) count their calls in one process-wide tally, from inside the opaque ops that torch.compile keeps whole
+(quant/compiled_ops.py): those counts hold under torch.compile too (not under CUDA graphs, which replay without
+Python). A kernel that failed records why and whether it is tried again.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -19,11 +25,46 @@ def count_run(module: nn.Module) -> None:
 
 
 @dataclass
+class Failure:
+    why: str       # the last failure's exception
+    retried: bool  # tried again at the next call (a transient failure), else off for the process
+    count: int = 0
+
+
+class KernelTally:
+    """Calls per (kernels, kernel), e.g. ("int8", "triton"); failures per the same key."""
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.failures: dict[tuple[str, str], Failure] = {}
+
+    def snapshot(self) -> tuple[Counter, dict[tuple[str, str], int]]:
+        return Counter(self.calls), {key: failure.count for key, failure in self.failures.items()}
+
+
+TALLY = KernelTally()
+
+
+def count_kernel(kernels: str, kernel: str) -> None:
+    """One call of `kernel` among `kernels` ran."""
+    TALLY.calls[kernels, kernel] += 1
+
+
+def kernel_failed(kernels: str, kernel: str, why: str, retried: bool) -> None:
+    """`kernel` failed (`why`); another computed the call. `retried`: it is tried again at the next call."""
+    failure = TALLY.failures.setdefault((kernels, kernel), Failure(why, retried))
+    failure.why, failure.retried = why, retried
+    failure.count += 1
+
+
+@dataclass
 class RunCount:
     ran: int
     claimed: int
     missing: list[str]  # names of the layers that did not run
     checked: list = field(default_factory=list)  # real_error.RealError outcomes new since the last take
+    kernels: dict[tuple[str, str], int] = field(default_factory=dict)  # calls per (kernels, kernel) in the run
+    failures: dict[tuple[str, str], tuple[Failure, int]] = field(default_factory=dict)  # with failures in the run
 
     def render(self) -> str:
         line = f"ran {self.ran}/{self.claimed} quantized layers"
@@ -31,6 +72,22 @@ class RunCount:
             from .real_error import summary  # it builds on QuantLinear, which counts its runs here
             line += "; " + summary(self.checked)
         return line
+
+    def render_kernels(self) -> str | None:
+        """The kernels that ran, per kind and count ("ran int8: triton x400 calls"), and any that failed; None
+        where no counted kernel ran."""
+        parts = []
+        for kernels in sorted({kinds for kinds, _ in (*self.kernels, *self.failures)}):
+            ran = [f"{kernel} x{n}" for (kinds, kernel), n in sorted(self.kernels.items(), key=lambda kv: -kv[1])
+                   if kinds == kernels and n]
+            if ran:
+                parts.append(f"ran {kernels}: {', '.join(ran)} calls")
+            for (kinds, kernel), (failure, n) in sorted(self.failures.items()):
+                if kinds == kernels:
+                    then = "tried again at each call" if failure.retried else "off for the rest of this process"
+                    times = f" x{n}" if n else ""
+                    parts.append(f"{kernels} {kernel} failed{times} ({failure.why}; {then})")
+        return "; ".join(parts) or None
 
 
 class RunWitness:
@@ -40,12 +97,14 @@ class RunWitness:
         self.layers = layers
         self._start = self._counts()
         self._checked: set[str] = set()  # layers whose check outcome a take() gave already
+        self._kernels = TALLY.snapshot()
 
     def _counts(self) -> dict[str, int]:
         return {name: getattr(module, "runs", 0) for name, module in self.layers.items()}
 
     def begin(self) -> None:
         self._start = self._counts()
+        self._kernels = TALLY.snapshot()
 
     def take(self) -> RunCount:
         """What ran since `begin` (or since creation); the next take counts from here."""
@@ -58,4 +117,12 @@ class RunWitness:
             if outcome is not None and name not in self._checked:
                 self._checked.add(name)
                 checked.append(outcome)
-        return RunCount(len(self.layers) - len(missing), len(self.layers), missing, checked)
+        calls, failed = TALLY.snapshot()
+        before_calls, before_failed = self._kernels
+        self._kernels = calls, failed
+        kernels = {key: n - before_calls[key] for key, n in calls.items() if n > before_calls[key]}
+        # failures in this run, and a kernel that is off for good in any run where its kind ran
+        failures = {key: (TALLY.failures[key], n - before_failed.get(key, 0)) for key, n in failed.items()
+                    if n > before_failed.get(key, 0)
+                    or (not TALLY.failures[key].retried and any(kinds == key[0] for kinds, _ in kernels))}
+        return RunCount(len(self.layers) - len(missing), len(self.layers), missing, checked, kernels, failures)

@@ -61,7 +61,7 @@ def check_rows(q, scale, x, convrot, group, input_act, label):
 
 def activation():
     """Both kernel structures (the row whole, or two passes of narrower steps), each group size, SwiGLU."""
-    kernel = it._rotate_quantize_kernel.fn
+    kernel = it._rotate_quantize_kernel
     cases = [(256, None, torch.bfloat16), (256, "swiglu", torch.float16), (64, None, torch.float16),
              (64, "swiglu", torch.float16), (16, None, torch.bfloat16), (16, "swiglu", torch.float16)]
     for group, act, dtype in cases:
@@ -74,10 +74,10 @@ def activation():
                 continue  # (a full-matrix product needs 16 groups a tile; the autotuner prunes such configs)
             q = torch.full((11, k), 99, dtype=torch.int8)
             scale = torch.empty(11, 1)
-            kernel[(triton_cdiv(11, rows),)](x, h, q, scale, 11, 16, x.stride(0), q.stride(0), K=k, G=group, HG=hg,
+            kernel[(triton_cdiv(11, rows),)](x, h, q, scale, 11, x.stride(0), q.stride(0), K=k, G=group, HG=hg,
                                              SWIGLU=act == "swiglu", ROTATE=True, ROWS=rows, WIDTH=width)
             check_rows(q, scale, x, True, group, act, (group, act, dtype, rows, width))
-    # as int8_linear launches it (its first config), and without the rotation (plain int8_tensorwise)
+    # as int8_linear launches it (the rule's config on CPU), and without the rotation (plain int8_tensorwise)
     for convrot in (True, False):
         x = activations(7, 768, torch.bfloat16, False)
         q, scale = it.quantize_rows(x, convrot, 256, None)
@@ -225,8 +225,74 @@ def method_and_compile():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def shipped_configs():
+    """Every config the pack ships (quant/int8_triton_tuned.json), run as the kernels run it: each GEMM config at
+    a shape crossing its tile edges in M, N and K (the int32 sums exactly; per-channel scales and a bias to one
+    output rounding), each activation config at the shape it is shipped for (rows against the definition)."""
+    version, families = it.SHIPPED
+    assert version == it.KERNEL_VERSION and set(families) >= {"sm80", "sm86", "sm89", "sm90"}, (version, families)
+    chosen = it.config_for
+    ran = set()
+    for kernels in families.values():
+        for kernel, shapes in kernels.items():
+            for text, config in shapes.items():
+                shape = {key: int(value) for key, value in (part.split("=") for part in text.split(","))}
+                assert it.fits(kernel, config, shape), (kernel, text, config)
+                what = (kernel, tuple(sorted(config.items())),
+                        *((shape["K"], shape["G"], shape["SWIGLU"]) if kernel == "activation" else ()))
+                if what in ran:
+                    continue
+                ran.add(what)
+
+                def shipped(name, _shape, _device, _launch=None, kernel=kernel, config=config):
+                    assert name == kernel, (name, kernel)
+                    return config
+                it.config_for = shipped
+                try:
+                    if kernel == "activation":
+                        shipped_activation(config, shape)
+                    else:
+                        shipped_gemm(config, kernel == "gemm_tma")
+                finally:
+                    it.config_for = chosen
+    assert len(ran) >= 5, ran
+
+
+def shipped_activation(config, shape):
+    """As `check_rows`; with SwiGLU, whose exp differs from torch's by an ulp at times (a value of x's dtype then
+    moves by one), codes within one apart from at most 1e-4 of them, scales to x's dtype's rounding."""
+    swiglu = bool(shape["SWIGLU"])
+    act = "swiglu" if swiglu else None
+    x = activations(2 * config["ROWS"] + 3, shape["K"], torch.float16 if swiglu else torch.bfloat16, swiglu)
+    q, scale = it.quantize_rows(x, bool(shape["ROTATE"]), shape["G"], act)
+    if not swiglu:
+        check_rows(q, scale, x, bool(shape["ROTATE"]), shape["G"], act, config)
+        return
+    exact, ref_q, ref_scale = reference_rows(x, bool(shape["ROTATE"]), shape["G"], act)
+    assert torch.allclose(scale, ref_scale, rtol=2 ** -10, atol=0), (config, (scale / ref_scale - 1).abs().max())
+    diff = (q.int() - ref_q.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 1e-4, (config, diff.max(), diff.float().mean())
+
+
+def shipped_gemm(config, tma):
+    torch.manual_seed(6)
+    m, n, k = config["BLOCK_M"] + 5, config["BLOCK_N"] + 16, 2 * config["BLOCK_K"] + 16
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a[0], w[0] = 127, -127
+    exact = a.long() @ w.long().T  # |sums| < 2^24: exact in fp32
+    out = it.gemm(a, torch.ones(m, 1), w, torch.ones(n, 1), None, torch.float32, tma=tma)
+    assert torch.equal(out.long(), exact), config
+    a_scale, w_scale = torch.rand(m, 1) * 1e-2, torch.rand(n, 1) * 1e-2
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    ref = exact.double() * (a_scale.double() * w_scale.double().reshape(1, -1)) + bias.double()
+    size = (exact.double() * (a_scale.double() * w_scale.double().reshape(1, -1))).abs() + bias.double().abs()
+    out = it.gemm(a, a_scale, w, w_scale, bias, torch.bfloat16, tma=tma)
+    assert ((out.double() - ref).abs() / size).max().item() <= 2 ** -7, config
+
+
 CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
-                                  method_and_compile)}
+                                  method_and_compile, shipped_configs)}
 
 if __name__ == "__main__":
     assert it._INTERPRETED, "run with TRITON_INTERPRET=1"

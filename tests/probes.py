@@ -3,17 +3,17 @@ from bigdit.quant import int8_convrot
 
 
 def chooser():
-    """The process-wide INT8 kernel chooser, with `timings`: {key: {candidate: ms}} of each measurement it made
-    since this was first called."""
+    """The process-wide INT8 kernel chooser, with `timings`: {(device, shape): {candidate: ms}} of each measurement
+    it made since this was first called (it measures only where tuning is asked, BIGDIT_INT8_TUNE=1)."""
     chosen = int8_convrot._chooser
     if "timings" not in vars(chosen):
         chosen.timings = {}
         choose, measure, keys = chosen.choose, chosen._measure, []
 
-        def recording_choose(key, *args, **kwargs):
-            keys.append(key)
+        def recording_choose(device, shape, *args, **kwargs):
+            keys.append((str(device), shape))
             try:
-                return choose(key, *args, **kwargs)
+                return choose(device, shape, *args, **kwargs)
             finally:
                 keys.pop()
 

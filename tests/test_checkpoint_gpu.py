@@ -169,20 +169,39 @@ def test_online_quantization_stages_through_pinned_memory_bit_exactly(tmp_path):
             assert got.device.type == "cpu" and torch.equal(got, tensor), (name, key)
 
 
-def test_int8_auto_on_this_gpu(plain_file, tmp_path):
-    """`int8` auto on CUDA: each INT8 layer is measured against this GPU's fastest native format (FP8 on
-    sm89+) and converted only where that was faster and within the error bound; the record gives the timings,
-    and the layer stays within INT8's error plus the target's of the reference."""
+def test_int8_auto_on_this_gpu(plain_file, tmp_path, monkeypatch):
+    """`int8` auto on CUDA: with no kept measurement every INT8 layer stays INT8, nothing timed; with
+    BIGDIT_INT8_TUNE=1 each is measured against this GPU's fastest native format (FP8 on sm89+) and the numbers
+    kept in the tuning store, which the next load follows without timing; a converted layer stays within INT8's
+    error plus the target's of the reference."""
+    from bigdit.quant import auto, tuning
+    monkeypatch.setattr(tuning, "_current", tuning.current())
+    store = str(tmp_path / tuning.FILE_NAME)
+    tuning.use(store)
     path = write_markers(plain_file, tmp_path / "int8.safetensors",
                          {"blocks.0.ffn.2": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}})
-    model, report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda", conversions={"int8_tensorwise": "auto"})
-    layer = model.get_submodule("blocks.0.ffn.2")
-    (record,) = [r for r in report.records if r.name == "blocks.0.ffn.2"]
+
+    def load():
+        model, report, _ = build(path, compute_dtype=torch.bfloat16, device="cuda",
+                                 conversions={"int8_tensorwise": "auto"})
+        (record,) = [r for r in report.records if r.name == "blocks.0.ffn.2"]
+        return model.get_submodule("blocks.0.ffn.2"), record
+
+    layer, record = load()
+    assert layer.method.name == "int8_convrot" and record.action == "load", record.reason
     if capability() < (8, 9):  # INT8 is this GPU's fastest native format: nothing to measure
-        assert layer.method.name == "int8_convrot" and "re-quantized" not in report.render()
+        assert record.path == "kept as INT8: no faster native format on this device", record.path
         return
-    assert " ms, error " in record.reason, record.reason  # both timings and errors, whichever won
+    assert record.path == "kept as INT8: no stored measurement says float8_e4m3fn pays on this GPU", record.path
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    layer, record = load()
+    assert " ms a call, error " in record.reason, record.reason  # both timings and the error, whichever won
     assert layer.method.name == ("float8_e4m3fn" if record.action == "convert" else "int8_convrot"), record.reason
+    monkeypatch.delenv(tuning.TUNE_ENV)
+    monkeypatch.setattr(auto, "_measure_conversion", lambda *args: pytest.fail("measured again"))
+    tuning.use(store)  # as the next load reads it
+    again, kept = load()
+    assert (kept.action, kept.path, again.method.name) == (record.action, record.path, layer.method.name)
     x = layer_input("blocks.0.ffn.2").to("cuda", torch.bfloat16)
     err = rel_err(layer(x), reference_output("blocks.0.ffn.2", x.float().cpu()).cuda())
     assert err < TOLERANCE["int8_convrot"] + TOLERANCE["float8_e4m3fn"], err

@@ -242,16 +242,20 @@ def test_int8_layers_requantized_to_the_fastest_native_format(plain_file, tmp_pa
 
 @pytest.mark.parametrize("mode", ["keep", "auto", None])
 def test_int8_layers_stay_int8_where_no_conversion_is_asked_or_measured(plain_file, tmp_path, fp8_native, mode):
-    """`keep`, no mode, and `auto` off CUDA (no measurement: nothing is known to be faster) load INT8 as stored."""
+    """`keep`, no mode, and `auto` off CUDA (no faster native format to compare) load INT8 as stored; auto's
+    report says so."""
     path = write_markers(plain_file, tmp_path / "int8.safetensors", {"blocks.0.ffn.2": INT8_CONVROT})
     model, report, _ = build(path, conversions={} if mode is None else {"int8_tensorwise": mode})
     layer = model.get_submodule("blocks.0.ffn.2")
     assert layer.method.name == "int8_convrot" and layer.weight.dtype == torch.int8
     assert "re-quantized" not in report.render()
+    if mode == "auto":
+        assert "int8_tensorwise layers on cpu: kept as INT8: no faster native format on this device x1" in \
+            report.render(), report.render()
 
 
 class StubContext:
-    """decision.StoredContext as a CUDA device would answer it, the measurement scripted."""
+    """decision.StoredContext as a CUDA device would answer it, the kept measurement's verdict scripted."""
     device = torch.device("cuda")
 
     def __init__(self, faster):
@@ -265,42 +269,133 @@ class StubContext:
         return self.faster
 
 
-def test_int8_auto_converts_only_what_its_measurement_found_faster():
+def test_int8_auto_converts_only_where_a_kept_measurement_says_it_pays():
     from bigdit.quant.layer import Layer
     from bigdit.quant.registry import format_spec
     spec = format_spec("int8_tensorwise")
     layer = Layer("blocks.0.ffn.0", 5376, 28672, torch.int8, torch.bfloat16, "int8_tensorwise",
                   {"convrot": True, "convrot_groupsize": 256})
     fp8 = get_method("float8_e4m3fn")
-    faster = StubContext((fp8, "faster at 5376->28672 (int8_convrot 1.000 ms, float8_e4m3fn 0.800 ms)"))
-    conversion = spec.stored_decision(layer, "auto", faster)
-    assert conversion.method is fp8 and conversion.path.startswith("re-quantized at load to float8_e4m3fn")
+    pays = StubContext((fp8, "a stored measurement says float8_e4m3fn pays on this GPU",
+                        "int8_convrot 1.000 ms, float8_e4m3fn 0.800 ms a call"))
+    conversion = spec.stored_decision(layer, "auto", pays)
+    assert conversion.method is fp8 and conversion.path == (
+        "re-quantized at load to float8_e4m3fn (per-channel weights, per-token activations): a stored measurement "
+        "says float8_e4m3fn pays on this GPU")
     assert "int8_convrot 1.000 ms" in conversion.reason and "int8_convrot 1.000 ms" in conversion.brief
-    # the stored format's own method is what it was measured against: the marker's rotation and group
-    assert faster.asked == [((28672, 5376), "int8_convrot", True, 256)]
-    slower = spec.stored_decision(layer, "auto", StubContext((None, "int8_convrot as fast or faster")))
-    assert slower.method is None and slower.path == "kept as INT8" and "as fast or faster" in slower.reason
-    assert spec.stored_decision(layer, "keep", faster).method is None
+    # the stored format's own method is what was measured: the marker's rotation and group
+    assert pays.asked == [((28672, 5376), "int8_convrot", True, 256)]
+    unmeasured = spec.stored_decision(layer, "auto", StubContext(
+        (None, "no stored measurement says float8_e4m3fn pays on this GPU", "BIGDIT_INT8_TUNE=1 measures it")))
+    assert unmeasured.method is None
+    assert unmeasured.path == "kept as INT8: no stored measurement says float8_e4m3fn pays on this GPU"
+    assert spec.stored_decision(layer, "keep", pays).method is None
 
 
-def test_int8_auto_measurement_weighs_time(monkeypatch):
-    """auto._measure_conversion times the stored INT8 layer against its FP8 re-quantization of the same weight
-    (the clock scripted: INT8 first) and takes FP8 where faster; its error is checked on the layer's real input
-    (tests/test_real_error.py), not on this probe's."""
+def test_int8_auto_pays_by_time_saved_over_a_job_and_error():
+    """A kept measurement converts where the calls of one job save more than the conversion costs."""
     from bigdit.quant import auto
     int8, fp8 = get_method("int8_tensorwise", convrot=True, convrot_groupsize=64), get_method("float8_e4m3fn")
-    cpu = torch.device("cpu")
 
-    def clock(*ms):
-        times = list(ms)
-        monkeypatch.setattr(auto, "_time_ms", lambda fn, iters: (fn(), times.pop(0))[1])
+    def verdict(stored_ms, target_ms, error=0.03, convert_ms=10.0):
+        return auto._pays({"stored_ms": stored_ms, "target_ms": target_ms, "target_error": error,
+                           "convert_ms": convert_ms}, int8, fp8)
 
-    clock(2.0, 1.0)
-    chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
-    assert chosen == "float8_e4m3fn" and why == "faster at 256->128 (int8_convrot 2.000 ms, float8_e4m3fn 1.000 ms)"
-    clock(1.0, 2.0)
-    chosen, why = auto._measure_conversion(cpu, 256, 128, torch.bfloat16, 64, int8, fp8)
-    assert chosen is None and why.startswith("int8_convrot as fast or faster")
+    assert auto.JOB_CALLS == 8
+    pays, numbers = verdict(3.0, 1.0)  # 8 calls save 16 ms > 10 ms
+    assert pays and numbers.startswith("int8_convrot 3.000 ms, float8_e4m3fn 1.000 ms a call, error on random data 0.0300")
+    pays, numbers = verdict(2.0, 1.0)  # 8 ms saved < 10 ms of conversion
+    assert not pays and numbers.endswith("8 calls save 8.0 ms")
+    assert not verdict(1.0, 2.0)[0]  # slower
+    pays, numbers = verdict(3.0, 1.0, error=0.06)  # the probe's error is told, not judged (quant/real_error.py)
+    assert pays and "error on random data 0.0600" in numbers
+
+
+def test_int8_auto_measurement_times_both_layers_and_the_conversion(monkeypatch):
+    """auto._measure_conversion, run only where tuning is asked: each layer's call (the clock scripted, INT8
+    first) and its error against fp32, and the conversion's time."""
+    from bigdit.quant import auto
+    int8, fp8 = get_method("int8_tensorwise", convrot=True, convrot_groupsize=64), get_method("float8_e4m3fn")
+    times = [2.0, 1.0]
+    monkeypatch.setattr(auto, "_time_ms", lambda fn, iters: (fn(), times.pop(0))[1])
+    measured = auto._measure_conversion(torch.device("cpu"), 256, 128, torch.bfloat16, 64, int8, fp8)
+    assert (measured["stored_ms"], measured["target_ms"]) == (2.0, 1.0) and measured["convert_ms"] > 0
+    assert 0.01 < measured["target_error"] < TOLERANCE["int8_tensorwise"] + TOLERANCE["float8_e4m3fn"]
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    """Every timer the pack has raises: a test under it fails if anything is measured."""
+    from bigdit import hardware
+    from bigdit.quant import auto, int8_triton, kernel_select
+
+    def timed(*args, **kwargs):
+        raise AssertionError("a kernel was timed")
+    for module, name in ((hardware, "time_ms"), (kernel_select, "_time_ms"), (auto, "_time_ms"),
+                         (int8_triton, "time_ms"), (auto, "_measure_conversion"), (int8_triton, "_search")):
+        monkeypatch.setattr(module, name, timed)
+
+
+def test_a_load_with_int8_auto_times_nothing(plain_file, tmp_path, fp8_native, no_timing, monkeypatch):
+    """A load of an INT8 marker file with `int8` auto, through the builder, and the same layers decided for a GPU
+    whose fastest native format is FP8: nothing is timed, every layer is kept as stored."""
+    from bigdit.quant import tuning
+    from bigdit.quant.decision import QuantConfig, decide
+    from bigdit.quant.layer import LOAD, Layer
+    monkeypatch.setattr(tuning, "_current", tuning.current())  # tuning.use below: put back after the test
+    path = write_markers(plain_file, tmp_path / "int8.safetensors",
+                         {name: INT8_CONVROT for name in ("blocks.0.ffn.2", "blocks.0.ffn.0", "blocks.0.self_attn.q")})
+    model, report, _ = build(path, conversions={"int8_tensorwise": "auto"})
+    assert report.method_counts() == {"int8_convrot": 3}
+    config = QuantConfig(method=None, compute_device=torch.device("cuda"), conversions={"int8_tensorwise": "auto"})
+    tuning.use(str(tmp_path / "tuning.json"))
+    layer = decide(config, Layer("blocks.0.ffn.0", 128, 256, torch.int8, torch.bfloat16, "int8_tensorwise",
+                                 {"convrot": True, "convrot_groupsize": 64}), None, loading=True)
+    assert layer.action == LOAD and layer.method.name == "int8_convrot", layer.reason
+    assert layer.path == "kept as INT8: no stored measurement says float8_e4m3fn pays on this GPU"
+    assert not (tmp_path / "tuning.json").exists()  # nothing measured, nothing written
+
+
+def test_int8_auto_follows_what_tuning_kept(tmp_path, fp8_native, monkeypatch):
+    """With BIGDIT_INT8_TUNE=1 the first decision measures (scripted here) and keeps the numbers on disk; a later
+    process's load reads them and converts (or keeps) without timing anything; another GPU's entry is not used."""
+    from bigdit.quant import auto, tuning
+    from bigdit.quant.decision import QuantConfig, decide
+    from bigdit.quant.layer import CONVERT, LOAD, Layer
+    store = str(tmp_path / "tuning.json")
+    monkeypatch.setattr(tuning, "_current", tuning.current())  # tuning.use below: put back after the test
+    monkeypatch.setattr(tuning, "device_key", lambda device: "NVIDIA H100 80GB HBM3 sm90")  # the GPU's identity
+    config = QuantConfig(method=None, compute_device=torch.device("cuda"), conversions={"int8_tensorwise": "auto"})
+
+    def layer(name, k, n):
+        return Layer(name, k, n, torch.int8, torch.bfloat16, "int8_tensorwise", {"convrot": True, "convrot_groupsize": 64})
+
+    numbers = {(128, 256): (3.0, 1.0), (256, 128): (1.2, 1.1)}  # pays; saves 0.8 ms over a job, not the 10 ms
+    measured = []
+
+    def measure(device, k, n, dtype, rows, stored, target):
+        measured.append((k, n))
+        return {"stored_ms": numbers[k, n][0], "target_ms": numbers[k, n][1], "target_error": 0.03, "convert_ms": 10.0}
+    monkeypatch.setattr(auto, "_measure_conversion", measure)
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    tuning.use(store)
+    assert decide(config, layer("a", 128, 256), None, loading=True).action == CONVERT
+    assert decide(config, layer("b", 256, 128), None, loading=True).action == LOAD
+    assert measured == [(128, 256), (256, 128)]
+
+    monkeypatch.delenv(tuning.TUNE_ENV)
+    monkeypatch.setattr(auto, "_measure_conversion", lambda *args: pytest.fail("measured again"))
+    tuning.use(store)  # as the next load reads it
+    converted = decide(config, layer("a", 128, 256), None, loading=True)
+    assert converted.action == CONVERT and converted.method.name == "float8_e4m3fn"
+    assert converted.path.endswith(": a stored measurement says float8_e4m3fn pays on this GPU")
+    assert "int8_convrot 3.000 ms, float8_e4m3fn 1.000 ms a call" in converted.reason
+    kept = decide(config, layer("b", 256, 128), None, loading=True)
+    assert kept.action == LOAD and kept.path == "kept as INT8: a stored measurement says float8_e4m3fn does not pay on " \
+        "this GPU" and "8 calls save 0.8 ms" in kept.reason
+    monkeypatch.setattr(tuning, "device_key", lambda device: "NVIDIA H200 sm90")  # another GPU: its own tuning
+    other = decide(config, layer("a", 128, 256), None, loading=True)
+    assert other.action == LOAD and "no stored measurement" in other.path
 
 
 def test_state_dict_stands_in_for_quantized_weights(plain_file, tmp_path):

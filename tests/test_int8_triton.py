@@ -25,14 +25,16 @@ if it.triton is None:
     pytest.skip("Triton (with tensor descriptors) cannot be imported", allow_module_level=True)
 
 TESTS = Path(__file__).resolve().parent
-CHECKS = ["activation", "gemm_int32", "gemm_epilogue", "int8_linear_vs_kitchen", "unavailable", "method_and_compile"]
+CHECKS = ["activation", "gemm_int32", "gemm_epilogue", "int8_linear_vs_kitchen", "unavailable", "method_and_compile",
+          "shipped_configs"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernels_in_the_triton_interpreter(check):
     """Each check asserts against its reference (see the script): rotate + quantize within one code on ties and
     scales to fp32 rounding, the int32 sums exactly, the epilogue to one output rounding, the whole path no
-    worse than 1.1x kitchen's eager error, the method forced to it and compiled as one op."""
+    worse than 1.1x kitchen's eager error, the method forced to it and compiled as one op, and each of those
+    with every config the pack ships."""
     env = {k: v for k, v in os.environ.items() if k != "BIGDIT_INT8_KERNEL"}
     result = subprocess.run([sys.executable, str(TESTS / "int8_triton_interpreted.py"), check], capture_output=True,
                             text=True, env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
@@ -75,6 +77,7 @@ def test_a_failing_kernel_warns_once_and_kitchen_computes(monkeypatch, caplog):
 
     monkeypatch.setattr(it, "int8_linear", broken)
     monkeypatch.setattr(it, "_failure", None)
+    monkeypatch.setattr(it, "_warned", set())
     _, q = quantized()
     x = torch.randn(9, 512, dtype=torch.bfloat16)
     t = q.tensors_for(x)
@@ -169,24 +172,35 @@ def test_gemm_sums_exactly_on_cuda(tma):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_the_method_runs_triton_when_forced_and_measures_it(monkeypatch):
+def test_the_method_runs_triton_by_default_timing_nothing(monkeypatch):
+    """Forced or not, the method runs the Triton kernels on sm80+ (their result, bit for bit), and nothing is
+    timed: neither the kernel choice nor the kernels' configs (the shipped table's or the rule's)."""
     from probes import chooser
+    from bigdit.quant import kernel_select
+
+    def untimed(*args, **kwargs):
+        raise AssertionError("timed without being asked")
+    monkeypatch.setattr(kernel_select, "_time_ms", untimed)
+    monkeypatch.setattr(it, "time_ms", untimed)
+    monkeypatch.delenv("BIGDIT_INT8_TUNE", raising=False)
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the Triton kernels are the default from sm80")
     calls = []
     real = it.int8_linear
     monkeypatch.setattr(it, "int8_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     _, q = quantized(5376, 2048, device="cuda")
     x = torch.randn(9000, 5376, device="cuda", dtype=torch.bfloat16)
     t = q.tensors_for(x)
+    expected = real(x, t["weight"], t["weight_scale"], t["bias"], torch.bfloat16, True, 256, None)
     monkeypatch.setenv("BIGDIT_INT8_KERNEL", "triton")
-    out = q(x)
-    assert calls and torch.equal(out, real(x, t["weight"], t["weight_scale"], t["bias"], torch.bfloat16, True,
-                                           256, None))
+    assert torch.equal(q(x), expected) and len(calls) == 1
     monkeypatch.delenv("BIGDIT_INT8_KERNEL")
     monkeypatch.delenv("BIGDIT_INT8_MAX_ROWS", raising=False)
     before = dict(chooser().timings)
-    q(x)
-    new = [timings for key, timings in chooser().timings.items() if key not in before]
-    assert len(new) == 1 and "triton" in new[0], new
+    assert torch.equal(q(x), expected) and len(calls) == 2
+    assert chooser().timings == before
+    sources = {source for (kernel, _, shape), (_, source) in it._CHOSEN.items() if shape[0] == 16384}
+    assert sources and sources <= {"store", "shipped", "rule"}, sources
 
 
 @pytest.mark.parametrize("act", [None, "swiglu"])
@@ -200,3 +214,47 @@ def test_fullgraph_inductor_with_triton_forced_on_cuda(monkeypatch, act):
     torch._dynamo.reset()
     out = torch.compile(q, backend="inductor", fullgraph=True)(x, input_act=act)
     assert rel(out, eager) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_compiled_layer_runs_the_chosen_kernel(monkeypatch, tmp_path):
+    """Compiled before any eager call (as ComfyUI's TorchCompileModel does), an INT8 layer runs the kernel the
+    choice names, nothing timed: the Triton kernels by default (sm80+), counted in the run report from inside the
+    compiled graph; and kitchen's where a kept measurement chose it for the shape."""
+    from bigdit.quant import int8_convrot, kernel_select, tuning, witness
+    from bigdit.quant.kernel_select import rows_bucket
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the Triton kernels are the default from sm80")
+
+    def untimed(*args, **kwargs):
+        raise AssertionError("timed without being asked")
+    monkeypatch.setattr(kernel_select, "_time_ms", untimed)
+    monkeypatch.setattr(it, "time_ms", untimed)
+    for name in ("BIGDIT_INT8_KERNEL", "BIGDIT_INT8_MAX_ROWS", "BIGDIT_INT8_TUNE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tuning, "_current", tuning.current())
+    tuning.use(str(tmp_path / tuning.FILE_NAME))
+    monkeypatch.setattr(int8_convrot._chooser, "choices", {})
+    monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
+    _, q = quantized(1024, 2048, device="cuda")
+    x = torch.randn(3, 700, 1024, device="cuda", dtype=torch.bfloat16)
+    run = witness.RunWitness({"q": q})
+    torch._dynamo.reset()
+    compiled = torch.compile(q, backend="inductor", fullgraph=True)
+    out = compiled(x)
+    compiled(x)
+    count = run.take()
+    assert count.kernels == {("int8", "triton"): 2} and count.render_kernels() == "ran int8: triton x2 calls", \
+        count.kernels
+    eager = q(x)  # the same kernel eagerly: the same numbers
+    assert torch.equal(out, eager)
+    run.take()
+
+    shape = (rows_bucket(2100), 1024, 2048, torch.bfloat16, None, ("kitchen", "triton", "dequant"))
+    tuning.current().put(tuning.device_key(x.device), f"{int8_convrot.CONVROT}.kernel", int8_convrot.KERNEL_VERSION,
+                         "|".join(map(str, shape)), {"choice": "kitchen", "ms": {}})
+    monkeypatch.setattr(int8_convrot._chooser, "choices", {})
+    torch._dynamo.reset()
+    torch.compile(q, backend="inductor", fullgraph=True)(x)
+    assert run.take().kernels == {("int8", "kitchen"): 1}

@@ -68,22 +68,38 @@ def test_kitchen_cuda_backend_is_available():
     assert ck.registry.is_available("cuda")
 
 
-def test_auto_choice_is_measured_once_per_shape(monkeypatch):
+def test_the_choice_is_measured_only_where_tuning_is_asked(monkeypatch, tmp_path):
+    """By default the Triton kernels run (sm80+), nothing timed; with BIGDIT_INT8_TUNE=1 the first call of a shape
+    times kitchen, its row split and Triton once, and the choice is kept in the tuning store."""
     from probes import chooser
+    from bigdit.quant import int8_convrot, tuning
     monkeypatch.delenv("BIGDIT_INT8_KERNEL", raising=False)
     monkeypatch.delenv("BIGDIT_INT8_MAX_ROWS", raising=False)
+    monkeypatch.setattr(tuning, "_current", tuning.current())
+    tuning.use(str(tmp_path / tuning.FILE_NAME))
+    monkeypatch.setattr(chooser(), "choices", {})
     _, q = quantized(1024, 1024)
     x = torch.randn(DEFAULT_SPLIT_ROWS + 100, 1024, device="cuda", dtype=torch.bfloat16)
     before = dict(chooser().timings)
+    q(x)
+    assert chooser().timings == before
+    assert set(chooser().choices.values()) == {"triton" if torch.cuda.get_device_capability() >= (8, 0) else "kitchen"}
+    monkeypatch.setattr(chooser(), "choices", {})
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
     q(x)
     new = {k: v for k, v in chooser().timings.items() if k not in before}
     assert len(new) == 1 and set(next(iter(new.values()))) == {"kitchen", "kitchen_split", "triton"}
     q(x)
     assert len(chooser().timings) == len(before) + 1
+    (device, shape), = new
+    kept = tuning.TuningStore(str(tmp_path / tuning.FILE_NAME)).get(
+        tuning.device_key(x.device), f"{int8_convrot.CONVROT}.kernel", int8_convrot.KERNEL_VERSION,
+        "|".join(map(str, shape)))
+    assert kept["choice"] == chooser().choices[device, shape], kept
 
 
 def test_row_split_off_is_its_own_choice(monkeypatch):
-    """A row_split="off" layer never runs the split, and its choice is cached apart from an "auto" layer's."""
+    """A row_split="off" layer never runs the split, and its choice is kept apart from an "auto" layer's."""
     from probes import chooser
     from bigdit.quant.kernel_select import rows_bucket
     monkeypatch.delenv("BIGDIT_INT8_KERNEL", raising=False)
@@ -93,8 +109,8 @@ def test_row_split_off_is_its_own_choice(monkeypatch):
     x = torch.randn(DEFAULT_SPLIT_ROWS + 100, 2048, device="cuda", dtype=torch.bfloat16)
     auto(x)
     off(x)
-    keys = {k[-1]: choice for k, choice in chooser().choices.items()
-            if k[1:4] == (rows_bucket(x.shape[0]), 2048, 1024)}
+    keys = {shape[-1]: choice for (_, shape), choice in chooser().choices.items()
+            if shape[:3] == (rows_bucket(x.shape[0]), 2048, 1024)}
     assert set(keys) == {("kitchen", "kitchen_split", "triton", "dequant"), ("kitchen", "triton", "dequant")}
     assert keys[("kitchen", "triton", "dequant")] in ("kitchen", "triton")
 

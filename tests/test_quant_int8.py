@@ -118,10 +118,9 @@ def test_forced_kernel_env_is_validated(monkeypatch):
 
 
 def test_chooser_uses_default_candidate_on_cpu():
-    chooser = KernelChooser("t", force_env="BIGDIT_TEST_UNSET", known=("a", "b"))
+    chooser = KernelChooser("t", force_env="BIGDIT_TEST_UNSET", known=("a", "b"), version="v1")
     calls = []
-    choice = chooser.choose(("k",), {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                            torch.device("cpu"))
+    choice = chooser.choose(torch.device("cpu"), ("k",), {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
     assert choice == "a" and calls == []  # nothing timed off-GPU
 
 

@@ -272,7 +272,8 @@ def make_configs(fp8_attention_backend: str) -> dict[str, Config]:
                            needs="kitchen_markers"),
                     Config(f"pack_mixed_{short}", "pack", True, _mixed_loader(), model_format=fmt)]
     # the INT8 file users have (Comfy-Org's *_int8_convrot layout) on the same card: UNETLoader against the pack's
-    # MixedCheckpointLoader (int8 auto: FP8 where measured faster; keep: INT8 on the pack's own measured kernels),
+    # MixedCheckpointLoader (int8 auto: INT8 as stored unless a kept measurement says FP8 pays; keep: always INT8;
+    # both on the pack's Triton kernels, nothing timed unless BIGDIT_INT8_TUNE=1),
     # each with and without its side's SageAttention 2 path
     configs += [
         Config("pack_mixed_int8_keep", "pack", True, _mixed_loader("keep"), model_format="int8_convrot"),

@@ -5,11 +5,12 @@ For each of H3's four Linear shapes at 32,700 rows, on random bf16 weights quant
 (ConvRot, group 256; fc2 takes SwiGLU of fc1's 28672-wide output, as the model runs it):
 bf16 F.linear (for fc2 also SwiGLU + F.linear, the model's bf16 path); comfy-kitchen's int8_linear; the
 pack's Triton path (quant/int8_triton.py: rotation, activation quantization and dequantization included);
-Int8ConvRotMethod as the pack runs it (its measured choice, named); raw torch._int_mm (cuBLASLt, no
+Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unless the tuning store says
+otherwise); raw torch._int_mm (cuBLASLt, no
 rotation nor quantization: a ceiling); the pack's FP8 method. Each: ms (CUDA events, warmed up, median
 of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
-peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The autotuned
-configs are recorded per shape. One line per layer says whether the target (>= 1.5x bf16) is met.
+peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The configs the
+kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per layer says whether the target (>= 1.5x bf16) is met.
 
     python tests/bench/int8_linear.py [--rows 32700] [--out FILE]
 """
@@ -53,12 +54,16 @@ def rel(out, ref):
 
 
 def tuned_configs(k, n, swiglu):
-    """The autotuned configs for this shape: the activation kernel's and the GEMM's (keys start with the row
+    """The configs the Triton kernels ran this shape with, each with where it came from (the tuning store, a
+    search, the shipped table, the rule): the activation kernel's and the GEMM's (shapes start with the row
     bucket, then K, G, SWIGLU, ROTATE / N, K)."""
     tma = int8_triton._tma(torch.device("cuda"))
-    gemm = int8_triton._gemm_tma_kernel if tma else int8_triton._gemm_kernel
-    act = [str(c) for key, c in int8_triton._rotate_quantize_kernel.cache.items() if key[1:4] == (k, GROUP, swiglu)]
-    mm = [str(c) for key, c in gemm.cache.items() if key[1:3] == (n, k)]
+    gemm = "gemm_tma" if tma else "gemm"
+    chosen = int8_triton._CHOSEN.items()
+    act = [f"{config} ({source})" for (kernel, _, shape), (config, source) in chosen
+           if kernel == "activation" and shape[1:4] == (k, GROUP, swiglu)]
+    mm = [f"{config} ({source})" for (kernel, _, shape), (config, source) in chosen
+          if kernel == gemm and shape[1:3] == (n, k)]
     return {"activation": act, "gemm": mm, "gemm_kernel": "tma" if tma else "pointer"}
 
 
@@ -93,7 +98,7 @@ def bench_shape(name, k, n, act, rows):
     flops = 2 * rows * k * n
     peak = peaks()
     for cand, fn in runs.items():
-        out = fn()  # the first call autotunes (Triton) or measures (the method's choice)
+        out = fn()  # the first call compiles (with BIGDIT_INT8_TUNE=1: searches configs, measures the choice)
         ms = cuda_time_ms(fn)
         cell = {"ms": ms, "tflops": flops / ms / 1e9}
         if peak is not None:
@@ -106,7 +111,7 @@ def bench_shape(name, k, n, act, rows):
         row[cand]["ratio_to_bf16"] = row["bf16"]["ms"] / row[cand]["ms"]
     row["triton_err_over_kitchen"] = row["triton"]["rel_err"] / row["kitchen"]["rel_err"]
     key = (str(x.device), rows_bucket(rows), x.shape[-1], n, torch.bfloat16, act)
-    row["method_choice"] = next(c for key2, c in chooser().choices.items() if key2[:-1] == key)
+    row["method_choice"] = next(c for (device, shape), c in chooser().choices.items() if (device, *shape[:-1]) == key)
     row["tuned"] = tuned_configs(k, n, act == "swiglu")
     del int8, fp8, linear, x, xin, ref, qx
     torch.cuda.empty_cache()

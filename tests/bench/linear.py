@@ -59,7 +59,8 @@ def bench_shape(name, k, n, rows, group_size):
     os.environ["BIGDIT_INT8_KERNEL"] = "auto"
     out = qlayer(x)
     shape_key = (str(x.device), rows_bucket(rows), k, n, torch.bfloat16, None)  # then the candidate names
-    row["auto_choice"] = next(c for key, c in chooser().choices.items() if key[:-1] == shape_key)
+    row["auto_choice"] = next(c for (device, shape), c in chooser().choices.items()
+                              if (device, *shape[:-1]) == shape_key)
     row["auto_ms"] = cuda_time_ms(lambda: qlayer(x))
     row["auto_ratio"] = bf16_ms / row["auto_ms"]
     row["auto_cos"] = cosine(out, ref)

@@ -604,7 +604,7 @@ def test_report_appears_on_the_node(browser, comfy, tiny_wan):
     # after the sampling, the same report with the count of the quantized layers that ran
     quantized = re.match(r"quantized (\d+)/\d+ linear layers", shown["headline"]).group(1)
     text = browser.wait_for(node_report_js("QuantizeModelINT8", "last run:"), timeout=40)
-    assert text.endswith(f"last run: ran {quantized}/{quantized} quantized layers"), text
+    assert re.search(rf"last run: ran {quantized}/{quantized} quantized layers; ran int8: kitchen x\d+ calls$", text), text
 
 
 def node_report_js(node_type: str, must_contain: str) -> str:
@@ -651,7 +651,8 @@ def test_loader_report_with_offload_plan_appears_on_the_node(browser, comfy, tin
     lines = text.splitlines()
     assert len(lines) == 3 and lines[1].startswith("weights: "), text
     assert re.fullmatch(r"last run: resident 1/1 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
-                        rf"nothing streamed; ran {quantized}/{quantized} quantized layers", lines[2]), text
+                        rf"nothing streamed; ran {quantized}/{quantized} quantized layers; ran int8: kitchen x\d+ calls",
+                        lines[2]), text
     full = browser.evaluate(r"""window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "LoadH3Quantized")
       .widgets.find((w) => w.name === "bigdit_report").element.querySelector("details.bigdit-full").textContent""")
     assert "offload: auto on cpu" in full and "resident 1/1 blocks, streaming 0" in full, full

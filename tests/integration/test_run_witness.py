@@ -35,9 +35,10 @@ def run(comfy, graph):
 def test_quantize_node_reports_every_layer_ran(comfy, tiny_wan2, events):
     log = run(comfy, wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=[QUANTIZE]))
     text = events.wait_for(chain_id(0), "last run:")
-    # the short report (the head, the time projection and the Conv3d patch embedding are kept), then the run's line
+    # the short report (the head, the time projection and the Conv3d patch embedding are kept), then the run's line:
+    # the layers that ran and the INT8 kernel their calls ran (comfy-kitchen's on CPU)
     assert re.fullmatch(r"quantized 24/26 linear layers: int8_convrot x24\nweights: .*; 3 kept in original precision\n"
-                        r"last run: ran 24/24 quantized layers", text), text
+                        r"last run: ran 24/24 quantized layers; ran int8: kitchen x\d+ calls", text), text
     assert not WARNING.search(log), log
 
 
@@ -45,7 +46,8 @@ def test_skipped_block_is_seen_and_warned_about(comfy, tiny_wan2, events):
     """A block replaced downstream of the quantizer (ComfyUI's block-replace patch): its 10 layers never run."""
     chain = [QUANTIZE, ("BigditSkipBlock", {"block": 1})]
     log = run(comfy, wan_t2v_graph(tiny_wan2["unet_name"], tiny_wan2["vae_name"], model_chain=chain))
-    assert events.wait_for(chain_id(0), "last run:").endswith("\nlast run: ran 14/24 quantized layers")
+    assert re.search(r"\nlast run: ran 14/24 quantized layers; ran int8: kitchen x\d+ calls$",
+                     events.wait_for(chain_id(0), "last run:"))
     claimed, ran, missing = WARNING.search(log).groups()
     assert (claimed, ran) == ("24", "14")
     assert all(name.startswith("blocks.1.") for name in missing.removesuffix(", ...").split(", ")), missing
@@ -58,7 +60,8 @@ def test_quantized_clone_sampled_next_to_the_plain_model(comfy, tiny_wan2, event
     graph["plain_latent"] = {"class_type": "SaveLatent",
                              "inputs": {"samples": ["plain_sampler", 0], "filename_prefix": "bigdit/plain"}}
     log = run(comfy, graph)
-    assert events.wait_for(chain_id(0), "last run:").endswith("\nlast run: ran 24/24 quantized layers")
+    assert re.search(r"\nlast run: ran 24/24 quantized layers; ran int8: kitchen x\d+ calls$",
+                     events.wait_for(chain_id(0), "last run:"))
     assert len([t for t in events.texts(chain_id(0)) if "last run:" in t]) == 1  # the plain sampling is not its run
     assert not WARNING.search(log), log
 
@@ -71,7 +74,8 @@ def test_marker_loader_reports_its_layers_ran(comfy, tiny_wan2, events):
     log = run(comfy, graph)
     text = events.wait_for("unet", "last run:")
     # the short report's two lines, then the run's
-    assert re.fullmatch(r"quantized 2/26 linear layers: .*\nweights: .*\nlast run: ran 2/2 quantized layers", text), text
+    assert re.fullmatch(r"quantized 2/26 linear layers: .*\nweights: .*\nlast run: ran 2/2 quantized layers"
+                        r"; ran int8: kitchen x\d+ calls", text), text
     assert not WARNING.search(log), log
 
 
@@ -83,10 +87,11 @@ def test_h3_loader_line_has_the_offload_plan_and_the_layers(comfy, tiny_wan2, ev
     # the head and time projection are kept; the run's line takes the place of the load's plan
     assert re.fullmatch(r"quantized 24/26 linear layers: int8_convrot x24\nweights: .*; 2 kept in original precision\n"
                         r"last run: resident 2/2 blocks, streaming 0; estimated peak [\d.]+ GiB of [\d.]+ GiB; "
-                        r"nothing streamed; ran 24/24 quantized layers", text), text
+                        r"nothing streamed; ran 24/24 quantized layers; ran int8: kitchen x\d+ calls", text), text
     # A block skipped after the loader: the loader's line says so, and the log warns.
     events.clear()
     log = run(comfy, wan_t2v_graph(None, tiny_wan2["vae_name"], loader=loader,
                                    model_chain=[("BigditSkipBlock", {"block": 0})]))
-    assert events.wait_for("unet", "streamed; ran ").endswith("; ran 14/24 quantized layers")
+    assert re.search(r"; ran 14/24 quantized layers; ran int8: kitchen x\d+ calls$",
+                     events.wait_for("unet", "streamed; ran "))
     assert WARNING.search(log).groups()[:2] == ("24", "14"), log
