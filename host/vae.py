@@ -113,6 +113,7 @@ def resident_weights(patcher, layers: dict[str, QuantLinear], activation_bytes: 
         for name, layer in layers.items():
             layer.weight_pager = pagers[name]
         copies.clear()
+        comfy.model_management.soft_empty_cache()  # the copies' memory back to the card, for the host's pages
 
 
 @dataclass
