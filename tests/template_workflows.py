@@ -310,10 +310,10 @@ its matmul there.
 
 IN_SUBGRAPH = " inside its subgraph (open it with the icon at the top right of the node)"
 PROMOTED = " (shown on the subgraph's node as `attention_backend`)"
-VAE_NOTE = ("- **Set VAE Kernels** between the video VAE's loader and VAE Decode: the decoder's INT8 ConvRot linears "
-            "run on BigDiT's INT8 kernels (on the file's own tensors), its attention on `auto`, and its weights stay on "
-            "the card for the whole decode (ComfyUI frees room for them first: the diffusion model's pages go). The "
-            "VAE's own tiling runs as in the template.\n")
+VAE_NOTE = ("- **Set VAE Kernels** between the video VAE's loader and VAE Decode: the decoder's INT8 ConvRot "
+            "linears run on BigDiT's INT8 kernels (on the file's own tensors), its attention on `auto`, and its "
+            "weights stay on the card for the whole decode (ComfyUI frees room for them first: the diffusion model's "
+            "pages go). The VAE's own tiling runs as in the template.\n")
 
 
 INPUTS = ("\n\nThe input {pictures} {names} {ship} with BigDiT as placeholder drawings in its "

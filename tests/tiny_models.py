@@ -1,5 +1,5 @@
 """Tiny random Wan 2.1 T2V models that ComfyUI (0.3.75 and 0.33.0) detects and runs on CPU, and
-tiny MiniMax-H3 audio-video models for a ComfyUI with native H3 (upstream 0.33.0).
+tiny MiniMax-H3 audio-video models and video VAEs for a ComfyUI with native H3 (upstream 0.33.0).
 
 The files are built from ComfyUI's own classes (`comfy.ldm.wan.model.WanModel`,
 `comfy.ldm.wan.vae.WanVAE`, `comfy.ldm.minimax.model.MiniMaxH3Model`) in a subprocess run by the
