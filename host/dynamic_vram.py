@@ -153,11 +153,12 @@ def on_detach(patcher, unpatch_all: bool = True) -> None:
         _restore(layer, record["originals"])
 
 
-def prepare_dynamic_vram(patcher) -> None:
-    """On a dynamic-VRAM patcher, have ComfyUI page the pack's quantized layers (see the module's docstring)."""
+def prepare_dynamic_vram(patcher, layers: dict[str, QuantLinear] | None = None) -> None:
+    """On a dynamic-VRAM patcher, have ComfyUI page the pack's quantized layers (see the module's docstring):
+    `layers`, by default those of its diffusion model."""
     if not is_dynamic(patcher):
         return
-    for layer in quantized_layers(patcher).values():
+    for layer in (quantized_layers(patcher) if layers is None else layers).values():
         layer.weight_pager = page_weights
     callbacks = comfy.patcher_extension.CallbacksMP
     for kind, function in ((callbacks.ON_LOAD, on_load), (callbacks.ON_DETACH, on_detach)):

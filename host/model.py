@@ -68,7 +68,8 @@ def _with_original_tensors(module: nn.Module, tensors: dict[str, dict]) -> nn.Mo
 
 def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dict[str, nn.Module]]:
     """The module tree below `prefix` as `patcher` defines it: (root, overrides), for
-    `quant.quantize_pass.walk_modules` and the memory plan, with paths relative to the root.
+    `quant.quantize_pass.walk_modules` and the memory plan, with paths relative to the root (`prefix` "": the
+    patcher's whole model, e.g. a VAE's).
 
     ComfyUI applies the loaded patcher's object patches and weight patches (a
     LoRA) to the one module tree all clones share, and leaves them there until
@@ -81,7 +82,7 @@ def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dic
     def below(mapping) -> dict:
         return {k[len(prefix):]: v for k, v in mapping.items() if k.startswith(prefix)}
 
-    root = patcher.get_model_object(prefix[:-1])
+    root = patcher.get_model_object(prefix[:-1]) if prefix else patcher.model
     overrides = below(getattr(patcher, "object_patches_backup", {}))
     overrides.update(below(patcher.object_patches))
     originals: dict[str, dict[str, dict]] = {}
@@ -92,7 +93,7 @@ def module_view(patcher, prefix: str = DIFFUSION_PREFIX) -> tuple[nn.Module, dic
             tensor = getattr(saved, "weight", saved)  # `backup` holds (weight, inplace_update) tuples
             originals.setdefault(module_name, {}).setdefault(kind, {})[tensor_name] = tensor
     if originals:
-        live = dict(comfy.utils.get_attr(patcher.model, prefix[:-1]).named_modules())
+        live = dict((comfy.utils.get_attr(patcher.model, prefix[:-1]) if prefix else patcher.model).named_modules())
         for name, module in list(walk_modules(root, overrides)):
             # Only live modules were patched (the backups are theirs). Layers are leaves; a copy of a
             # block would also stand in for the block the parents' run-time counting hooks attach to.

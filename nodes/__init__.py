@@ -1,11 +1,11 @@
 """The pack's nodes, V3 `io.ComfyNode` classes, one module per group; each module lists its nodes in NODES. Both
 hosts take V3 classes through NODE_CLASS_MAPPINGS (they tell them from V1 ones by their base class). What the
 nodes do beyond declaring themselves is in host/."""
-from . import attention_backend, loader_nodes, offload, quantize_int8, save_quantized
+from . import attention_backend, loader_nodes, offload, quantize_int8, save_quantized, vae_kernels
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
-for _module in (quantize_int8, attention_backend, offload, loader_nodes, save_quantized):
+for _module in (quantize_int8, attention_backend, offload, loader_nodes, save_quantized, vae_kernels):
     for _cls in _module.NODES:
         _schema = _cls.GET_SCHEMA()
         NODE_CLASS_MAPPINGS[_schema.node_id] = _cls

@@ -22,7 +22,8 @@ from .keep import keep_patterns
 from .registry import conversion_format, dtype_format, format_spec, get_method, kitchen_format
 from .linear import QuantLinear, quantized_layer, requantized_layer
 from .decision import QuantConfig, decide
-from .layer import CONVERT, KEEP, Layer
+from .descriptor import read_marker
+from .layer import CONVERT, KEEP, LOAD, Layer
 from .linear_method import LinearMethod
 from .kitchen_api import require_kitchen
 from .report import QuantReport
@@ -121,25 +122,56 @@ def _linear_like(module: nn.Module) -> bool:
             and tuple(weight.shape) == (outs, ins))
 
 
-def module_layers(model: nn.Module, config: QuantConfig) -> list[tuple[Layer, nn.Module]]:
-    """A `Layer` for every weight-bearing module of the tree as it will run, with the module, decided."""
+def _not_adoptable(module: nn.Module) -> str | None:
+    """Why a layer quantized before this pass cannot run as the pack's layer of its format holding its own tensors
+    (LOAD), or None: only a comfy-kitchen weight names its tensors as a file stores them."""
+    if isinstance(module, QuantLinear):
+        return "the pack's layer already"
+    weight = module.weight
+    if not is_quantized_tensor(weight):
+        return f"stored as a plain {dtype_name(weight.dtype)} weight"
+    if not hasattr(weight, "state_dict"):
+        return "ComfyUI's own QuantizedTensor (no comfy-kitchen)"
+    spec = kitchen_format(layout_name(weight))
+    if spec is None or not spec.marker:
+        return f"comfy-kitchen layout {layout_name(weight)} has no marker format"
+    if layout_params(weight).get("transposed", False):
+        return "its weight is held transposed"
+    return None
+
+
+def _stored_options(module: nn.Module, fmt: str) -> dict:
+    """The method options of a comfy-kitchen weight of format `fmt`: its layout params read as the marker it
+    would be saved with."""
+    spec = format_spec(fmt)
+    values, _ = read_marker(spec.marker_params, spec.kitchen_marker(layout_params(module.weight)))
+    return spec.marker_options(values, module.in_features)
+
+
+def module_layers(model: nn.Module, config: QuantConfig, loading: bool = False) -> list[tuple[Layer, nn.Module]]:
+    """A `Layer` for every weight-bearing module of the tree as it will run, with the module, decided.
+    `loading`: a layer quantized before becomes the pack's layer of its format holding its own tensors (LOAD)
+    where it can (see `_not_adoptable`), as a loader builds a file's stored layer."""
     dominant = _dominant_dtype(model, config.overrides)
     found = []
     for name, module in iter_weight_modules(model, config.overrides):
         linear = isinstance(module, QuantLinear) or _linear_like(module)
         stored, label = _stored_format(module) if linear or name not in config.keep else (None, None)
-        if name in config.keep or (stored is None and not linear):
+        unadoptable = _not_adoptable(module) if loading and stored is not None and name not in config.keep else None
+        if name in config.keep or unadoptable or (stored is None and not linear):
             shape = tuple(module.weight.shape)
-            layer = Layer(name, shape[-1], shape[0], module.weight.dtype, linear=linear)
-            reason = config.keep.get(name) or f"not Linear-like ({type(module).__name__})"
+            layer = Layer(name, shape[-1], shape[0], module.weight.dtype, linear=linear,
+                          stored=stored if unadoptable else None, stored_label=label if unadoptable else None)
+            reason = config.keep.get(name) or unadoptable or f"not Linear-like ({type(module).__name__})"
             found.append((layer.decided(KEEP, None, reason), module))
             continue
         compute = module.compute_dtype if isinstance(module, QuantLinear) else None
         if stored is not None and compute is None:  # re-quantized, it computes in the model's dtype
             compute = dominant or torch.bfloat16
+        options = _stored_options(module, stored) if loading and stored is not None else {}
         layer = Layer(name, module.in_features, module.out_features, module.weight.dtype, compute, stored,
-                      stored_label=label)
-        found.append((decide(config, layer, dominant), module))
+                      options=options, stored_label=label)
+        found.append((decide(config, layer, dominant, loading=loading), module))
     return found
 
 
@@ -161,17 +193,28 @@ def quantize_linear(module: nn.Module, method: LinearMethod, device: torch.devic
                            module.weight.dtype, device, home, layer_type=layer_type)
 
 
+def stored_layer(module: nn.Module, layer: Layer, layer_type: type[QuantLinear] | None = None) -> QuantLinear:
+    """A comfy-kitchen layer as the pack's layer of its own format (LOAD), holding the very tensors it holds: the
+    weight's data and scales as a file names them, and its bias. Nothing is copied."""
+    tensors = dict(module.weight.state_dict("weight"))
+    bias = None if module.bias is None else module.bias.detach()
+    return (layer_type or QuantLinear)(layer.method, layer.in_features, layer.out_features, tensors, bias,
+                                       layer.compute_dtype)
+
+
 def quantize_layers(model: nn.Module, config: QuantConfig,
                     progress: Callable[[int, int], None] | None = None,
                     title: str = "quantization", layer_type: type[QuantLinear] | None = None,
-                    weight_scale: WeightScale | None = None) -> tuple[dict[str, nn.Module], QuantReport]:
-    """Quantize every layer the decision quantizes or converts, one at a time; returns (replacements, report).
+                    weight_scale: WeightScale | None = None,
+                    loading: bool = False) -> tuple[dict[str, nn.Module], QuantReport]:
+    """Quantize every layer the decision quantizes or converts, one at a time, and build those it loads as stored
+    (`loading`, see module_layers); returns (replacements, report).
 
     Only one layer's weight is on the compute device at a time. Raises
     QuantizationError naming the layer if any layer fails; nothing is installed.
     `layer_type`: the QuantLinear subclass to build (a host's); `weight_scale`: see host_stored_weight.
     """
-    found = module_layers(model, config)
+    found = module_layers(model, config, loading)
     device = config.device()
     todo = sum(layer.action != KEEP for layer, _ in found)
     replacements: dict[str, nn.Module] = {}
@@ -183,8 +226,11 @@ def quantize_layers(model: nn.Module, config: QuantConfig,
         if layer.action == KEEP:
             continue
         try:
-            new = quantize_linear(module, layer.method, device, layer.compute_dtype if layer.stored else None,
-                                  layer_type, weight_scale)
+            if layer.action == LOAD:
+                new = stored_layer(module, layer, layer_type)
+            else:
+                new = quantize_linear(module, layer.method, device, layer.compute_dtype if layer.stored else None,
+                                      layer_type, weight_scale)
         except Exception as exc:
             raise QuantizationError(f"quantizing layer {layer.name!r} with {layer.method.describe()} failed: "
                                     f"{exc}") from exc
@@ -282,3 +328,13 @@ def quantize_model(root: nn.Module, overrides: dict[str, nn.Module], options: Qu
         conversions=stored_conversions(options.conversions), overrides=overrides, keep=dict(keep or {}))
     return quantize_layers(root, config, progress=host.progress(), title=title, layer_type=host.layer_type,
                            weight_scale=host.weight_scale)
+
+
+def adopt_stored(root: nn.Module, overrides: dict[str, nn.Module], host: ModelHost,
+                 title: str = "stored layers") -> tuple[dict[str, nn.Module], QuantReport]:
+    """The layers of a live model that a file stored quantized (ComfyUI's comfy-kitchen layers), as the host's
+    QuantLinear of their own format holding their own tensors (LOAD), so that the pack's kernels run them; every
+    other layer stays as it is, nothing is quantized. Returns (replacements, report); the model is unchanged."""
+    require_kitchen(title)
+    return quantize_layers(root, QuantConfig(method=None, overrides=overrides), title=title,
+                           layer_type=host.layer_type, loading=True)

@@ -12,6 +12,9 @@ nodes, subgraph, notes and `properties.models` download hints as they are, and
 - the Load CLIP node replaced by QuantizedCLIPLoader (same file and `type`, same links): it loads the
   official NVFP4-AWQ encoder (a `pre_quant_scale` per layer), and on GPUs without an NVFP4 GEMM its
   `nvfp4` input can re-quantize it to the GPU's fastest native format;
+- in the video templates, SetVAEKernels on the link from the video VAE's loader to VAE Decode (the
+  loader's other links, to the conditioning, stay): the INT8 ConvRot decoder's linears and attention on the
+  pack's kernels, its weights on the card for the whole decode;
 - a note saying what changed.
 
 The pack's nodes are written from their /object_info definitions on upstream 0.33.0
@@ -34,6 +37,8 @@ LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256"
           "int8": "auto"}
 ATTENTION = {"dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0, "dense_layers": ""}
 TEXT_ENCODER = {"rename_prefixes": "", "nvfp4": "auto", "int8": "auto"}
+VAE_KERNELS = {"attention": "auto", "linears": "pack", "weights": "resident"}
+VAE_KERNELS_SIZE = [300, 130]
 
 
 def node_specs() -> dict:
@@ -156,6 +161,30 @@ def insert_after(specs, graph, source, slot, class_type, widgets, pos, size, **f
     return node
 
 
+def insert_on_link(specs, graph, link_id, class_type, widgets, pos, size) -> dict:
+    """A node of `class_type` on link `link_id`: its first input takes what the link carried, its output 0 feeds
+    the link's target; the origin's other links stay."""
+    link = graph.link(link_id)
+    source = graph.nodes[link["origin_id"]]
+    node_id = next_id(graph.workflow, "node")
+    graph.set_origin(link_id, node_id, 0)
+    fed = graph.add_link(source["id"], link["origin_slot"], node_id, 0, link["type"])
+    output = source["outputs"][link["origin_slot"]]
+    output["links"] = [fed if other == link_id else other for other in output["links"]]
+    first_input = specs[class_type]["input_order"]["required"][0]
+    node = pack_node(specs, class_type, node_id, widgets, {first_input: fed}, [[link_id]], pos=pos, size=size,
+                     flags={}, order=graph.nodes[link["target_id"]]["order"])
+    graph.body["nodes"].append(node)
+    graph.nodes[node_id] = node
+    return node
+
+
+def video_decode_vae_link(graph) -> int:
+    """The link that brings the video VAE to VAE Decode."""
+    (decode,) = graph.of_type("VAEDecode")
+    return next(entry["link"] for entry in decode["inputs"] if entry["name"] == "vae")
+
+
 def promoted_inputs(subgraph) -> list:
     """The subgraph's inputs that show as widgets on its node, in the order of the node's widgets_values."""
     return [i for i in subgraph["inputs"] if i["type"] in WIDGET_TYPES]
@@ -220,7 +249,7 @@ def the_graph(workflow) -> Graph:
     return Graph(workflow, subgraphs[0] if subgraphs else None)
 
 
-def with_pack_nodes(template, attention_backend, attention_pos, note):
+def with_pack_nodes(template, attention_backend, attention_pos, vae_kernels_pos, note):
     specs = node_specs()
     workflow = copy.deepcopy(template)
     graph = the_graph(workflow)
@@ -243,6 +272,9 @@ def with_pack_nodes(template, attention_backend, attention_pos, note):
                             pos=attention_pos, size=[300, 180])
         if graph.subgraph is not None:
             promote(workflow, graph, node, "backend", "attention_backend", attention_backend)
+    if vae_kernels_pos is not None:
+        insert_on_link(specs, graph, video_decode_vae_link(graph), "SetVAEKernels", VAE_KERNELS, vae_kernels_pos,
+                       VAE_KERNELS_SIZE)
     add_note(workflow, note)
     return workflow
 
@@ -273,11 +305,15 @@ exact kernel measured on this GPU; `sage`, `flash`, `kitchen_int8` or `sol` (spa
 per-channel input scales included). `nvfp4` requantize re-quantizes it at load to this GPU's fastest native \
 format where the GPU has no NVFP4 GEMM (before sm100); auto keeps NVFP4 and dequantizes each layer before \
 its matmul there.
-
+{vae}
 {turbo}{inputs}"""
 
 IN_SUBGRAPH = " inside its subgraph (open it with the icon at the top right of the node)"
 PROMOTED = " (shown on the subgraph's node as `attention_backend`)"
+VAE_NOTE = ("- **Set VAE Kernels** between the video VAE's loader and VAE Decode: the decoder's INT8 ConvRot "
+            "linears run on BigDiT's INT8 kernels (on the file's own tensors), its attention on `auto`, and its "
+            "weights stay on the card for the whole decode (ComfyUI frees room for them first: the diffusion model's "
+            "pages go). The VAE's own tiling runs as in the template.\n")
 
 
 INPUTS = ("\n\nThe input {pictures} {names} {ship} with BigDiT as placeholder drawings in its "
@@ -285,7 +321,7 @@ INPUTS = ("\n\nThe input {pictures} {names} {ship} with BigDiT as placeholder dr
           "is, or pick your own picture in Load Image.")
 
 
-def note(template, where, attention, turbo):
+def note(template, where, attention, turbo, vae=VAE_NOTE):
     nodes = template_nodes(template)
     bf16 = next(n for n in nodes if n["type"] == "UNETLoader")["widgets_values"][0]
     images = [f"`{n['widgets_values'][0]}`" for n in nodes if n["type"] == "LoadImage"]
@@ -293,31 +329,33 @@ def note(template, where, attention, turbo):
                            ship="ship" if len(images) > 1 else "ships",
                            them="them" if len(images) > 1 else "it") if images else ""
     return NOTE.format(template=template, package=TEMPLATES_PACKAGE, where=where,
-                       bf16=bf16.replace("_int8_convrot", "_bf16"), attention=attention, turbo=turbo, inputs=inputs)
+                       bf16=bf16.replace("_int8_convrot", "_bf16"), attention=attention, vae=vae, turbo=turbo,
+                       inputs=inputs)
 
 
-# name -> (template, SetAttentionBackend's backend, its position where it is added, note)
+# name -> (template, SetAttentionBackend's backend, its position where it is added, SetVAEKernels' position (None: not
+# added), note)
 EXAMPLES = {
-    "bigdit-minimax-h3-t2v": ("video_minimax_h3_t2v", "auto", [-400, 5130], note(
+    "bigdit-minimax-h3-t2v": ("video_minimax_h3_t2v", "auto", [-400, 5130], [760, 4660], note(
         "video_minimax_h3_t2v", IN_SUBGRAPH, PROMOTED,
         "The turbo LoRA is off, as in the template: `turbo_mode` on samples `turbo_steps` (8) steps with it.")),
-    "bigdit-minimax-h3-i2v": ("video_minimax_h3_i2v", "auto", [-400, 5130], note(
+    "bigdit-minimax-h3-i2v": ("video_minimax_h3_i2v", "auto", [-400, 5130], [760, 4660], note(
         "video_minimax_h3_i2v", IN_SUBGRAPH, PROMOTED,
         "The turbo LoRA is off, as in the template: `turbo_mode` on samples `turbo_steps` (8) steps with it.")),
-    "bigdit-minimax-h3-r2v": ("video_minimax_h3_r2v", "auto", [-390, 4880], note(
+    "bigdit-minimax-h3-r2v": ("video_minimax_h3_r2v", "auto", [-390, 4880], [-1490, 5710], note(
         "video_minimax_h3_r2v", "", "",
         "The turbo LoRA is off, as in the template: Boolean (Enable Lightning LoRA) on samples 4 steps with it.")),
-    "bigdit-minimax-h3-t2i": ("image_minimax_h3_t2i", "kitchen_int8", None, note(
+    "bigdit-minimax-h3-t2i": ("image_minimax_h3_t2i", "kitchen_int8", None, None, note(
         "image_minimax_h3_t2i", IN_SUBGRAPH,
         " (in place of the template's Model Attention Backend: `kitchen_int8` is its `comfy kitchen attention`, "
         "and the subgraph's node still shows it as `attention_backend`)",
-        "The turbo LoRA is off, as in the template: with `enable_turbo_lora` on, set `steps` to 8.")),
+        "The turbo LoRA is off, as in the template: with `enable_turbo_lora` on, set `steps` to 8.", vae="")),
 }
 
 
 def build(name) -> dict:
     """The example `name` of EXAMPLES as a UI workflow."""
-    source, backend, pos, text = EXAMPLES[name]
-    workflow = with_pack_nodes(template(source), backend, pos, text)
+    source, backend, pos, vae_pos, text = EXAMPLES[name]
+    workflow = with_pack_nodes(template(source), backend, pos, vae_pos, text)
     workflow["id"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"bigdit/{name}"))
     return workflow

@@ -48,7 +48,8 @@ def test_example_keeps_the_templates_nodes_subgraph_notes_and_hints(name):
         assert ours[key].get("title") == node.get("title"), key
     added = [ours[key]["type"] for key in ours.keys() - theirs.keys()]
     assert sorted(added) == sorted(["MarkdownNote"] + (["SetAttentionBackend"] if "ModelAttentionBackend" not in
-                                                       {n["type"] for n in theirs.values()} else []))
+                                                       {n["type"] for n in theirs.values()} else [])
+                                   + (["SetVAEKernels"] if EXAMPLES[name][3] is not None else []))
     assert [s["id"] for s in example.get("definitions", {}).get("subgraphs", [])] == \
         [s["id"] for s in source.get("definitions", {}).get("subgraphs", [])]
     assert hints(example) == hints(source)
@@ -94,3 +95,16 @@ def test_api_file_runs_the_pack_nodes_where_the_example_puts_them(name):
     # its CLIP output (slot 0, not the report) feeds the prompt's encoding, as the template's CLIPLoader did
     consumers = [api[k]["inputs"][input_name] for k, input_name in links_from(api, encoder)]
     assert consumers and all(link == [encoder, 0] for link in consumers), consumers
+    # the video VAE reaches VAE Decode through SetVAEKernels; its loader's other links (the conditioning) stay
+    (decode,) = by_type["VAEDecode"]
+    kernels = by_type.get("SetVAEKernels", [])
+    if EXAMPLES[name][3] is None:
+        assert not kernels and api[api[decode]["inputs"]["vae"][0]]["class_type"] == "VAELoader"
+        return
+    (kernels,) = kernels
+    assert api[decode]["inputs"]["vae"] == [kernels, 0]
+    assert api[kernels]["inputs"] == {"vae": api[kernels]["inputs"]["vae"], **template_workflows.VAE_KERNELS}
+    loader = api[kernels]["inputs"]["vae"][0]
+    assert api[loader]["inputs"]["vae_name"] == "minimax_h3_video_vae_int8_convrot.safetensors"
+    consumers = sorted(api[k]["class_type"] for k, _ in links_from(api, loader))
+    assert len(consumers) == 2 and "SetVAEKernels" in consumers and consumers[0].startswith("MiniMaxH3"), consumers

@@ -1,5 +1,5 @@
 """Tiny random Wan 2.1 T2V models that ComfyUI (0.3.75 and 0.33.0) detects and runs on CPU, and
-tiny MiniMax-H3 audio-video models for a ComfyUI with native H3 (upstream 0.33.0).
+tiny MiniMax-H3 audio-video models and video VAEs for a ComfyUI with native H3 (upstream 0.33.0).
 
 The files are built from ComfyUI's own classes (`comfy.ldm.wan.model.WanModel`,
 `comfy.ldm.wan.vae.WanVAE`, `comfy.ldm.minimax.model.MiniMaxH3Model`) in a subprocess run by the
@@ -65,6 +65,36 @@ def make_tiny_h3(path, num_layers=2, token_refiner_num_layers=1, hidden_size=256
                      token_refiner_num_layers=token_refiner_num_layers, hidden_size=hidden_size,
                      num_attention_heads=num_attention_heads, ffn_hidden_size=ffn_hidden_size, text_dim=text_dim,
                      time_embed_dim=time_embed_dim, seed=seed)
+
+
+# tests/bench/e2e_models.py's generate_component, run by the host's python (it generates in that interpreter)
+_H3_VAE = """
+import dataclasses, json, sys
+bench, path, comfyui, decoder, seed, cpu = sys.argv[1:]
+sys.path.insert(0, bench)
+import e2e_models
+component = e2e_models.COMPONENTS["tiny_video_vae"]
+if decoder != "null":
+    component = dataclasses.replace(component, tiny={**component.tiny, "video_decoder": json.loads(decoder)})
+e2e_models.generate_component(component, path, comfyui, seed=int(seed), cpu=cpu == "1")
+"""
+
+
+def make_tiny_h3_vae(path, decoder: dict | None = None, seed=0, cpu=True, host=None) -> Path:
+    """Write upstream's MiniMax-H3 video VAE at tests/bench/e2e_models.py's tiny size (a 1-block ViT decoder of 4
+    heads of 64; `decoder`: other {num_layers, heads, dim_head}), its decoder blocks' linears INT8 ConvRot as in
+    Comfy-Org's file, random (generated on the GPU unless `cpu`). tests/fixtures/bigdit_testnodes'
+    BigditTinyVAELoader loads it through comfy.sd.VAE. host must have MiniMax-H3."""
+    host = host_of(host)
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bench = Path(__file__).resolve().parent / "bench"
+    result = subprocess.run([str(host.python), "-c", _H3_VAE, str(bench), str(path), str(host.comfyui),
+                             json.dumps(decoder), str(seed), "1" if cpu else "0"],
+                            cwd=host.comfyui, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"generating {path.name} failed:\n{result.stdout}{result.stderr}")
+    return path
 
 
 def linear_layers(model, host=None, **config) -> dict:

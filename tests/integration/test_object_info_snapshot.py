@@ -25,57 +25,12 @@ import uuid
 
 import pytest
 
-from snapshot_object_info import pack_nodes, snapshot_path
+from snapshot_object_info import as_v1_node, pack_nodes, snapshot_path
 
 pytestmark = pytest.mark.integration
 
-# node field -> the value the V3 schema gives it where V1 had no such field
-V3_NODE_FIELDS = {"deprecated": False, "experimental": False, "api_node": False, "dev_only": False,
-                  "output_tooltips": [], "output_matchtypes": None, "price_badge": None,
-                  "search_aliases": None, "essentials_category": None, "has_intermediate_output": False}
-# node field -> (V1's value, the V3 schema's) where both mean none
-SAME_EMPTY = {"search_aliases": ([], None)}
-OUTPUT_NODE_HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"}
 # input -> the models folder its options list
 FILE_INPUTS = {"unet_name": "diffusion_models", "clip_name": "text_encoders"}
-
-
-def as_v1_input(spec):
-    """An input's (type, options) with the V3 additions above taken back to V1's spelling."""
-    kind, options = spec[0], copy.deepcopy(spec[1]) if len(spec) > 1 else {}
-    if kind == "COMBO":
-        kind = options.pop("options")
-        if options.get("multiselect") is False:
-            del options["multiselect"]
-    if kind == "STRING" and options.get("multiline") is False:
-        del options["multiline"]
-    return [kind, options]
-
-
-def as_v1_node(node, v1_fields):
-    node = copy.deepcopy(node)
-    for field, neutral in V3_NODE_FIELDS.items():
-        if field not in v1_fields and field in node and node[field] == neutral:
-            del node[field]
-    for field, (v1, v3) in SAME_EMPTY.items():
-        if v1_fields.get(field) == v1 and node.get(field, v1) == v3:
-            node[field] = v1
-    inputs = node["input"]
-    for section in ("required", "optional"):
-        for name, spec in inputs.get(section, {}).items():
-            inputs[section][name] = as_v1_input(spec)
-    hidden = {name: value[0] if isinstance(value, list) else value for name, value in inputs.get("hidden", {}).items()}
-    if node.get("output_node"):
-        for name, value in OUTPUT_NODE_HIDDEN.items():
-            if hidden.get(name) == value:
-                del hidden[name]
-        node["input_order"]["hidden"] = [n for n in node["input_order"].get("hidden", []) if n in hidden]
-    if hidden:
-        inputs["hidden"] = hidden
-    else:
-        inputs.pop("hidden", None)
-        node["input_order"].pop("hidden", None)
-    return node
 
 
 def without_file_lists(node):

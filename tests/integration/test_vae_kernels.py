@@ -1,0 +1,113 @@
+"""SetVAEKernels on real hosts, over HTTP.
+
+MiniMax-H3 (upstream 0.33.0): a tiny video VAE built by upstream's own class (tests/tiny_models.make_tiny_h3_vae:
+a 1-block ViT decoder of 4 heads of 64, its block linears INT8 ConvRot as in Comfy-Org's file), loaded by
+BigditTinyVAELoader through comfy.sd.VAE, decodes one latent through the host's VAEDecode and through
+SetVAEKernels then VAEDecode in one prompt: the pack's INT8 layers, holding the file's tensors, and its attention
+router run inside upstream's tiled decode (2 x 2 tiles of 256 pixels), and the frames match the host's within
+40 dB PSNR (measured on CPU: 131 dB, float rounding only: both sides run comfy-kitchen's eager INT8 linear there).
+A third decode by the host's VAE after ours gives its first frames exactly: the input VAE and its model are as
+they were.
+
+Wan 2.1 (both hosts): its VAE has nothing the pack runs, and passes through unchanged.
+"""
+import math
+import re
+
+import pytest
+import safetensors.torch
+import torch
+
+from tiny_models import make_tiny_h3_vae
+
+pytestmark = pytest.mark.integration
+
+H3_LATENT = (1, 24, 7, 20, 20)  # 320 x 320 pixels: 2 x 2 tiles; 7 latent frames: one temporal chunk, 22 frames
+WAN_LATENT = (1, 16, 2, 8, 8)
+MIN_PSNR_DB = 40.0
+KERNELS = {"attention": "auto", "linears": "pack", "weights": "resident"}
+
+
+def psnr(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR in dB of frames in [0, 1] against the reference."""
+    mse = (ours.float() - reference.float()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
+
+
+def write_latent(comfy, name, shape, seed=0) -> str:
+    """A latent file in the server's input folder, as LoadLatent reads it (version 0: no SD scaling)."""
+    folder = comfy.base_dir / "input"
+    folder.mkdir(exist_ok=True)
+    samples = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    safetensors.torch.save_file({"latent_tensor": samples, "latent_format_version_0": torch.tensor([])},
+                                str(folder / name))
+    return name
+
+
+def decodes(vae_node, latent_name, kernels=None) -> dict:
+    """The graph: the host's decode (`host`), the decode through SetVAEKernels (`ours`), and the host's again
+    once ours ran (`host_after`), each saved as float frames."""
+    def decode(key, vae, samples):
+        return {f"decode_{key}": {"class_type": "VAEDecode", "inputs": {"samples": samples, "vae": vae}},
+                f"save_{key}": {"class_type": "BigditSaveImages", "inputs": {"images": [f"decode_{key}", 0],
+                                                                              "name": key}}}
+    graph = {"vae": vae_node, "latent": {"class_type": "LoadLatent", "inputs": {"latent": latent_name}},
+             "kernels": {"class_type": "SetVAEKernels", "inputs": {"vae": ["vae", 0], **(kernels or KERNELS)}},
+             "after": {"class_type": "BigditLatentAfter", "inputs": {"samples": ["latent", 0],
+                                                                      "after": ["decode_ours", 0]}}}
+    graph.update(decode("host", ["vae", 0], ["latent", 0]))
+    graph.update(decode("ours", ["kernels", 0], ["latent", 0]))
+    graph.update(decode("host_after", ["vae", 0], ["after", 0]))
+    return graph
+
+
+def frames(comfy, history, key) -> torch.Tensor:
+    (path,) = comfy.output_files(history, f"save_{key}", "tensors")
+    return safetensors.torch.load_file(str(path))["images"]
+
+
+@pytest.fixture(scope="module")
+def tiny_h3_vae(comfy):
+    if reason := comfy.host.lacks("minimax_h3"):
+        pytest.skip(reason)
+    name = "tiny_h3_video_vae_int8_convrot.safetensors"
+    make_tiny_h3_vae(comfy.models_dir / "vae" / name, host=comfy.host)
+    return name
+
+
+@pytest.mark.host_feature("minimax_h3")
+def test_h3_decode_on_the_packs_kernels_matches_the_hosts(comfy, tiny_h3_vae):
+    latent = write_latent(comfy, "h3.latent", H3_LATENT)
+    start = len(comfy.log_text())
+    history = comfy.run(decodes({"class_type": "BigditTinyVAELoader", "inputs": {"vae_name": tiny_h3_vae}}, latent))
+    log = comfy.log_text()[start:]
+    host, ours, host_after = (frames(comfy, history, key) for key in ("host", "ours", "host_after"))
+    assert ours.shape == host.shape == (22, 320, 320, 3)
+    assert psnr(ours, host) >= MIN_PSNR_DB, psnr(ours, host)
+    assert torch.equal(host_after, host)
+    text = history["outputs"]["kernels"]["text"][0]
+    assert text.splitlines() == ["linears: 4 on the pack's kernels (int8_convrot x4, holding the file's tensors)",
+                                 "attention: backend auto, dense auto",
+                                 "weights: on the CPU (ComfyUI's VAE device)"], text
+    # the 4 layers ran in each of the 4 tiles, and the decoder's one attention per tile went through the router
+    (line,) = re.findall(r"\[BigDiT\] SetVAEKernels: decode of \[1, 24, 7, 20, 20\]: .*", log)
+    assert "weights on cpu; ran 4/4 quantized layers; attention ran auto:sdpa x4; fallbacks none" in line, line
+
+
+@pytest.mark.host_feature("minimax_h3")
+def test_h3_decode_with_everything_left_to_the_host_passes_through(comfy, tiny_h3_vae):
+    latent = write_latent(comfy, "h3.latent", H3_LATENT)
+    host_only = {"attention": "host", "linears": "host", "weights": "host"}
+    history = comfy.run(decodes({"class_type": "BigditTinyVAELoader", "inputs": {"vae_name": tiny_h3_vae}}, latent,
+                                host_only))
+    assert torch.equal(frames(comfy, history, "ours"), frames(comfy, history, "host"))
+    assert history["outputs"]["kernels"]["text"][0] == (
+        "passed through unchanged (MiniMaxH3VideoVAE: linears left to ComfyUI; attention left to ComfyUI)")
+
+
+def test_wans_vae_passes_through_unchanged(comfy, tiny_vae):
+    latent = write_latent(comfy, "wan.latent", WAN_LATENT)
+    history = comfy.run(decodes({"class_type": "VAELoader", "inputs": {"vae_name": tiny_vae}}, latent))
+    assert torch.equal(frames(comfy, history, "ours"), frames(comfy, history, "host"))
+    assert history["outputs"]["kernels"]["text"][0] == (
+        "passed through unchanged (WanVAE: no layer stored quantized; no ComfyUI attention function the pack routes)")
