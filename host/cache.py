@@ -150,7 +150,7 @@ def _hit(entry: str, key: dict, options: LoadOptions, device, host):
     start = time.perf_counter()
     try:
         opened = OpenEntry(entry)  # held while the file loads: the checked file is the loaded one
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return ""
     except OSError as exc:
         return f"the cache file cannot be opened ({exc})"

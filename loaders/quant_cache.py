@@ -234,7 +234,7 @@ def missing_reason(entries: list["Entry"], key: dict) -> str:
     if not same_source:
         return "no cache file yet"
     parts = sorted({why for entry in same_source for why in differences(entry.key, key)})
-    return (f"no cache file for this key yet; the folder's {len(same_source)} of this source file differ in: "
+    return (f"no cache file for this key yet; the folder's {len(same_source)} file(s) of this source differ in: "
             + ", ".join(parts))
 
 
@@ -345,7 +345,7 @@ def scan(folder: str) -> tuple[list[Entry], list[Partial]]:
                         entries.append(Entry(item.path, stat.st_size, stat.st_mtime, key))
                 except OSError:  # gone meanwhile (another server evicting)
                     continue
-    except FileNotFoundError:
+    except OSError:  # no folder yet, or none that can be read: nothing of the cache's (a write says why)
         pass
     return entries, partials
 

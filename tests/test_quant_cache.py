@@ -184,7 +184,7 @@ def test_the_pack_code_that_quantizes_is_in_the_key(source, tmp_path):
     assert entry_name(source, other) != os.path.basename(path)  # not found at its name: a miss
     entries, _ = scan(str(folder))
     assert missing_reason(entries, other) == \
-        "no cache file for this key yet; the folder's 1 of this source file differ in: the pack's quantizing code"
+        "no cache file for this key yet; the folder's 1 file(s) of this source differ in: the pack's quantizing code"
     assert check_entry(path, other)[1] == "the file there was written for another key (the pack's quantizing code)"
 
 
