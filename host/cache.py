@@ -34,7 +34,8 @@ from ..loaders.errors import CheckpointError
 from ..loaders.load import LoadOptions, load
 from ..loaders.quant_cache import (COMPUTE_METADATA, ENV_FOLDER, ENV_LIMIT, KEPT_METADATA, KEY_METADATA,
                                    QUANTIZING_CODE, DigestMemo, OpenEntry, cache_key, check_entry, code_digest,
-                                   entry_name, missing_reason, key_text, plan_write, remove_stale_partials, scan)
+                                   entry_name, file_version, key_text, may_hit, missing_reason, plan_write,
+                                   remove_stale_partials, scan, source_digest)
 from ..loaders.safetensors_writer import data_bytes, encode_header, write_safetensors
 from ..loaders.saving import SaveError, save_contents
 from ..pack_logging import pack_logger
@@ -120,24 +121,44 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
         loaded, report = load(path, options, device, host)
         report.notes.append(f"{LABEL}: off ({why})")
         return loaded, report, None
+    entries, partials = scan(found.folder)
     if found.folder not in _CLEANED:  # the first use in this process: what crashed writes left
         _CLEANED.add(found.folder)
-        remove_stale_partials(scan(found.folder)[1])
+        remove_stale_partials(partials)
+    real, memo = os.path.realpath(path), DigestMemo(found.folder)
+    inputs = {k: v for k, v in dataclasses.asdict(options).items() if k != "title"}
+    code = code_digest(parts=QUANTIZING_CODE + HOST_CODE)
+
+    def entry_of(source):
+        key = cache_key(source, inputs, environment(device), code)
+        return key, os.path.join(found.folder, entry_name(path, key))
+
     try:
-        key = cache_key(path, {k: v for k, v in dataclasses.asdict(options).items() if k != "title"},
-                        environment(device), code_digest(parts=QUANTIZING_CODE + HOST_CODE), DigestMemo(found.folder))
-    except (CheckpointError, OSError) as exc:  # loading names the file's problem, if it has one
+        before = file_version(real)
+        source = source_digest(real, memo) if may_hit(before, memo, entries) else None
+    except CheckpointError as exc:  # loading names the file's problem, if it has one
         loaded, report = load(path, options, device, host)
         report.notes.append(f"{LABEL}: skipped (cannot key the file: {exc})")
         return loaded, report, None
-    entry = os.path.join(found.folder, entry_name(path, key))
-    hit = _hit(entry, key, options, device, host)
-    if not isinstance(hit, str):
-        return (*hit, None)
+    why = "no cache file yet"
+    if source is not None:
+        key, entry = entry_of(source)
+        hit = _hit(entry, key, options, device, host)
+        if not isinstance(hit, str):
+            return (*hit, None)
+        why = hit or missing_reason(entries, key)
     loaded, report = load(path, options, device, host)
-    entries, partials = scan(found.folder)
-    why = hit or missing_reason(entries, key)
-    written, note, headline = _write(loaded, report, key, entry, found, entries, partials)
+    try:
+        if source is None:  # no entry could stand for it: its digest now, from what the load read
+            source = source_digest(real, memo)
+        unchanged = source.version == before == file_version(real)
+    except CheckpointError:
+        unchanged = False
+    if unchanged:
+        key, entry = entry_of(source)
+        written, note, headline = _write(loaded, report, key, entry, found, *scan(found.folder))
+    else:  # the weights may be of either version: no entry for any
+        written, note, headline = None, "not written: the source file changed while it loaded", "cache not written"
     report.notes.append(f"{LABEL}: miss ({why}); {note}")
     if headline:
         report.headline_notes.append(headline)

@@ -6,6 +6,7 @@ same key loads that file as stored. The key is everything the quantized bytes ca
 - the source's data: its size and a sha256 of all its bytes (`source_digest`; a copy with other data and the same
   name, size, header and modification time is another file). The digest is worked out once per version of the file
   and remembered in the folder (`DigestMemo`), by the file's device, inode, size, modification and change times;
+  where no entry can stand for a load (`may_hit`), the host reads it after the load;
 - the load's options;
 - the pack's own code that decides and produces the bytes: a digest of its source (`code_digest`), not a version
   someone must remember to bump;
@@ -37,7 +38,7 @@ import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..units import MIB, format_gib
@@ -184,29 +185,49 @@ def _used(value) -> float:
     return value[1] if isinstance(value, list) and len(value) == 2 and isinstance(value[1], (int, float)) else 0.0
 
 
-def source_digest(path: str, memo: DigestMemo | None = None) -> tuple[int, str]:
-    """(size, sha256 as file_digest computes it) of the file at `path`, from `memo` where it holds this version of
-    the file (see _version), else read whole and remembered there."""
+@dataclass(frozen=True)
+class Source:
+    """A source file's data as the key knows it (its size and sha256), and the version of the file (`file_version`)
+    they were read from."""
+    version: str
+    size: int
+    sha256: str
+
+
+def file_version(path: str) -> str:
     try:
-        version = _version(os.stat(path))
+        return _version(os.stat(path))
     except OSError as exc:
         raise CheckpointError(path, f"cannot read the file ({exc.strerror or exc})") from exc
+
+
+def source_digest(path: str, memo: DigestMemo | None = None) -> Source:
+    """The file at `path` as file_digest reads it, from `memo` where it holds this version of the file, else read
+    whole and remembered there."""
+    version = file_version(path)
     known = memo.get(version) if memo is not None else None
     if known is not None:
-        return int(version.split(":")[2]), known
+        return Source(version, int(version.split(":")[2]), known)
     digest, stat = file_digest(path)
     if memo is not None and time.time() - stat.st_ctime > MEMO_SETTLE_S:
         memo.put(_version(stat), digest)
-    return stat.st_size, digest
+    return Source(_version(stat), stat.st_size, digest)
 
 
-def cache_key(source: str, options: dict, environment: dict, code: str, memo: DigestMemo | None = None,
-              environ=os.environ) -> dict:
+def may_hit(version: str, memo: DigestMemo, entries: list["Entry"]) -> bool:
+    """Whether a load of this version of a file can hit: the memo knows its digest, or an entry of the folder was
+    written from a file of its size. Elsewhere the load is a miss whatever the file holds, and its digest can wait
+    until the load has read the file (from the page cache then, where it fits)."""
+    size = int(version.split(":")[2])
+    return memo.get(version) is not None or any(isinstance(entry.key.get("source"), dict) and
+                                                entry.key["source"].get("size") == size for entry in entries)
+
+
+def cache_key(source: Source, options: dict, environment: dict, code: str, environ=os.environ) -> dict:
     """The key of a load of `source` with `options` (JSON values) in `environment` by the pack's code `code`
     (code_digest), with the knobs of `environ`."""
-    size, digest = source_digest(os.path.realpath(source), memo)
     key = {"layout": CACHE_LAYOUT, "code": code, "options": options, "environment": environment,
-           "knobs": knobs(environ), "source": {"size": size, "sha256": digest}}
+           "knobs": knobs(environ), "source": {"size": source.size, "sha256": source.sha256}}
     return json.loads(key_text(key))  # as a file's metadata reads back (tuples become lists)
 
 
@@ -230,7 +251,7 @@ def differences(stored: dict, key: dict) -> list[str]:
 def missing_reason(entries: list["Entry"], key: dict) -> str:
     """Why no entry stood for `key` where none was at its name: the folder's entries of the same source data, if
     any, and what their keys differ in."""
-    same_source = [entry for entry in entries if entry.key is not None and entry.key.get("source") == key["source"]]
+    same_source = [entry for entry in entries if entry.key.get("source") == key["source"]]
     if not same_source:
         return "no cache file yet"
     parts = sorted({why for entry in same_source for why in differences(entry.key, key)})
@@ -300,7 +321,7 @@ class Entry:
     path: str
     size: int
     used: float     # modification time: when it was written or last hit
-    key: dict | None = None
+    key: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from bigdit.loaders import inspect_checkpoint, quant_cache
 from bigdit.loaders.errors import CheckpointError
 from bigdit.loaders.load import online_config
 from bigdit.loaders.quant_cache import (KEY_METADATA, NOT_KEYED, PACK_ROOT, QUANTIZING_CODE, DigestMemo, Entry,
-                                        OpenEntry, Partial, cache_key, check_entry, code_digest, entry_name,
-                                        evictions, file_digest, is_entry, key_text, knobs, missing_reason, plan_write,
+                                        OpenEntry, Partial, Source, cache_key, check_entry, code_digest, entry_name,
+                                        evictions, file_digest, is_entry, key_text, knobs, may_hit, missing_reason, plan_write,
                                         remove_stale_partials, room_margin, scan, source_digest)
 from bigdit.loaders.safetensors_header import read_header
 from bigdit.loaders.safetensors_writer import write_safetensors
@@ -52,7 +52,7 @@ def source(tmp_path):
 
 
 def key_of(source, options=OPTIONS, environment=ENVIRONMENT, code=CODE, environ=None, memo=None):
-    return cache_key(source, options, environment, code, memo, environ={} if environ is None else environ)
+    return cache_key(source_digest(source, memo), options, environment, code, environ={} if environ is None else environ)
 
 
 def write_entry(folder, source, key, name=None):
@@ -80,8 +80,9 @@ def test_the_key_holds_the_sources_data_and_the_name_the_whole_key(source, tmp_p
     chunks = [hashlib.sha256(data[i:i + quant_cache.DIGEST_CHUNK]).digest()
               for i in range(0, len(data), quant_cache.DIGEST_CHUNK)]
     expected = hashlib.sha256(len(data).to_bytes(8, "little") + b"".join(chunks)).hexdigest()
-    assert key["source"] == {"size": len(data), "sha256": expected} == \
-        dict(zip(("size", "sha256"), source_digest(source)))
+    found = source_digest(source)
+    assert key["source"] == {"size": len(data), "sha256": expected} == {"size": found.size, "sha256": found.sha256}
+    assert found.version == quant_cache.file_version(source)
     name = entry_name(source, key)
     assert re.fullmatch(r"my_model-[0-9a-f]{20}\.safetensors", name) and quant_cache._NAME.fullmatch(name)
     # every part of the key is in the name: loads with different keys never share (or rewrite) one file
@@ -127,27 +128,43 @@ def test_a_copy_with_other_data_misses_though_its_name_size_header_and_time_are_
 def test_a_files_digest_is_remembered_for_that_version_of_the_file_only(source, tmp_path, monkeypatch):
     monkeypatch.setattr(quant_cache, "MEMO_SETTLE_S", -1.0)  # the file was just written: remember it anyway
     memo = DigestMemo(str(tmp_path / "cache"))
-    size, digest = source_digest(source, memo)
-    assert (size, digest) == source_digest(source) and os.path.isfile(memo.path)
-    version = quant_cache._version(os.stat(source))
-    assert memo.get(version) == digest
-    memo.put(version, "remembered")  # what a load reads instead of the file
-    assert source_digest(source, memo) == (size, "remembered")
+    found = source_digest(source, memo)
+    assert found == source_digest(source) and os.path.isfile(memo.path)
+    assert memo.get(found.version) == found.sha256
+    memo.put(found.version, "remembered")  # what a load reads instead of the file
+    assert source_digest(source, memo) == Source(found.version, found.size, "remembered")
     # a write of other bytes in place, its times put back: its change time tells it from the remembered version
     stat = os.stat(source)
     other_data(source, tmp_path / "scratch")
     shutil.copyfile(tmp_path / "scratch", source)
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert source_digest(source, memo) == source_digest(str(tmp_path / "scratch")) != (size, "remembered")
+    rewritten = source_digest(source, memo)
+    assert rewritten.version != found.version and rewritten.sha256 == source_digest(str(tmp_path / "scratch")).sha256
+    assert rewritten.sha256 != found.sha256
     # a memo that cannot be read is no memo
     with open(memo.path, "w") as f:
         f.write("[not a memo")
-    assert source_digest(source, memo) == source_digest(str(tmp_path / "scratch"))
+    assert source_digest(source, memo) == rewritten
     # bounded: the least recently used are forgotten
     monkeypatch.setattr(quant_cache, "MAX_MEMO", 3)
     for i in range(5):
         memo.put(f"v{i}", f"d{i}")
     assert [memo.get(f"v{i}") for i in range(5)] == [None, None, "d2", "d3", "d4"]
+
+
+def test_a_file_is_read_before_its_load_only_where_an_entry_can_stand_for_it(source, tmp_path, monkeypatch):
+    """may_hit: the memo knows this version of the file, or an entry of the folder was written from a file of its
+    size; elsewhere the load is a miss whatever the file holds, and its digest waits for the load."""
+    monkeypatch.setattr(quant_cache, "MEMO_SETTLE_S", -1.0)
+    memo = DigestMemo(str(tmp_path / "cache"))
+    version = quant_cache.file_version(source)
+    size = os.path.getsize(source)
+    assert not may_hit(version, memo, [])
+    assert not may_hit(version, memo, [Entry("e", 1, 0.0, {"source": {"size": size + 1}}), Entry("f", 1, 0.0,
+                                                                                                  {"source": []})])
+    assert may_hit(version, memo, [Entry("e", 1, 0.0, {"source": {"size": size, "sha256": "another file's"}})])
+    source_digest(source, memo)
+    assert may_hit(version, memo, [])
 
 
 def test_a_file_changed_while_it_is_read_has_no_digest(source, monkeypatch):

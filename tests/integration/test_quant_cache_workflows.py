@@ -495,8 +495,9 @@ import bigdit.host.cache as host_cache
 from bigdit.host.loading import load_checkpoint
 from bigdit.loaders.quant_cache import entry_key
 
-cache = tempfile.mkdtemp()
-folder_paths.add_model_folder_path("diffusion_models", os.path.dirname(model_path))
+cache, models = tempfile.mkdtemp(), tempfile.mkdtemp()
+model_path = shutil.copy(model_path, models)  # a copy of its own: touched below
+folder_paths.add_model_folder_path("diffusion_models", models)
 os.environ["BIGDIT_QUANT_CACHE"] = cache
 
 
@@ -564,6 +565,19 @@ try:
     out["interrupt"] = "swallowed"
 except comfy.model_management.InterruptProcessingException:
     out["interrupt"] = "raised"
+
+
+def touching(path, *rest):  # a miss's load, during which another program writes the source
+    loaded = real_load(path, *rest)
+    if path == model_path:
+        os.utime(model_path)
+    return loaded
+
+
+host_cache.load = touching
+out["changed"] = loaded("16")[1]
+out["entries"] = sorted(entry_key(os.path.join(cache, n))["options"]["group_size"] for n in os.listdir(cache)
+                        if n.endswith(".safetensors"))
 print(json.dumps(out))
 """
 
@@ -572,7 +586,8 @@ def test_a_hit_replaced_while_checked_or_failing_rebuilds_with_the_right_weights
     """Through host/loading.py's load_checkpoint in the host's Python, an entry whose hit meets, between its check and
     its load, another server's file renamed over it, then one whose load raises an error of no expected kind: each is
     rebuilt, the report saying why, with the weights of a load without the cache, bit for bit; a user's interrupt
-    during a hit is the host's, not a reason to rebuild."""
+    during a hit is the host's, not a reason to rebuild; a miss whose source is written while it loads writes no
+    entry."""
     result = subprocess.run([str(comfy.host.python), "-c", HIT_PROBE, str(PACK_ROOT), str(tiny_wan2["path"])],
                             cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -587,3 +602,7 @@ def test_a_hit_replaced_while_checked_or_failing_rebuilds_with_the_right_weights
     assert same and (f"{LABEL}: miss (the cache file does not load (RuntimeError: planted failure)); wrote"
                      in report), report
     assert out["interrupt"] == "raised"
+    # the source written while a miss loaded it: its weights may be of either version, so no entry is written
+    assert (f"{LABEL}: miss (no cache file for this key yet; the folder's 2 file(s) of this source differ in: the "
+            "load's inputs); not written: the source file changed while it loaded") in out["changed"], out["changed"]
+    assert out["entries"] == [64, 256]
