@@ -151,14 +151,15 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
     try:
         if source is None:  # no entry could stand for it: its digest now, from what the load read
             source = source_digest(real, memo)
-        unchanged = source.version == before == file_version(real)
-    except CheckpointError:
-        unchanged = False
-    if unchanged:
+        # a file written meanwhile: the weights may be of either version, an entry for neither
+        problem = None if source.version == before == file_version(real) else "the source file changed while it loaded"
+    except CheckpointError as exc:
+        problem = f"cannot key the file: {exc}"
+    if problem is None:
         key, entry = entry_of(source)
         written, note, headline = _write(loaded, report, key, entry, found, *scan(found.folder))
-    else:  # the weights may be of either version: no entry for any
-        written, note, headline = None, "not written: the source file changed while it loaded", "cache not written"
+    else:
+        written, note, headline = None, f"not written: {problem}", "cache not written"
     report.notes.append(f"{LABEL}: miss ({why}); {note}")
     if headline:
         report.headline_notes.append(headline)
