@@ -113,3 +113,27 @@ def test_another_kernel_error_is_raised_and_nothing_is_learned(cuda_kernel):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         method.quantize_weight(torch.randn(32, 128))
     assert kitchen_layout._REFUSED_GROUPS == set()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("group", [16, 64, 256])
+def test_w4a8_quantizes_and_runs_on_cuda_for_every_rotation_group(group):
+    """On the GPU's kitchen (0.2.31 refuses groups other than 256 in its CUDA rotation, 0.2.40 may not): a W4A8
+    layer of each rotation group quantizes, dequantizes near its weight and runs near the bf16 layer; where kitchen's
+    kernel refused, the layer is kitchen's eager reference on the same GPU, bit for bit."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(256, 1024, generator=gen) * 1024 ** -0.5).to(device, torch.bfloat16)
+    x = torch.randn(64, 1024, generator=gen).to(device, torch.bfloat16)
+    method = get_method("asym_w4a8_int8", group_size=group)
+    layer = quantized_layer(method, weight, 1024, 256, None, torch.bfloat16, device, device)
+    dequantized = method.dequantize(layer).float()
+    assert ((dequantized - weight.float()).norm() / weight.float().norm()).item() < 0.15, group
+    reference = torch.nn.functional.linear(x.float(), weight.float())
+    out = layer(x).float()
+    assert ((out - reference).norm() / reference.norm()).item() < 0.15, group
+    if ("AsymW4A8Int8Layout", group) in kitchen_layout._REFUSED_GROUPS:
+        qdata, params, eager = eager_reference(method, weight)
+        assert torch.equal(as_bytes(layer.stored_tensors()["weight"]), as_bytes(qdata)) and torch.equal(
+            method.dequantize(layer), eager), group
