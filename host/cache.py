@@ -1,16 +1,17 @@
-"""LoadH3Quantized's quantize-once cache, ComfyUI's side: the folder, a hit, and a miss's file.
+"""LoadH3Quantized's quantize-once cache, ComfyUI's side: the folder, the key's environment, a hit, and a miss's file.
 
 A load that quantized writes its model as a marker file into the cache folder (loaders/saving.py through
 the streaming writer: the model's own tensors, one at a time, into a temporary file renamed when complete);
-the next load with the same key (loaders/quant_cache.py) loads that file through the one load pipeline as
-MixedCheckpointLoader loads a marker file, nothing quantized: under dynamic VRAM the host pages its weights
-from it through the file slices it marks (Host.file_slices), so RAM holds one copy. A miss's model is paged
+the next load with the same key (loaders/quant_cache.py: the source's data, the options, the pack's quantizing code,
+this device, ComfyUI, torch, Triton, comfy-kitchen and the BIGDIT_* knobs) loads that file through the one load
+pipeline as MixedCheckpointLoader loads a marker file, nothing quantized: under dynamic VRAM the host pages its
+weights from it through the file slices it marks (Host.file_slices), so RAM holds one copy. A miss's model is paged
 from the file it just wrote (host/file_backed.py), not from a scratch file.
 
 The folder: $BIGDIT_QUANT_CACHE, else the first `bigdit_cache` path of ComfyUI's extra_model_paths.yaml, else
 models/bigdit_cache. Its limit: $BIGDIT_QUANT_CACHE_GIB (default 100; 0 turns the cache off). Any failure to
-use or write the cache (a full disk, a folder that cannot be written) falls back to loading as without it, and
-the report says so.
+use the cache (an entry that does not load, whatever the error) rebuilds it; any failure to write it (a full disk, a
+folder that cannot be written) loads as without it; the report says which, and why.
 """
 from __future__ import annotations
 
@@ -19,20 +20,24 @@ import importlib.metadata
 import json
 import math
 import os
+import shutil
 import time
 import weakref
 from dataclasses import dataclass
 
+import comfy.model_management
 import folder_paths
 import torch
 
 from ..hardware import cuda_capability
 from ..loaders.errors import CheckpointError
 from ..loaders.load import LoadOptions, load
-from ..loaders.quant_cache import (COMPUTE_METADATA, KEPT_METADATA, KEY_METADATA, cache_key, check_entry,
-                                   entry_name, evictions, key_text, scan)
+from ..loaders.quant_cache import (COMPUTE_METADATA, ENV_FOLDER, ENV_LIMIT, KEPT_METADATA, KEY_METADATA,
+                                   QUANTIZING_CODE, DigestMemo, OpenEntry, cache_key, check_entry, code_digest,
+                                   entry_name, file_version, key_text, may_hit, missing_reason, plan_write,
+                                   remove_stale_partials, scan, source_digest)
 from ..loaders.safetensors_writer import data_bytes, encode_header, write_safetensors
-from ..loaders.saving import SaveError, pack_version, save_contents
+from ..loaders.saving import SaveError, save_contents
 from ..pack_logging import pack_logger
 from ..quant.layer import CONVERT, QUANTIZE
 from ..units import GIB, format_gib
@@ -41,10 +46,14 @@ from .model import DIFFUSION_PREFIX, quantized_layers, view_modules
 
 log = pack_logger(__name__)
 
-ENV_FOLDER, ENV_LIMIT = "BIGDIT_QUANT_CACHE", "BIGDIT_QUANT_CACHE_GIB"
 FOLDER_NAME = "bigdit_cache"  # models/<it>, and its name in extra_model_paths.yaml
 DEFAULT_LIMIT_GIB = 100.0
 LABEL = "quantize-once cache"
+#: The host's modules on the path from a file to a cache file's bytes, in the key's code digest beside the core's.
+HOST_CODE = ("host/building.py", "host/cache.py", "host/layers.py", "host/model.py")
+# the host's interrupt (a user's cancel) passes through a hit; any other failure rebuilds
+_INTERRUPTS = tuple(t for t in (getattr(comfy.model_management, "InterruptProcessingException", None),) if t)
+_CLEANED: set[str] = set()  # folders whose crash leftovers this process removed
 
 
 @dataclass(frozen=True)
@@ -78,14 +87,28 @@ def cache_folder() -> str:
     return os.path.abspath(folder)
 
 
-def environment(device) -> dict:
-    """What decides the quantized bytes besides the file and the options: the device and the libraries."""
-    device = torch.device(device)
+def _distribution(name: str) -> str | None:
     try:
-        kitchen = importlib.metadata.version("comfy-kitchen")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        kitchen = None
-    found = {"device": device.type, "torch": torch.__version__, "comfy_kitchen": kitchen}
+        return None
+
+
+def host_version() -> str | None:
+    """ComfyUI's version as it reports itself (its comfyui_version module), None where it does not."""
+    try:
+        import comfyui_version
+    except ImportError:
+        return None
+    return getattr(comfyui_version, "__version__", None)
+
+
+def environment(device) -> dict:
+    """What decides the quantized bytes besides the file, the options, the pack's code and its knobs: the device,
+    the host and the libraries."""
+    device = torch.device(device)
+    found = {"device": device.type, "comfyui": host_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "triton": _distribution("triton"), "comfy_kitchen": _distribution("comfy-kitchen")}
     if device.type == "cuda":
         found.update(name=torch.cuda.get_device_name(device), capability=list(cuda_capability(device)))
     return found
@@ -103,42 +126,77 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
         loaded, report = load(path, options, device, host)
         report.notes.append(f"{LABEL}: off ({why})")
         return loaded, report, None
+    entries, partials = scan(found.folder)
+    if found.folder not in _CLEANED:  # the first use in this process: what crashed writes left
+        _CLEANED.add(found.folder)
+        remove_stale_partials(partials)
+    real, memo = os.path.realpath(path), DigestMemo(found.folder)
+    inputs = {k: v for k, v in dataclasses.asdict(options).items() if k != "title"}
+    code = code_digest(parts=QUANTIZING_CODE + HOST_CODE)
+
+    def entry_of(source):
+        key = cache_key(source, inputs, environment(device), code)
+        return key, os.path.join(found.folder, entry_name(path, key))
+
     try:
-        key = cache_key(path, {k: v for k, v in dataclasses.asdict(options).items() if k != "title"},
-                        environment(device), pack_version())
-    except (CheckpointError, OSError) as exc:  # loading names the file's problem, if it has one
+        before = file_version(real)
+        source = source_digest(real, memo) if may_hit(before, memo, entries) else None
+    except CheckpointError as exc:  # loading names the file's problem, if it has one
         loaded, report = load(path, options, device, host)
         report.notes.append(f"{LABEL}: skipped (cannot key the file: {exc})")
         return loaded, report, None
-    entry = os.path.join(found.folder, entry_name(key))
-    header, why = check_entry(entry, key)
-    if header is not None:
-        hit = _hit(entry, header, options, device, host)
-        if isinstance(hit, str):
-            why = hit
-        else:
+    why = "no cache file yet"
+    if source is not None:
+        key, entry = entry_of(source)
+        hit = _hit(entry, key, options, device, host)
+        if not isinstance(hit, str):
             return (*hit, None)
+        why = hit or missing_reason(entries, key)
     loaded, report = load(path, options, device, host)
-    written, note, headline = _write(loaded, report, key, entry, found)
+    try:
+        if source is None:  # no entry could stand for it: its digest now, from what the load read
+            source = source_digest(real, memo)
+        # a file written meanwhile: the weights may be of either version, an entry for neither
+        problem = None if source.version == before == file_version(real) else "the source file changed while it loaded"
+    except CheckpointError as exc:
+        problem = f"cannot key the file: {exc}"
+    if problem is None:
+        key, entry = entry_of(source)
+        written, note, headline = _write(loaded, report, key, entry, found, *scan(found.folder))
+    else:
+        written, note, headline = None, f"not written: {problem}", "cache not written"
     report.notes.append(f"{LABEL}: miss ({why}); {note}")
     if headline:
         report.headline_notes.append(headline)
     return loaded, report, written
 
 
-def _hit(entry: str, header, options: LoadOptions, device, host):
-    """(the patcher, the report) of the cache file at `entry`, or why it cannot stand for the load."""
+def _hit(entry: str, key: dict, options: LoadOptions, device, host):
+    """(the patcher, the report) of the cache file at `entry`, or why it cannot stand for the load ("" where there
+    is none): any failure, whatever its kind, is a reason to rebuild."""
     start = time.perf_counter()
     try:
-        loaded, report = load(entry, LoadOptions(options.title), device, host)  # as stored: nothing converted
-    except (CheckpointError, OSError) as exc:
-        return f"the cache file does not load ({exc})"
-    try:
-        wanted, kept = (json.loads(header.metadata.get(name, "null")) for name in (COMPUTE_METADATA, KEPT_METADATA))
-    except ValueError:
-        wanted = kept = None
-    if compute_dtypes(loaded) != wanted or not isinstance(kept, dict):
-        return f"stale: the model computes in {compute_dtypes(loaded)} here, the file was written for {wanted}"
+        opened = OpenEntry(entry)  # held while the file loads: the checked file is the loaded one
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    except OSError as exc:
+        return f"the cache file cannot be opened ({exc})"
+    with opened:
+        try:
+            header, why = check_entry(entry, key)
+            if header is None:
+                return why
+            loaded, report = load(entry, LoadOptions(options.title), device, host)  # as stored: nothing converted
+            if not opened.same():
+                return "the cache file was replaced while it was checked and loaded"
+            wanted, kept = (json.loads(header.metadata.get(name, "null")) for name in (COMPUTE_METADATA, KEPT_METADATA))
+            if compute_dtypes(loaded) != wanted or not isinstance(kept, dict):
+                return f"stale: the model computes in {compute_dtypes(loaded)} here, the file was written for {wanted}"
+        except _INTERRUPTS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the source can still be loaded
+            log.warning("%s: %s does not load, rebuilding it: %s: %s", LABEL, entry, type(exc).__name__, exc)
+            return f"the cache file does not load ({type(exc).__name__}: {exc})"
     for record in report.kept:  # as the load that quantized decided them
         record.reason = kept.get(record.name, record.reason)
     try:
@@ -151,8 +209,9 @@ def _hit(entry: str, header, options: LoadOptions, device, host):
     return loaded, report
 
 
-def _write(patcher, report, key: dict, entry: str, found: Settings):
-    """Write the loaded model to `entry`; (the WrittenFile or None, the report's note, a headline or None)."""
+def _write(patcher, report, key: dict, entry: str, found: Settings, entries, partials):
+    """Write the loaded model to `entry`, given the folder's `entries` and `partials` (quant_cache.scan); (the
+    WrittenFile or None, the report's note, a headline or None)."""
     start = time.perf_counter()
     if not any(record.action in (QUANTIZE, CONVERT) for record in report.records):
         return None, "not written: nothing was quantized or converted, the file loads as it is", None
@@ -170,11 +229,16 @@ def _write(patcher, report, key: dict, entry: str, found: Settings):
     evicted = []
     try:
         os.makedirs(found.folder, exist_ok=True)
-        entries, partials = scan(found.folder)
-        for leftover in partials:
-            os.unlink(leftover)
-        for old in evictions(entries, size, found.limit, replacing=entry):
-            os.unlink(old.path)
+        live = remove_stale_partials(partials)
+        evict, no_room = plan_write(entries, live, size, found.limit, shutil.disk_usage(found.folder).free,
+                                    replacing=entry)
+        if no_room:
+            return None, f"not written to {found.folder} ({no_room}); loaded as without the cache", "cache not written"
+        for old in evict:
+            try:
+                os.unlink(old.path)
+            except FileNotFoundError:  # another server evicted it
+                pass
             evicted.append(old)
         write_safetensors(entry, contents.tensors, metadata, overwrite=True)
     except OSError as exc:

@@ -64,6 +64,10 @@ def file_slice_marker(path: str):
     return mark
 
 
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tuple(tensor.shape)
+
+
 def _from_file(tensor: torch.Tensor) -> bool:
     # what the host's loader attaches to a tensor it reads from the file (comfy.utils.load_safetensors)
     return hasattr(tensor.untyped_storage(), "_comfy_tensor_file_slice")
@@ -151,6 +155,9 @@ def _written_file(tensors: dict[str, tuple[nn.Module, str]], written: WrittenFil
         mapped = {key: loaded[written.tensors[key][0]] for key in held}
         if not all(_from_file(tensor) for tensor in mapped.values()):
             raise RuntimeError("ComfyUI's loader did not map the file")
+        # a load of the same key elsewhere may have renamed its own file over this one since (auto measures anew)
+        if any(_layout(mapped[key]) != _layout(module._parameters[name]) for key, (module, name) in held.items()):
+            raise RuntimeError("the file holds other tensors than this load wrote")
     except Exception as e:  # the file went or changed meanwhile: a scratch file instead
         return f"could not page from {written.path} ({type(e).__name__}: {e})", tensors
     _rebind(held, mapped)

@@ -40,9 +40,12 @@ class ConvRotW4A4Method(KitchenLayoutMethod):
             return f"in_features {in_features} not divisible by group size {self.group_size} and {QUANT_GROUP}"
         return None
 
+    def rotation_group(self) -> int:
+        return self.group_size
+
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        qdata, params = self.layout_class().quantize(weight, convrot_groupsize=self.group_size,
-                                                     linear_dtype=self.linear_dtype)
+        qdata, params = self.on_kitchen(lambda: self.layout_class().quantize(
+            weight, convrot_groupsize=self.group_size, linear_dtype=self.linear_dtype))
         return {"weight": qdata, "weight_scale": params.scale.float().reshape(-1)}
 
     def layout_params(self, tensors, layer, dtype):

@@ -7,6 +7,9 @@
 - `hadamard`: the normalized ConvRot matrix kitchen rotates weights and activations by
   (`comfy_kitchen.tensor.int8_utils._build_hadamard`), for the pack's own INT8 kernels (int8_triton.py),
   which must rotate by the very same matrix.
+- `refuses_rotation_group`: kitchen's CUDA ConvRot kernels refuse a rotation group they were not built for
+  with a RuntimeError and no constraint its dispatcher could read first (0.2.31's weight rotation takes 256 only:
+  "convrot rotate kernel only supports group_size 256"); its message is what tells that refusal from a failure.
 - `storage`: a QuantizedTensor's packed data (`_qdata`). Kitchen exposes its shape,
   dtype and bytes (`storage_shape`, `storage_dtype`, `nbytes`) but not the tensor,
   which page-locking the host copy in place needs (`state_dict()[""]` is that tensor
@@ -23,6 +26,7 @@ dict `_layout_params` instead of `layout_cls` and `params`. The functions here r
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -41,6 +45,14 @@ def hadamard(size: int, device: torch.device) -> torch.Tensor:
     """Kitchen's normalized regular Hadamard matrix of `size` (a power of 4), fp32, contiguous."""
     from comfy_kitchen.tensor.int8_utils import _build_hadamard
     return _build_hadamard(size, device=device, dtype=torch.float32).contiguous()
+
+
+_GROUP_REFUSAL = re.compile(r"convrot \w+ kernel only supports group_size")
+
+
+def refuses_rotation_group(exc: BaseException) -> bool:
+    """Whether `exc` is comfy-kitchen's CUDA ConvRot kernel refusing a rotation group."""
+    return isinstance(exc, RuntimeError) and _GROUP_REFUSAL.search(str(exc)) is not None
 
 
 def storage(t: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,22 @@ a plain matmul runs in the activations' dtype: correct, but it only saves memory
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_capability
+from ..pack_logging import pack_logger
 from .descriptor import QuantFormat
+from .kitchen_api import refuses_rotation_group
 from .layer import Layer
 from .linear_method import LinearMethod, output_dtype
+
+log = pack_logger(__name__)
+T = TypeVar("T")
+# (layout, rotation group) whose weights kitchen's CUDA ConvRot kernel refused: learned once per process
+_REFUSED_GROUPS: set[tuple[str, int | None]] = set()
 
 
 class KitchenLayoutMethod(LinearMethod):
@@ -45,6 +54,31 @@ class KitchenLayoutMethod(LinearMethod):
         own choice would take a kernel that cannot run this layer."""
         return None
 
+    def rotation_group(self) -> int | None:
+        """The ConvRot group the layer's weight is rotated in (None: not rotated)."""
+        return None
+
+    def on_kitchen(self, run: Callable[[], T]) -> T:
+        """`run()`, a kitchen call on this layer's weight (its quantization or dequantization), on the backend kitchen
+        picks; where kitchen's CUDA ConvRot kernel refuses the layer's rotation group (0.2.31's weight rotation takes
+        256 only), on kitchen's eager backend, whose rotation is a torch product with the group's Hadamard matrix on
+        the same device: the same layout, upstream's CPU numbers. Learned from the first refusal, per layout and
+        group; any other error is raised."""
+        known = (self.layout, self.rotation_group())
+        if known not in _REFUSED_GROUPS:
+            try:
+                return run()
+            except RuntimeError as exc:
+                if not refuses_rotation_group(exc):
+                    raise
+                _REFUSED_GROUPS.add(known)
+                log.warning("comfy-kitchen's CUDA kernel refuses %s's rotation group %s (%s): its weights are quantized "
+                            "and dequantized on kitchen's eager backend, a torch rotation on the same device",
+                            self.layout, known[1], exc)
+        import comfy_kitchen
+        with comfy_kitchen.use_backend("eager"):
+            return run()
+
     def quantizes_input(self) -> bool:
         """Whether F.linear needs the input quantized first (else kitchen's linear quantizes it)."""
         return getattr(self.layout_class(), "QUANTIZES_INPUT", True)
@@ -63,7 +97,8 @@ class KitchenLayoutMethod(LinearMethod):
         return QuantizedTensor.from_float(x2d, self.layout)
 
     def dequantize(self, layer, device=None) -> torch.Tensor:
-        return self.kitchen_tensor(layer.tensors_on(device), layer).dequantize()
+        weight = self.kitchen_tensor(layer.tensors_on(device), layer)
+        return self.on_kitchen(weight.dequantize)
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         from .kitchen_api import apply_input_act

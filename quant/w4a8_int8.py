@@ -67,9 +67,12 @@ class W4A8Int8Method(KitchenLayoutMethod):
                     f"group {self.convrot_groupsize}")
         return None
 
+    def rotation_group(self) -> int:
+        return self.convrot_groupsize
+
     def quantize_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        qdata, params = self.layout_class().quantize(weight, group_size=self.group_size,
-                                                     convrot_groupsize=self.convrot_groupsize)
+        qdata, params = self.on_kitchen(lambda: self.layout_class().quantize(
+            weight, group_size=self.group_size, convrot_groupsize=self.convrot_groupsize))
         tensors = {"weight": qdata}
         for field, role in ROLES.items():
             value = params.scale if field == "s_rel" else getattr(params, field)

@@ -1,21 +1,31 @@
-"""LoadH3Quantized's quantize-once cache (host/cache.py, loaders/quant_cache.py) in a real ComfyUI (issue 32, item 3).
+"""LoadH3Quantized's quantize-once cache (host/cache.py, loaders/quant_cache.py) in a real ComfyUI (issues 32 and 38).
 
 One server per host, with the cache in a folder of its own (a `bigdit_cache` entry of the extra_model_paths.yaml
-it starts with) limited to LIMIT (BIGDIT_QUANT_CACHE_GIB), loads a copy of the tiny Wan (2 blocks, dim 256; a copy, since tests change its
-modification time) with int8_convrot:
+it starts with) limited to LIMIT (BIGDIT_QUANT_CACHE_GIB), loads a copy of the tiny Wan (2 blocks, dim 256; a copy, since tests change it)
+with int8_convrot:
 - the second load is a hit: its report says so and has no "quantized while loading" line (the first has, from the
   builder's count of the layers it quantized), its layers, formats and kept reasons are the first load's, and 2
   euler steps give the first load's latent bit for bit (on CPU the same tensors give the same bits);
-- a cache file cut short, one whose source changed (its modification time), one the cache did not write (the
-  source itself) and one written for other options, each at the entry's name, are rebuilt, the report saying why,
-  and the next load hits;
+- a cache file cut short, one the cache did not write (the source itself) and one written for other options, each at
+  the entry's name, are rebuilt, the report saying why, and sample the first latent;
+- the source rewritten with other data but its name, size, header and modification time (as `cp -p` keeps them)
+  misses, and keeps the first entry, which hits again once the file is back;
+- a second server with another BIGDIT_* knob, sharing the folder, misses naming the knob, then the two alternate, each
+  hitting its own entry, neither file written again; its first use of the folder removes a crashed write's temporary
+  file, not a live one's;
+- a copy of the pack with a planted INT8 routine (another server) misses, naming the pack's code, and samples its own
+  weights; the first server still hits its entry;
 - the limit: the folder holds the entry, copies of it under other entries' names used longer ago (as many as fit
   with one more file), and files that are not the cache's (one named like an entry with no key, a large sparse
   one); a load with other options then evicts the copies least recently used first and nothing else, and the
   folder stays under the limit;
-- a folder that cannot be made (a file in its place) and a full disk (a 1 MiB tmpfs mounted over the folder,
-  where this user may mount one) fall back to loading without the cache: the report names the folder and the
-  error, and the model samples the first load's latent.
+- a folder that cannot be made (a file in its place) and a low disk (a 64 MiB tmpfs mounted over the folder, where
+  this user may mount one, filled with the cache's files to the limit) fall back to loading without the cache, the
+  low disk before anything is evicted: the report names the folder and the error, and the model samples the first
+  load's latent.
+In the host's Python, through host/loading.py's load_checkpoint: a hit whose file is replaced between its check and its
+load, and one whose load fails with an unexpected error, are rebuilt with the weights of a load without the cache; an
+interrupt is not swallowed.
 Under upstream's dynamic VRAM, with its real loader and patcher on the CPU (as tests/integration/test_file_backed.py
 runs them), through host/loading.py's load_checkpoint: a miss's quantized weights are paged from the cache file it
 wrote (no scratch file; the process memory they held is freed), a hit's weights all from the cache file, each tensor's file slice holding its bytes, and
@@ -27,13 +37,17 @@ import json
 import os
 import shutil
 import subprocess
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from comfy_harness import ComfyServer
+from comfy_harness import PACK_ROOT, ComfyServer
 from graphs import node_report, wan_t2v_graph
 from test_file_backed import run_probe
+
+from bigdit.loaders.quant_cache import MEMO_NAME
+from bigdit.loaders.safetensors_header import DTYPE_SIZES, read_header
 
 pytestmark = pytest.mark.integration
 
@@ -113,29 +127,158 @@ def test_the_second_load_is_a_hit_and_samples_the_same(cached, first):
     assert cached.entries() == [entry]
 
 
-def test_a_file_cut_short_stale_or_foreign_is_rebuilt(cached, first):
+def test_a_file_cut_short_foreign_or_of_another_key_is_rebuilt_with_the_right_weights(cached, first):
+    first_latent, _ = first
     cached.load()
     (entry,) = cached.entries()
     size = os.path.getsize(entry)
 
     def rebuilt(why):
-        _, report = cached.load()
+        latent, report = cached.sample()
         assert f"{LABEL}: miss ({why}" in report and f"; wrote {entry}" in report, report
-        assert os.path.getsize(entry) == size
+        assert os.path.getsize(entry) == size and torch.equal(latent, first_latent)
         assert f"{LABEL}: hit" in cached.load()[1]
 
     with open(entry, "r+b") as f:
         f.truncate(size - 1000)
     rebuilt("the cache file is damaged or cut short (truncated file")
-    stat = cached.source.stat()
-    os.utime(cached.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))
-    rebuilt("stale: the source file changed")
     shutil.copy(cached.source, entry)
     rebuilt("the file there was not written by the cache")
     cached.load(OTHER)
     (other,) = [path for path in cached.entries() if path != entry]
     shutil.copy(other, entry)
-    rebuilt("the file there was written for another source file or other options")
+    rebuilt("the file there was written for another key (the load's inputs)")
+
+
+@contextmanager
+def other_data(path):
+    """`path` with its first block's FFN weights negated, its size, header and modification time kept (as `cp -p` of
+    a fine-tune of the same layout keeps them); put back the same way after."""
+    raw, stat = path.read_bytes(), path.stat()
+    header = read_header(path)
+    (info,) = [info for name, info in header.tensors.items() if name.endswith("blocks.0.ffn.0.weight")]
+    width = DTYPE_SIZES[info.dtype]
+    changed = bytearray(raw)
+    start = header.data_start + info.begin
+    torch.frombuffer(changed, dtype=torch.uint8)[start + width - 1:start + info.nbytes:width] ^= 0x80  # sign bits
+
+    def put(data):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.utime(tmp, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        os.replace(tmp, path)
+
+    put(changed)
+    try:
+        yield
+    finally:
+        put(raw)
+
+
+def test_a_source_with_other_data_misses_and_the_entries_of_both_stay(cached, first):
+    """The source's data is in the key: the same name, size, header and modification time with other bytes misses;
+    each version of the file keeps its entry (nothing rewritten), and the first hits again once it is back."""
+    first_latent, _ = first
+    cached.clear()
+    cached.load()
+    (entry,) = cached.entries()
+    before = os.stat(entry).st_ino
+    with other_data(cached.source):
+        latent, report = cached.sample()
+    (other,) = [path for path in cached.entries() if path != entry]
+    assert f"{LABEL}: miss (no cache file yet); wrote {other}" in report, report
+    assert not torch.equal(latent, first_latent)
+    latent, report = cached.sample()
+    assert f"{LABEL}: hit, loaded {entry}" in report and torch.equal(latent, first_latent), report
+    assert os.stat(entry).st_ino == before and os.path.exists(other)
+
+
+def test_servers_with_different_keys_alternate_on_one_folder_without_rewriting_each_others_entry(
+        cached, first, comfy, tmp_path):
+    """A second server with another BIGDIT_* knob (BIGDIT_AUTO_ROWS) shares the folder (BIGDIT_QUANT_CACHE) and
+    loads the same data from its own copy of the file: a miss that names the knob, then each server hits its own
+    entry, in turn, and neither file is written again. Its first use of the folder removes the temporary file a
+    crashed write left there, not a live write's."""
+    first_latent, _ = first
+    cached.clear()
+    cached.load()
+    (ours,) = cached.entries()
+    crashed = cached.folder / f".{os.path.basename(ours)}.0123abcd.partial"
+    writing = cached.folder / f".{os.path.basename(ours)}.4567cdef.partial"
+    for partial in (crashed, writing):
+        partial.write_bytes(b"x")
+    os.utime(crashed, (1, 1))
+    other = ComfyServer(tmp_path, comfy.host, env={"BIGDIT_QUANT_CACHE": str(cached.folder),
+                                                   "BIGDIT_QUANT_CACHE_GIB": str(LIMIT / 2 ** 30),
+                                                   "BIGDIT_AUTO_ROWS": "4096"})
+    try:
+        shutil.copy(cached.source, other.models_dir / "diffusion_models" / SOURCE)
+        (other.models_dir / "vae" / cached.vae).symlink_to(cached.server.models_dir / "vae" / cached.vae)
+        theirs_cached = Cached(other, cached.folder, other.models_dir / "diffusion_models" / SOURCE, cached.vae)
+        latent, report = theirs_cached.sample()
+        (theirs,) = [path for path in cached.entries() if path != ours]
+        assert (f"{LABEL}: miss (no cache file for this key yet; the folder's 1 file(s) of this source differ in: a "
+                f"BIGDIT_* environment variable); wrote {theirs}") in report, report
+        assert torch.equal(latent, first_latent)  # the knob is auto's: int8_convrot's bytes do not depend on it
+        assert not crashed.exists() and writing.exists()
+        files = {path: os.stat(path).st_ino for path in (ours, theirs)}
+        for server, entry in ((cached, ours), (theirs_cached, theirs), (cached, ours), (theirs_cached, theirs)):
+            latent, report = server.sample()
+            assert f"{LABEL}: hit, loaded {entry} as stored" in report and "wrote" not in report, report
+            assert torch.equal(latent, first_latent)
+        assert {path: os.stat(path).st_ino for path in (ours, theirs)} == files
+    finally:
+        other.stop()
+        writing.unlink(missing_ok=True)
+
+
+PLANTED = '''
+
+# planted by tests/integration/test_quant_cache_workflows.py: another INT8 routine, its weights scaled
+_planted_quantize_weight = Int8ConvRotMethod.quantize_weight
+
+
+def _scaled(self, weight):
+    tensors = _planted_quantize_weight(self, weight)
+    tensors["weight_scale"] = tensors["weight_scale"] * 2
+    return tensors
+
+
+Int8ConvRotMethod.quantize_weight = _scaled
+'''
+
+
+def test_a_changed_quantization_routine_misses(cached, first, comfy, tmp_path):
+    """A version of the pack whose INT8 routine quantizes otherwise (planted in a copy of the pack), sharing the folder
+    and the model file: a miss naming the pack's code, its own entry, and its own weights; the first server still
+    hits its entry with the first latent."""
+    first_latent, _ = first
+    cached.clear()
+    cached.load()
+    (ours,) = cached.entries()
+    pack = tmp_path / "planted_pack"
+    shutil.copytree(PACK_ROOT, pack, ignore=shutil.ignore_patterns("tests", ".git", "__pycache__"))
+    with open(pack / "quant" / "int8_convrot.py", "a") as f:
+        f.write(PLANTED)
+    (tmp_path / "custom_nodes").mkdir()
+    (tmp_path / "custom_nodes" / "bigdit").symlink_to(pack, target_is_directory=True)  # in place of the pack
+    planted = ComfyServer(tmp_path, comfy.host, env={"BIGDIT_QUANT_CACHE": str(cached.folder),
+                                                     "BIGDIT_QUANT_CACHE_GIB": str(LIMIT / 2 ** 30)})
+    try:
+        (planted.models_dir / "diffusion_models" / SOURCE).symlink_to(cached.source)
+        (planted.models_dir / "vae" / cached.vae).symlink_to(cached.server.models_dir / "vae" / cached.vae)
+        theirs_cached = Cached(planted, cached.folder, cached.source, cached.vae)
+        latent, report = theirs_cached.sample()
+        (theirs,) = [path for path in cached.entries() if path != ours]
+        assert (f"{LABEL}: miss (no cache file for this key yet; the folder's 1 file(s) of this source differ in: the "
+                f"pack's quantizing code); wrote {theirs}") in report, report
+        assert not torch.equal(latent, first_latent)
+        again, report = theirs_cached.sample()
+        assert f"{LABEL}: hit, loaded {theirs}" in report and torch.equal(again, latent), report
+    finally:
+        planted.stop()
+    latent, report = cached.sample()
+    assert f"{LABEL}: hit, loaded {ours}" in report and torch.equal(latent, first_latent), report
 
 
 def test_the_least_recently_used_files_go_past_the_limit(cached, first):
@@ -176,12 +319,20 @@ def test_a_folder_that_cannot_be_made_falls_back(cached, first, tmp_path):
     assert report.startswith("quantized ") and "quantized while loading: " in report
 
 
-def test_a_full_disk_falls_back(cached, first):
+def test_a_low_disk_fails_the_write_before_anything_is_evicted(cached, first, tmp_path):
+    """A small filesystem (a 64 MiB tmpfs mounted over the folder, where this user may mount one) holding the cache's
+    files up to its limit, so that a write must evict: the room check (the file and a margin of at least 256 MiB)
+    fails first, nothing is evicted or left behind, and the model samples the first load's latent."""
     first_latent, _ = first
+    cached.clear()
+    cached.load(OTHER)
+    (made,) = cached.entries()
+    entry = tmp_path / "entry.safetensors"
+    shutil.copy(made, entry)
     cached.clear()
     cached.folder.mkdir()
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cached.folder)],
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(cached.folder)],
                                  capture_output=True, text=True)
         failed = mounted.returncode and mounted.stderr.strip()
     except OSError as exc:  # no mount command
@@ -189,12 +340,17 @@ def test_a_full_disk_falls_back(cached, first):
     if failed:
         pytest.skip(f"a full disk needs a small filesystem, and mounting a tmpfs failed (it needs root): {failed}")
     try:
+        copies = [f"copy{i}-{i:020x}.safetensors" for i in range(LIMIT // entry.stat().st_size)]
+        for name in copies:
+            shutil.copy(entry, cached.folder / name)
         latent, report = cached.sample()
-        left = os.listdir(cached.folder)
+        left = set(os.listdir(cached.folder)) - {MEMO_NAME}
     finally:
         subprocess.run(["umount", "-l", str(cached.folder)], check=True)
-    assert f"not written to {cached.folder} (OSError: not enough disk space" in report, report
-    assert left == []  # nothing left behind
+    assert f"not written to {cached.folder} (not enough disk space: " in report, report
+    assert "more once the cache's evictions are done); nothing was evicted); loaded as without the cache" in report, \
+        report
+    assert left == set(copies)  # nothing evicted, nothing left behind
     assert torch.equal(latent, first_latent)
 
 
@@ -279,7 +435,7 @@ miss, miss_report = loaded(True, "1")
 file_backed._rebind = real_rebind
 gc.collect()
 out["rebound"], out["freed"] = len(rebound), sum(ref() is None for ref in rebound)
-(entry,) = [os.path.join(cache, name) for name in os.listdir(cache)]
+(entry,) = [os.path.join(cache, name) for name in os.listdir(cache) if name.endswith(".safetensors")]
 hit, hit_report = loaded(True, "1")
 out["miss_report"], out["hit_report"], out["temp_left"] = miss_report, hit_report, os.listdir(temp)
 where = {identity(entry): "cache", identity(model_path): "source"}
@@ -323,3 +479,130 @@ def test_dynamic_vram_pages_a_miss_and_a_hit_from_the_cache_file(comfy, tiny_wan
     assert out["folders"] == [[out["models_dir"] + "/bigdit_cache", 100 * gib], ["/x/extra", gib // 2],
                               ["/x/env", gib // 2], "BIGDIT_QUANT_CACHE_GIB=0",
                               *(f"BIGDIT_QUANT_CACHE_GIB={v!r} is not a number of GiB" for v in ("-1", "lots", "nan"))]
+
+
+HIT_PROBE = r"""
+import json, os, shutil, sys, tempfile, types
+pack_root, model_path = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.getcwd())
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_management
+import folder_paths
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
+import bigdit.host.cache as host_cache
+from bigdit.host.loading import load_checkpoint
+from bigdit.loaders.quant_cache import entry_key
+
+cache, models = tempfile.mkdtemp(), tempfile.mkdtemp()
+model_path = shutil.copy(model_path, models)  # a copy of its own: touched below
+folder_paths.add_model_folder_path("diffusion_models", models)
+os.environ["BIGDIT_QUANT_CACHE"] = cache
+
+
+def loaded(group, limit="1"):
+    os.environ["BIGDIT_QUANT_CACHE_GIB"] = limit
+    return load_checkpoint("LoadH3Quantized", "diffusion_models", os.path.basename(model_path),
+                           quantization="int8_convrot", group_size=group, offload_input="none", cached=True).result
+
+
+def weights(patcher):
+    return {k: v.detach().reshape(-1).contiguous().view(torch.uint8)
+            for k, v in patcher.model.diffusion_model.state_dict().items()}
+
+
+def same(patcher):
+    found = weights(patcher)
+    return found.keys() == reference.keys() and all(torch.equal(found[k], reference[k]) for k in found)
+
+
+def entry(group):
+    (path,) = [os.path.join(cache, name) for name in os.listdir(cache)
+               if (entry_key(os.path.join(cache, name)) or {}).get("options", {}).get("group_size") == group]
+    return path
+
+
+reference = weights(loaded("256", "0")[0])  # without the cache
+out = {"first": loaded("256")[1]}
+loaded("64")
+ours, theirs = entry(256), entry(64)
+real_load = host_cache.load
+
+
+def hit_loads(action):
+    # the hit's load of its entry, with `action` first (the pipeline reads the file by path from here on)
+    def load(path, *rest):
+        if path == ours:
+            action()
+        return real_load(path, *rest)
+    host_cache.load = load
+    try:
+        patcher, report = loaded("256")
+    finally:
+        host_cache.load = real_load
+    return [same(patcher), report]
+
+
+aside = shutil.copy(theirs, cache + ".aside")
+out["replaced"] = hit_loads(lambda: os.replace(aside, ours))  # another server's file renamed over it, after the check
+out["hit_after_replaced"] = hit_loads(lambda: None)
+
+
+def fails():
+    raise RuntimeError("planted failure")
+
+
+out["failed"] = hit_loads(fails)
+
+
+def interrupted():
+    raise comfy.model_management.InterruptProcessingException()
+
+
+try:
+    hit_loads(interrupted)
+    out["interrupt"] = "swallowed"
+except comfy.model_management.InterruptProcessingException:
+    out["interrupt"] = "raised"
+
+
+def touching(path, *rest):  # a miss's load, during which another program writes the source
+    loaded = real_load(path, *rest)
+    if path == model_path:
+        os.utime(model_path)
+    return loaded
+
+
+host_cache.load = touching
+out["changed"] = loaded("16")[1]
+out["entries"] = sorted(entry_key(os.path.join(cache, n))["options"]["group_size"] for n in os.listdir(cache)
+                        if n.endswith(".safetensors"))
+print(json.dumps(out))
+"""
+
+
+def test_a_hit_replaced_while_checked_or_failing_rebuilds_with_the_right_weights(comfy, tiny_wan2):
+    """Through host/loading.py's load_checkpoint in the host's Python, an entry whose hit meets, between its check and
+    its load, another server's file renamed over it, then one whose load raises an error of no expected kind: each is
+    rebuilt, the report saying why, with the weights of a load without the cache, bit for bit; a user's interrupt
+    during a hit is the host's, not a reason to rebuild; a miss whose source is written while it loads writes no
+    entry."""
+    result = subprocess.run([str(comfy.host.python), "-c", HIT_PROBE, str(PACK_ROOT), str(tiny_wan2["path"])],
+                            cwd=comfy.host.comfyui, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert f"{LABEL}: miss (no cache file yet); wrote" in out["first"], out["first"]
+    same, report = out["replaced"]
+    assert same and f"{LABEL}: miss (the cache file was replaced while it was checked and loaded); wrote" in report, \
+        report
+    same, report = out["hit_after_replaced"]
+    assert same and f"{LABEL}: hit" in report, report
+    same, report = out["failed"]
+    assert same and (f"{LABEL}: miss (the cache file does not load (RuntimeError: planted failure)); wrote"
+                     in report), report
+    assert out["interrupt"] == "raised"
+    # the source written while a miss loaded it: its weights may be of either version, so no entry is written
+    assert (f"{LABEL}: miss (no cache file for this key yet; the folder's 2 file(s) of this source differ in: the "
+            "load's inputs); not written: the source file changed while it loaded") in out["changed"], out["changed"]
+    assert out["entries"] == [64, 256]
