@@ -153,6 +153,10 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
             return (*hit, None)
         why = hit or missing_reason(entries, key)
     loaded, report = load(path, options, device, host)
+    skipped = _not_worth_caching(report)
+    if skipped:  # no entry to write, so no digest to take of the file
+        report.notes.append(f"{LABEL}: miss ({why}); {skipped}")
+        return loaded, report, None
     try:
         if source is None:  # no entry could stand for it: its digest now, from what the load read
             source = source_digest(real, memo)
@@ -169,6 +173,25 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
     if headline:
         report.headline_notes.append(headline)
     return loaded, report, written
+
+
+#: A load writes an entry only where the layers it quantized or converted held at least this share of the Linear
+#: weights' bytes in the source: an entry is the whole model, and quantizing a few plain layers of an already
+#: quantized file again (the bf16 refiners of an INT8 file) costs far less than writing and reading that file.
+WORTH_CACHING = 0.5
+
+
+def _not_worth_caching(report) -> str | None:
+    """Why the loaded model is not written to the cache, or None where it is."""
+    done = sum(record.bytes_before for record in report.records if record.action in (QUANTIZE, CONVERT))
+    if not done:
+        return "not written: nothing was quantized or converted, the file loads as it is"
+    total = report.bytes_before()
+    if done < WORTH_CACHING * total:
+        return (f"not written: the layers quantized or converted at load held {format_gib(done)} of the "
+                f"{format_gib(total)} of Linear weights; quantizing them again costs less than a cache file of the "
+                f"whole model")
+    return None
 
 
 def _hit(entry: str, key: dict, options: LoadOptions, device, host):
@@ -213,8 +236,9 @@ def _write(patcher, report, key: dict, entry: str, found: Settings, entries, par
     """Write the loaded model to `entry`, given the folder's `entries` and `partials` (quant_cache.scan); (the
     WrittenFile or None, the report's note, a headline or None)."""
     start = time.perf_counter()
-    if not any(record.action in (QUANTIZE, CONVERT) for record in report.records):
-        return None, "not written: nothing was quantized or converted, the file loads as it is", None
+    skipped = _not_worth_caching(report)
+    if skipped:
+        return None, skipped, None
     try:
         contents = save_contents(view_modules(patcher, remove_duplicate=False))
     except SaveError as exc:
