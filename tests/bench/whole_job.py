@@ -741,7 +741,8 @@ class Job:
         return None
 
     def run_server(self, config: Config, setting: str, ram_gib: float) -> list[dict]:
-        """The two records of one configuration's server: its first job and its second."""
+        """The two records of one configuration's server, its first job and its second, each recorded (written into
+        the JSON) as soon as it ends; what is known only when the server stops is added to both then."""
         opts = self.opts
         base = {"config": config.name, "setting": setting, "ram_gib": ram_gib, "cap_gib": opts.cap_gib,
                 "prompt": config.prompt, "nodes": {k: list(v) if isinstance(v, tuple) else v
@@ -752,6 +753,7 @@ class Job:
         if why:
             for rec in recs:
                 rec.update(status="skipped", error=why)
+                self.record(rec)
             return recs
         tag = f"{setting}_{ram_gib:g}g_{config.name}"
         limit, why = (MemoryLimit.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(self.payload['results'])}")
@@ -815,13 +817,17 @@ class Job:
                                traceback=self.here(e.traceback[-3000:]))
                 phase = time.monotonic() - (t0 if job == 1 else t_job)
                 self.phases.setdefault(setting, {}).setdefault(f"job{job}", []).append(phase)
+                self.record(rec)
             current = None
             if self.needs_encoder_check():
                 self.check_encoder(server)
-        except PromptError as e:  # the encoder check's refusals are its own; this is a server that refused a graph
-            (current or recs[-1]).update(status="error", error=self.here(e.message[:3000]), failed_node=e.node_type)
-        except Exception as e:  # the server died (an OOM kill?) or hung: record it, go on with the next one
-            (current or recs[-1]).update(status="error", error=self.here(f"{type(e).__name__}: {e}"[-3000:]))
+        except Exception as e:  # the server died (an OOM kill?), hung or refused: record it, go on with the next one
+            error = self.here((e.message if isinstance(e, PromptError) else f"{type(e).__name__}: {e}")[-3000:])
+            if current is not None:
+                current.update(status="error", error=error)
+            else:  # after both jobs (the encoder check): the jobs' records stand
+                for rec in recs:
+                    rec["server_error_after_the_jobs"] = error
         finally:
             stats = limit.stats() if limit is not None else {}
             hwm = server_hwm(server.pid) if server is not None else None
@@ -843,6 +849,10 @@ class Job:
                 shutil.rmtree(cache, ignore_errors=True)
             recs[0]["log_lines"] = log_lines(text, self.work)
             self.log(f"{setting} {ram_gib:g} GiB {config.name}", text)
+            for rec in recs:
+                if not any(rec is done for done in self.payload["results"]):
+                    self.record(rec)
+            self.write()
         return recs
 
     def between_jobs(self, server) -> str:
@@ -982,8 +992,7 @@ class Job:
         for ram_gib in self.opts.ram_gib:
             for setting in self.opts.settings:
                 for name in self.opts.configs:
-                    for rec in self.run_server(CONFIGS[name], setting, ram_gib):
-                        self.record(rec)
+                    self.run_server(CONFIGS[name], setting, ram_gib)
         self.write()
         print(f"wrote {self.out}", flush=True)
         for line in summary_lines(self.payload["summary"]):
