@@ -3,8 +3,8 @@
 A stage's floor is the largest of what it must at least spend on each resource, each a lower bound of the stage as
 it ran:
 - read: the bytes the server's processes read from the disk during the stage (/proc/<pid>/io read_bytes, sampled
-  every 0.1 s by whole_job's monitor) at the disk's measured bandwidth (`measure_disk`: one cold sequential read at
-  the start of the call);
+  every 20 ms by whole_job's monitor) at the disk's measured bandwidth (`measure_disk`: a cold read of the largest
+  file at the start of the call, by one reader and by four, the faster);
 - compute: the stage's FLOPs at the GPU's dense tensor-core peak of its fastest precision (`PEAKS`: 8-bit on Hopper
   and Ada, INT8 on Ampere; from the vendors' data sheets, none on a CPU). The FLOPs are counted from upstream
   ComfyUI 0.33.0's own model classes (comfy/ldm/minimax/, comfy/text_encoders/): `dit_call_flops` per model call
@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 GIB = 1024 ** 3
@@ -219,34 +220,51 @@ def own_read_bytes() -> int | None:
         return None
 
 
-def measure_disk(path, limit: int = 4 * GIB, chunk: int = 16 * 1024 ** 2) -> dict:
-    """One cold sequential read of the first `limit` bytes of `path`: its pages dropped from the page cache
-    (fsync, then POSIX_FADV_DONTNEED), read in 16 MiB reads with sequential read-ahead, dropped again. `cold` says
-    whether the disk delivered them (the kernel's count of this process's bytes read from storage)."""
+def _read(fd: int, start: int, size: int, chunk: int) -> int:
+    buffer, done = bytearray(chunk), 0
+    while done < size:
+        n = os.preadv(fd, [memoryview(buffer)[:min(chunk, size - done)]], start + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def measure_disk(path, limit: int = 4 * GIB, chunk: int = 16 * 1024 ** 2, readers: int = 4) -> dict:
+    """The disk's read bandwidth, cold: every dirty page written out (sync) and `path`'s pages dropped from the page
+    cache (POSIX_FADV_DONTNEED), then its first `limit` bytes read in 16 MiB reads, the first half by one reader, the
+    second by `readers` threads at once (a disk may serve several readers faster than one); `gib_s` is the faster.
+    `cold` says whether the disk delivered what was read (the kernel's count of this process's bytes read from
+    storage); the pages are dropped again after."""
     path = Path(path)
     size = min(path.stat().st_size, limit)
+    half = size // 2
+    os.sync()
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
-        buffer = bytearray(chunk)
-        before, done = own_read_bytes(), 0
+        before = own_read_bytes()
         t0 = time.perf_counter()
-        while done < size:
-            n = os.readv(fd, [memoryview(buffer)[:min(chunk, size - done)]])
-            if n <= 0:
-                break
-            done += n
-        seconds = time.perf_counter() - t0
+        one = _read(fd, 0, half, chunk)
+        t1 = time.perf_counter()
+        part = -(-(size - half) // readers)
+        with ThreadPoolExecutor(readers) as pool:
+            many = sum(pool.map(lambda i: _read(fd, half + i * part, max(0, min(part, size - half - i * part)), chunk),
+                                range(readers)))
+        t2 = time.perf_counter()
         after = own_read_bytes()
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    done = one + many
     from_disk = after - before if before is not None and after is not None else None
-    return {"file": path.name, "bytes": done, "seconds": seconds, "gib_s": done / GIB / seconds if seconds else None,
+    speeds = {"one_reader_gib_s": one / GIB / (t1 - t0) if t1 > t0 else None,
+              f"{readers}_readers_gib_s": many / GIB / (t2 - t1) if t2 > t1 else None}
+    return {"file": path.name, "bytes": done, "seconds": t2 - t0,
+            "gib_s": max((v for v in speeds.values() if v), default=None), **speeds,
             "bytes_from_disk": from_disk, "cold": from_disk is not None and from_disk >= 0.9 * done,
-            "how": "posix_fadvise DONTNEED, then sequential 16 MiB reads (POSIX_FADV_SEQUENTIAL), one reader"}
+            "how": f"sync, posix_fadvise DONTNEED, then 16 MiB reads: half by one reader, half by {readers} threads"}
 
 
 _DEVICE_CODE = r"""

@@ -51,7 +51,7 @@ Memory: the device's used memory (NVML, polled every 20 ms) and the server's pro
 anonymous + shared pages, which a machine could not reclaim), peaks over the job and per stage, set against
 hosts of 64 and 32 GiB (`ram_budgets`); the cgroup's peak and OOM kills where there is one. The video file is
 opened with PyAV (frames, streams) and deleted. The bytes the server's processes had the disk read and write, per
-stage (/proc/<pid>/io, every 0.1 s: `disk_read_by_stage`, `disk_written_by_stage`).
+stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -353,9 +353,10 @@ def io_bytes(pids) -> tuple[int, int]:
 
 
 class Monitor(threading.Thread):
-    """Polls the device's used memory (NVML, every `interval` s) and the server's process tree (every 5th poll):
-    samples (time, device used, RSS, unreclaimable, bytes read from the disk, bytes written), the last two
-    cumulative; one more sample when stopped."""
+    """Polls the device's used memory and the bytes the server's processes had the disk read and write (every
+    `interval` s), and their memory (every 5th poll; the process tree is listed then too): samples (time, device
+    used, RSS, unreclaimable, bytes read from the disk, bytes written), the last two cumulative; one more sample
+    when stopped."""
 
     def __init__(self, pid: int, interval: float = 0.02):
         super().__init__(daemon=True)
@@ -364,6 +365,7 @@ class Monitor(threading.Thread):
         self.stop_event = threading.Event()
         self.nvml_error = None
         self.used = None
+        self.pids: list[int] = []
 
     def _nvml(self):
         try:
@@ -376,28 +378,34 @@ class Monitor(threading.Thread):
             self.nvml_error = f"{type(e).__name__}: {e}"[:300]
             return None
 
-    def _tree_sample(self) -> tuple:
+    def _memory(self) -> tuple:
+        """(RSS, unreclaimable) of the process tree, listed again."""
         try:
             procs = _tree(self.pid)
-            pids = [p.pid for p in procs]
-            return (sum(p.memory_info().rss for p in procs), unreclaimable(pids), *io_bytes(pids))
+            self.pids = [p.pid for p in procs]
+            return sum(p.memory_info().rss for p in procs), unreclaimable(self.pids)
         except Exception:  # the server is gone
-            return None, None, None, None
+            self.pids = []
+            return None, None
+
+    def _sample(self, memory: tuple) -> tuple:
+        io = io_bytes(self.pids) if self.pids else (None, None)
+        return (time.time(), self.used() if self.used else None, *memory, *io)
 
     def run(self):
         self.used = self._nvml()
-        count, tree = 0, (None,) * 4
+        count, memory = 0, (None, None)
         while not self.stop_event.is_set():
             if count % 5 == 0:
-                tree = self._tree_sample()
-            self.samples.append((time.time(), self.used() if self.used else None, *tree))
+                memory = self._memory()
+            self.samples.append(self._sample(memory))
             count += 1
             self.stop_event.wait(self.interval)
 
     def stop(self):
         self.stop_event.set()
         self.join()
-        self.samples.append((time.time(), self.used() if self.used else None, *self._tree_sample()))
+        self.samples.append(self._sample(self._memory()))
 
 
 class MemoryLimit:
@@ -545,7 +553,7 @@ def stage_seconds(segs) -> dict:
 
 def bytes_by_stage(segs, samples, column: int) -> dict:
     """What a cumulative column (4: bytes read from the disk, 5: written) grew by in each stage: its last sample at
-    or before a segment's end less its last at or before its start (samples every 0.1 s)."""
+    or before a segment's end less its last at or before its start (samples every 20 ms)."""
     known = [(s[0], s[column]) for s in samples if s[column] is not None]
     times = [t for t, _ in known]
 
@@ -685,7 +693,8 @@ class Job:
                   job_profile.measure_device())
         self.payload["machine"] = {"disk": disk, "device": device}
         print(f"[{self.elapsed():4.0f} s] disk: {disk['bytes'] / GIB:.2f} GiB of {disk['file']} in "
-              f"{disk['seconds']:.2f} s, {disk['gib_s'] or 0:.2f} GiB/s (cold: {disk['cold']}); device: "
+              f"{disk['seconds']:.2f} s, {disk['gib_s'] or 0:.2f} GiB/s (one reader {disk['one_reader_gib_s'] or 0:.2f}, "
+              f"four {disk['4_readers_gib_s'] or 0:.2f}; cold: {disk['cold']}); device: "
               + (f"{device['gpu']}, copy {device['hbm_gib_s']:.0f} GiB/s, host-to-device {device['h2d_gib_s']:.1f} "
                  f"GiB/s, peak {device['peak_tflops']} TFLOP/s" if "gpu" in device else device["error"]), flush=True)
 
@@ -861,7 +870,10 @@ class Job:
         queues the next prompt."""
         if self.opts.between_jobs == "free":
             server._request("/free", {"unload_models": True, "free_memory": True})
-            time.sleep(3.0)  # the prompt worker applies it when it wakes, before the next prompt is queued
+            # the prompt worker applies it when it wakes or after the prompt it takes next: a prompt of nothing
+            # first, so that the second job comes after it
+            server.run({"value": {"class_type": "PrimitiveInt", "inputs": {"value": int(time.time())}},
+                        "show": {"class_type": "PreviewAny", "inputs": {"source": ["value", 0]}}}, timeout=120)
         return self.opts.between_jobs
 
     def run_job(self, server, graph: dict, key) -> dict:
