@@ -467,6 +467,9 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         # the FLOPs of the tiny configuration's own counts (checked against torch's count above); no peak on a CPU
         step = job_profile.total(job_profile.dit_call_flops(dit, rec["model_input"]["rows"]))
         assert profile["stages"]["sampling"]["flops"] == 2 * step and profile["stages"]["sampling"]["compute_s"] is None
+        assert profile["stages"]["sampling"]["counted"] == {"calls": 2, "rows": rec["model_input"]["rows"],
+                                                            "flops_per_call": step}
+        assert profile["stages"]["vae_decode"]["counted"]["video_passes"] == 1  # 7 latent frames, one 64-pixel tile
         decode = job_profile.total(job_profile.video_decode_flops(rec["latent_shape"], video_vae)) + \
             job_profile.total(job_profile.audio_decode_flops([1, 32, 2, 37], audio_vae))
         assert profile["stages"]["vae_decode"]["flops"] == decode > 0

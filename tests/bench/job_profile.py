@@ -309,8 +309,10 @@ def peaks(gpu: str) -> dict:
 
 # ---- a record's profile ----------------------------------------------------------------------------------------
 
-def stage_profile(seconds: float, bytes_read: int, flops: dict | None, weight_bytes_moved: float, machine: dict) -> dict:
-    """One stage: its time, and beside it each resource's lower bound and the largest (`floor_s`, `floor_kind`)."""
+def stage_profile(seconds: float, bytes_read: int, flops: dict | None, weight_bytes_moved: float, machine: dict,
+                  counted: dict | None = None) -> dict:
+    """One stage: its time, and beside it each resource's lower bound and the largest (`floor_s`, `floor_kind`);
+    `counted`: what its FLOPs were counted from (rows, calls, tokens, VAE passes)."""
     disk = (machine.get("disk") or {}).get("gib_s")
     device = machine.get("device") or {}
     peak, hbm = device.get("peak_tflops"), device.get("hbm_gib_s")
@@ -324,6 +326,8 @@ def stage_profile(seconds: float, bytes_read: int, flops: dict | None, weight_by
            "weight_bytes_moved": weight_bytes_moved, "memory_s": bounds["memory"]}
     if flops:
         out["flops_by_kind"] = {k: v for k, v in flops.items() if k in ("linear", "attention")}
+    if counted:
+        out["counted"] = counted
     if not peak and work:
         out["compute_s"] = None  # no peak to set the FLOPs against (a CPU, an unknown GPU)
     return out

@@ -963,24 +963,29 @@ class Job:
             audio_vae = {**audio_vae, **{k: e2e_models.TINY_VAE["audio"][k] for k in ("latent_dim", "decoder_dim")}}
         model_input = out.get("model_input") or {}
         calls = sum(out["sampling"].get("calls_per_step") or [])
-        flops = dict.fromkeys(STAGES)
+        flops, counted = dict.fromkeys(STAGES), dict.fromkeys(STAGES)
         moved = dict.fromkeys(STAGES, 0.0)
         if model_input.get("rows") and calls:
             call = job_profile.dit_call_flops(dit, model_input["rows"])
             flops["sampling"] = {k: calls * v for k, v in call.items()}
             moved["sampling"] = calls * job_profile.dit_weight_bytes(dit)
+            counted["sampling"] = {"calls": calls, "rows": model_input["rows"], "flops_per_call": job_profile.total(call)}
         text_tokens = (model_input.get("context") or [0, 0])[1]
         if not opts.tiny and text_tokens and self.ran(graph, executed, "MiniMaxH3ImageToVideo"):
             flops["encoder"] = job_profile.qwen_flops(job_profile.QWEN3VL_32B, text_tokens)
             moved["encoder"] = job_profile.qwen_weight_bytes(job_profile.QWEN3VL_32B)
+            counted["encoder"] = {"tokens": text_tokens}
         if out.get("latent_shape"):
             video = job_profile.video_decode_flops(out["latent_shape"], video_vae)
             audio = job_profile.audio_decode_flops(list(audio_latent.shape), audio_vae)
             flops["vae_decode"] = {"linear": video["linear"] + audio["linear"], "attention": video["attention"]}
             moved["vae_decode"] = video["passes"] * job_profile.video_decoder_weight_bytes(video_vae)
+            counted["vae_decode"] = {"video_latent": out["latent_shape"], "video_passes": video["passes"],
+                                     "audio_latent": list(audio_latent.shape), "audio_flops": audio["linear"]}
         machine = self.payload["machine"]
         stages = {stage: job_profile.stage_profile(out["stages"][stage], out["disk_read_by_stage"][stage],
-                                                   flops[stage], moved[stage], machine) for stage in STAGES}
+                                                   flops[stage], moved[stage], machine, counted[stage])
+                  for stage in STAGES}
         loaded = {item["file"] for item in out["loads"] if item["ran"]}
         must_read = sum(path.stat().st_size for path in self.paths.values() if path.name in loaded) if job == 1 else 0
         to_device = (job_profile.dit_weight_bytes(dit) + job_profile.video_decoder_weight_bytes(video_vae)
