@@ -1,4 +1,4 @@
-"""The whole MiniMax-H3 text-to-video job in a real upstream ComfyUI 0.33.0, per configuration (issue 32, part 1).
+"""The whole MiniMax-H3 text-to-video job in a real upstream ComfyUI 0.33.0, per configuration (issues 32, 37, 40).
 
 The pack's other speed figures are one sampler step on random weights. This runs what a user runs: Comfy-Org's
 MiniMax-H3 t2v template, from POST /prompt to the saved video file, as upstream's own front end queues it
@@ -16,7 +16,16 @@ generated once, on the GPU, straight to disk.
 Configurations (CONFIGS: the prompt and a small table of node changes), each on a fresh server started through
 vram_cap.py on an emulated 24 GiB card and an emulated host RAM (--ram-gib, default 64: ComfyUI's RAM decisions
 see that size; with --ram-cgroup the server also runs in a memory cgroup of that size where this machine lets
-us make one, and the JSON says which was done), with ComfyUI's default cache:
+us make one, and the JSON says which was done), with ComfyUI's default cache. Each server runs two jobs, as a
+user repeats one: the first, then a second with another prompt and seed (SECOND_JOB, the same for every
+configuration, so that each job's latent compares with the reference's same job); each job is its own record
+(`job`: 1 or 2). Between them nothing is done (--between-jobs keep: ComfyUI keeps the loaders' outputs while their
+inputs are the same, so the second job loads nothing unless its RAM cache let them go), or with
+--between-jobs free ComfyUI's "Free model and node cache" (POST /free), so that the second job loads everything
+again. The pack's configurations run with the quantize-once cache on, as users have it, in a fresh folder of
+their server's own on the work disk (the first load pays its write, a later one in the same server reads it);
+each job's `loads` says, per loader, whether it ran, the first line of a pack loader's report, the cache's word
+for the load (hit, miss, off, skipped) and the tuned-kernel store's lines where the pack has one:
 - template: the template as shipped;
 - template_sage: the same, the server started with --use-sage-attention;
 - pack: the pack's version (LoadH3Quantized, QuantizedCLIPLoader, SetAttentionBackend auto), as shipped;
@@ -41,17 +50,25 @@ BigditRunReport; its cosine against `template`'s (and `template_sage`'s) at the 
 Memory: the device's used memory (NVML, polled every 20 ms) and the server's process tree (psutil: RSS, and
 anonymous + shared pages, which a machine could not reclaim), peaks over the job and per stage, set against
 hosts of 64 and 32 GiB (`ram_budgets`); the cgroup's peak and OOM kills where there is one. The video file is
-opened with PyAV (frames, streams) and deleted.
+opened with PyAV (frames, streams) and deleted. The bytes the server's processes had the disk read and write, per
+stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`).
+
+`profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
+FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
+measures the disk (a cold read of the largest file) and the card (copy and host-to-device bandwidths) once, after
+writing the files (`machine`). tests/bench/job_profile.py counts and explains them, and prints them from a JSON.
 
 The JSON (tests/bench/results/whole-job-<gpu>-comfyui-<version>-<date>.json, or --out/--out-dir) is rewritten
-after every configuration; `summary` holds, per setting, each pack configuration against template_sage and
-template (the whole job and each stage: reference seconds / pack seconds) and each configuration's share of the
-job in host code (encoder and VAE decode), printed at the end. --budget-s starts no configuration that would end
-past it, by the longest one so far at that setting (before the first: PRIOR_S), counting from $E2E_STARTED
-(epoch seconds) where it is set.
+after every configuration; `summary` holds, per setting, RAM size and job (`turbo_64g_job1`), each pack
+configuration against template_sage and template (the whole job and each stage: reference seconds / pack seconds)
+and each configuration's share of the job in host code (encoder and VAE decode), printed at the end. The order
+(ORDER) puts what matters most first, so that a budget drops the rest: template_sage, pack_fast, pack, template.
+--budget-s counts from $E2E_STARTED (epoch seconds) where it is set and keeps STOP_S free at its end: it starts
+no server whose first job would end past it, and no second job that would, each by the longest one so far at
+that setting (before the first: PRIOR_S); what it leaves out is recorded as skipped, with the reason.
 
     python tests/bench/whole_job.py --comfyui COMFYUI_0.33.0 [--settings turbo] [--configs ...] [--budget-s 520]
-    python tests/bench/whole_job.py --tiny --comfyui COMFYUI_0.33.0 --configs template,pack_fast --out OUT.json
+    python tests/bench/whole_job.py --tiny --comfyui COMFYUI_0.33.0 --configs template,pack --out OUT.json
 
 --tiny runs the same job on CPU with tiny models: the tiny H3 of e2e_models (upstream's MiniMaxH3Model) as the
 INT8 ConvRot DiT, upstream's H3 VAEs at a tiny size (BigditTinyVAELoader), a tiny turbo LoRA, test conditioning
@@ -68,6 +85,7 @@ import copy
 import datetime
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -84,6 +102,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
+import job_profile  # noqa: E402
 from _pack import RESULTS  # noqa: E402
 from comfy_e2e import (BenchServer, compare, gpu_name, gpu_slug, log_lines, package_version, run_and_write,  # noqa: E402
                        unoffered_choice)
@@ -117,11 +136,20 @@ CONFIGS = {c.name: c for c in (
     }),
 )}
 # the most important comparison first: a call's budget drops the last ones
-ORDER = ("template_sage", "pack_fast", "template", "pack")
+ORDER = ("template_sage", "pack_fast", "pack", "template")
 REFERENCES = ("template_sage", "template")
 PACK_CONFIGS = ("pack_fast", "pack")
-# the longest a configuration is assumed to take (server start to stop) before one has run, by setting
-PRIOR_S = {"turbo": 150.0, "default": 220.0, "tiny": 60.0}
+# what a server is assumed to take before one has run at that setting: from its start (the page-cache drop
+# included) to the end of its first job, and its second job with the server's stop
+PRIOR_S = {"turbo": {"job1": 160.0, "job2": 70.0}, "default": {"job1": 170.0, "job2": 90.0},
+           "tiny": {"job1": 60.0, "job2": 30.0}}
+STOP_S = 15.0  # a server's stop and the JSON's last write, kept free at the end of the budget
+# what a user does next in the same server: another prompt and seed (both sides of a comparison run the same)
+SECOND_JOB = {"prompt": "A red fox trots across a snowy meadow at dawn, its breath steaming in the cold air; the "
+                        "camera follows it low to the ground as it stops, listens, and pounces into the snow. Soft "
+                        "crunching footsteps and distant birdsong.",
+              "seed": 424242424242, "tiny_conditioning_seed": 1}
+BETWEEN_JOBS = ("keep", "free")
 
 STAGES = ("queue", "encoder", "model_load", "sampling", "vae_decode", "save", "graph", "capture")
 STAGE_OF = {
@@ -230,16 +258,28 @@ def tinier(graph: dict, text_dim: int) -> None:
         graph[switch["inputs"][branch][0]]["inputs"]["value"] = TINY["steps"]
 
 
-def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tiny_text_dim: int | None):
-    """(graph, inputs left out) of one configuration and setting."""
+def second_job(graph: dict) -> None:
+    """The second job: SECOND_JOB's prompt and seed (with --tiny, the test conditioning's seed)."""
+    for key in nodes_of(graph, "MiniMaxH3ImageToVideo"):
+        graph[key]["inputs"]["prompt"] = SECOND_JOB["prompt"]
+    for key in nodes_of(graph, "BigditRandomConditioning"):
+        graph[key]["inputs"]["seed"] = SECOND_JOB["tiny_conditioning_seed"]
+    for key in nodes_of(graph, "RandomNoise"):
+        graph[key]["inputs"]["noise_seed"] = SECOND_JOB["seed"]
+
+
+def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tiny_text_dim: int | None, job: int = 1):
+    """(graph, inputs left out) of one configuration and setting, its first or second job."""
     graph = copy.deepcopy(load_prompt(config.prompt, setting))
     changes = dict(config.nodes)
     if encoder == "CLIPLoader":
         changes["QuantizedCLIPLoader"] = ("CLIPLoader", {"device": "default"})
     left_out = apply_nodes(graph, changes, object_info)
-    instrument(graph, f"{config.name}_{setting}")
+    instrument(graph, f"{config.name}_{setting}_job{job}")
     if tiny_text_dim:
         tinier(graph, tiny_text_dim)
+    if job == 2:
+        second_job(graph)
     return graph, left_out
 
 
@@ -297,15 +337,35 @@ def unreclaimable(pids) -> int:
     return total
 
 
+def io_bytes(pids) -> tuple[int, int]:
+    """(read, written) bytes the processes have had the storage layer fetch and send (/proc/<pid>/io: what came
+    from the disk, not the page cache)."""
+    read = written = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/io") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            read += int(fields["read_bytes"])
+            written += int(fields["write_bytes"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return read, written
+
+
 class Monitor(threading.Thread):
-    """Polls the device's used memory (NVML, every `interval` s) and the server's process tree (every 5th poll)."""
+    """Polls the device's used memory and the bytes the server's processes had the disk read and write (every
+    `interval` s), and their memory (every 5th poll; the process tree is listed then too): samples (time, device
+    used, RSS, unreclaimable, bytes read from the disk, bytes written), the last two cumulative; one more sample
+    when stopped."""
 
     def __init__(self, pid: int, interval: float = 0.02):
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
-        self.samples: list[tuple[float, int | None, int | None, int | None]] = []
+        self.samples: list[tuple] = []
         self.stop_event = threading.Event()
         self.nvml_error = None
+        self.used = None
+        self.pids: list[int] = []
 
     def _nvml(self):
         try:
@@ -318,24 +378,34 @@ class Monitor(threading.Thread):
             self.nvml_error = f"{type(e).__name__}: {e}"[:300]
             return None
 
+    def _memory(self) -> tuple:
+        """(RSS, unreclaimable) of the process tree, listed again."""
+        try:
+            procs = _tree(self.pid)
+            self.pids = [p.pid for p in procs]
+            return sum(p.memory_info().rss for p in procs), unreclaimable(self.pids)
+        except Exception:  # the server is gone
+            self.pids = []
+            return None, None
+
+    def _sample(self, memory: tuple) -> tuple:
+        io = io_bytes(self.pids) if self.pids else (None, None)
+        return (time.time(), self.used() if self.used else None, *memory, *io)
+
     def run(self):
-        used = self._nvml()
-        count, rss, anon = 0, None, None
+        self.used = self._nvml()
+        count, memory = 0, (None, None)
         while not self.stop_event.is_set():
             if count % 5 == 0:
-                try:
-                    procs = _tree(self.pid)
-                    rss = sum(p.memory_info().rss for p in procs)
-                    anon = unreclaimable(p.pid for p in procs)
-                except Exception:  # the server is gone
-                    rss = anon = None
-            self.samples.append((time.time(), used() if used else None, rss, anon))
+                memory = self._memory()
+            self.samples.append(self._sample(memory))
             count += 1
             self.stop_event.wait(self.interval)
 
     def stop(self):
         self.stop_event.set()
         self.join()
+        self.samples.append(self._sample(self._memory()))
 
 
 class MemoryLimit:
@@ -481,6 +551,21 @@ def stage_seconds(segs) -> dict:
     return seconds
 
 
+def bytes_by_stage(segs, samples, column: int) -> dict:
+    """What a cumulative column (4: bytes read from the disk, 5: written) grew by in each stage: its last sample at
+    or before a segment's end less its last at or before its start (samples every 20 ms)."""
+    known = [(s[0], s[column]) for s in samples if s[column] is not None]
+    times = [t for t, _ in known]
+
+    def at(t):
+        index = bisect.bisect_right(times, t) - 1
+        return known[index][1] if index >= 0 else (known[0][1] if known else 0)
+    out = dict.fromkeys(STAGES, 0)
+    for start, end, stage, _ in segs:
+        out[stage] += max(0, at(end) - at(start))
+    return out
+
+
 def peaks_by_stage(segs, samples, column: int) -> dict:
     """The largest sample of `column` (1: device, 2: RSS, 3: unreclaimable) in each stage, GiB."""
     starts = [s[0] for s in segs]
@@ -512,7 +597,8 @@ class Job:
         self.base.mkdir(parents=True, exist_ok=True)
         # the budget counts from the device script's start where it says when (unpacking, building SageAttention)
         self.started = float(os.environ.get("E2E_STARTED") or time.time())
-        self.latents = {}  # (setting, ram_gib, config) -> (video, audio)
+        self.latents = {}  # (setting, ram_gib, config, job) -> (video, audio)
+        self.phases = {}  # setting -> {"job1": [seconds...], "job2": [...]}: estimate's measurements
         self.encoder_check = None
         version = comfyui_version(Path(opts.comfyui))
         self.out = Path(opts.out) if opts.out else (Path(opts.out_dir) if opts.out_dir else RESULTS) / (
@@ -527,7 +613,8 @@ class Job:
                             **{name.replace("-", "_"): package_version(name) for name in
                                ("torch", "comfy-kitchen", "comfy-aimdo", "sageattention", "av")}},
             "settings": {k: v for k, v in vars(opts).items() if k not in ("work", "comfyui", "out", "out_dir")},
-            "files": {}, "results": [], "summary": {},
+            "second_job": {k: v for k, v in SECOND_JOB.items() if k != "tiny_conditioning_seed"},
+            "files": {}, "machine": {}, "results": [], "summary": {},
         }
 
     # -- output --
@@ -543,11 +630,12 @@ class Job:
             f.write(f"\n===== {title} =====\n" + "".join(line[:2000] + "\n" for line in text.splitlines()))
 
     def compare_latents(self):
+        """Each record's latent against each reference's same job (the same prompt and seed)."""
         for rec in self.payload["results"]:
             key = (rec["setting"], rec["ram_gib"])
-            mine = self.latents.get((*key, rec["config"]))
+            mine = self.latents.get((*key, rec["config"], rec["job"]))
             for ref in REFERENCES:
-                theirs = self.latents.get((*key, ref))
+                theirs = self.latents.get((*key, ref, rec["job"]))
                 if mine is not None and theirs is not None and ref != rec["config"]:
                     rec.setdefault("latent", {})[f"vs_{ref}"] = {
                         stream: compare(a, b) for stream, a, b in zip(("video", "audio"), mine, theirs)}
@@ -593,7 +681,22 @@ class Job:
         info["disk_free_gib_after"] = disk_free_gib(self.work)
         self.payload["files"] = info
         self.paths = paths
+        self.measure_machine()
         return info
+
+    def measure_machine(self) -> None:
+        """What the profile's floors divide by: the disk's bandwidth, from a cold read of the largest file (at most
+        4 GiB of it), and the card's copy and host-to-device bandwidths and peaks (job_profile)."""
+        largest = max(self.paths.values(), key=lambda path: path.stat().st_size)
+        disk = job_profile.measure_disk(largest)
+        device = ({"error": "a CPU run (--cpu): no device measured"} if self.opts.cpu else
+                  job_profile.measure_device())
+        self.payload["machine"] = {"disk": disk, "device": device}
+        print(f"[{self.elapsed():4.0f} s] disk: {disk['bytes'] / GIB:.2f} GiB of {disk['file']} in "
+              f"{disk['seconds']:.2f} s, {disk['gib_s'] or 0:.2f} GiB/s (one reader {disk['one_reader_gib_s'] or 0:.2f}, "
+              f"four {disk['4_readers_gib_s'] or 0:.2f}; cold: {disk['cold']}); device: "
+              + (f"{device['gpu']}, copy {device['hbm_gib_s']:.0f} GiB/s, host-to-device {device['h2d_gib_s']:.1f} "
+                 f"GiB/s, peak {device['peak_tflops']} TFLOP/s" if "gpu" in device else device["error"]), flush=True)
 
     def here(self, text: str) -> str:
         """`text` with this machine's work folder written as <work>."""
@@ -632,73 +735,146 @@ class Job:
             return self.opts.pack_encoder
         return "CLIPLoader" if self.encoder_check["loads"] is False else "QuantizedCLIPLoader"
 
-    # -- one configuration --
-    def run_one(self, config: Config, setting: str, ram_gib: float) -> dict:
+    # -- one configuration: a fresh server, its first job, then its second --
+    def estimate(self, setting: str, phase: str) -> float:
+        """The longest `phase` so far at `setting`, else at any setting, else PRIOR_S's: "job1" from a server's
+        start (its page-cache drop included) to the end of its first job, "job2" the second job."""
+        same = self.phases.get(setting, {}).get(phase, [])
+        done = [v for per in self.phases.values() for v in per.get(phase, [])]
+        return max(same or done or [PRIOR_S["tiny" if self.opts.tiny else setting][phase]])
+
+    def over_budget(self, estimate: float) -> str | None:
+        budget = self.opts.budget_s
+        if budget and self.elapsed() + estimate + STOP_S > budget:
+            return f"time budget ({budget:.0f} s) would be exceeded (this one estimated at {estimate:.0f} s)"
+        return None
+
+    def run_server(self, config: Config, setting: str, ram_gib: float) -> list[dict]:
+        """The two records of one configuration's server, its first job and its second, each recorded (written into
+        the JSON) as soon as it ends; what is known only when the server stops is added to both then."""
         opts = self.opts
-        rec = {"config": config.name, "setting": setting, "ram_gib": ram_gib, "cap_gib": opts.cap_gib,
-               "prompt": config.prompt, "nodes": {k: list(v) if isinstance(v, tuple) else v
-                                                  for k, v in config.nodes.items()},
-               "comfy_args": list(config.comfy_args), "status": None}
-        done = [r["duration_s"] for r in self.payload["results"] if r.get("duration_s")]
-        same = [r["duration_s"] for r in self.payload["results"] if r.get("duration_s") and r["setting"] == setting]
-        estimate = max(same or done or [PRIOR_S["tiny" if opts.tiny else setting]])
-        if opts.budget_s and self.elapsed() + estimate > opts.budget_s:
-            return {**rec, "status": "skipped", "error": f"time budget ({opts.budget_s:.0f} s) would be exceeded "
-                                                         f"(this one estimated at {estimate:.0f} s)"}
-        limit, why = (MemoryLimit.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(done)}")
+        base = {"config": config.name, "setting": setting, "ram_gib": ram_gib, "cap_gib": opts.cap_gib,
+                "prompt": config.prompt, "nodes": {k: list(v) if isinstance(v, tuple) else v
+                                                   for k, v in config.nodes.items()},
+                "comfy_args": list(config.comfy_args)}
+        recs = [{**base, "job": job, "status": None} for job in (1, 2)]
+        why = self.over_budget(self.estimate(setting, "job1"))
+        if why:
+            for rec in recs:
+                rec.update(status="skipped", error=why)
+                self.record(rec)
+            return recs
+        tag = f"{setting}_{ram_gib:g}g_{config.name}"
+        limit, why = (MemoryLimit.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(self.payload['results'])}")
                       if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
-        rec["ram"] = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
-        rec["disk_free_gib"] = disk_free_gib(self.work)
-        if not opts.warm:
-            t_evict = time.monotonic()
-            evict_page_cache(self.paths.values())
-            rec["page_cache_evict_s"] = time.monotonic() - t_evict
+        ram = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
+        env = {"BIGDIT_BENCH_PROFILE": "0"}
+        cache = None
+        if config.prompt == "pack":  # the quantize-once cache as users have it, in a folder of this server's own
+            cache = self.work / "quant_cache" / tag
+            shutil.rmtree(cache, ignore_errors=True)
+            env.update(BIGDIT_QUANT_CACHE=str(cache), BIGDIT_QUANT_CACHE_GIB="1000")
+        for rec in recs:
+            rec.update(ram=ram, quant_cache="on, a fresh folder for this server" if cache else "off")
+        recs[0]["disk_free_gib"] = disk_free_gib(self.work)
         t0 = time.monotonic()
-        run_log = self.work / "logs" / f"{setting}_{ram_gib:g}g_{config.name}.log"
+        if not opts.warm:
+            evict_page_cache(self.paths.values())
+            recs[0]["page_cache_evict_s"] = time.monotonic() - t0
+        run_log = self.work / "logs" / f"{tag}.log"
         run_log.unlink(missing_ok=True)
-        server = None
+        server, current = None, recs[0]
         try:
             server = BenchServer(self.base, opts.comfyui, run_log, None if opts.cpu else opts.cap_gib, cpu=opts.cpu,
                                  extra_args=config.comfy_args, ram_gib=ram_gib, cache_none=False,
                                  launcher=limit.launcher if limit else (),
-                                 preexec_fn=limit.preexec_fn if limit else None, env={"BIGDIT_BENCH_PROFILE": "0"})
-            rec["server_start_s"] = time.monotonic() - t0
+                                 preexec_fn=limit.preexec_fn if limit else None, env=env)
+            recs[0]["server_start_s"] = time.monotonic() - t0
             object_info = server.object_info()
             encoder = "QuantizedCLIPLoader"
             if config.prompt == "pack":
                 if self.needs_encoder_check():
                     self.check_encoder(server)
-                    rec["encoder_check_before_the_job"] = True
+                    recs[0]["encoder_check_before_the_job"] = True
                 if not opts.tiny:  # --tiny has no encoder to load
-                    encoder = rec["encoder_loader"] = self.pack_encoder()
-            graph, rec["left_out"] = job_graph(config, setting, object_info, encoder,
-                                               e2e_models.TINY_H3.text_dim if opts.tiny else None)
-            why = unoffered_choice(graph, object_info)
-            if why:
-                rec.update(status="skipped", error=why)
-                return rec
-            rec.update(self.run_job(server, graph, (setting, ram_gib, config.name)))
-            rec["status"] = "ok"
+                    encoder = self.pack_encoder()
+                    for rec in recs:
+                        rec["encoder_loader"] = encoder
+            for job, rec in enumerate(recs, 1):
+                current = rec
+                if job == 2:
+                    why = "the first job did not finish" if recs[0]["status"] != "ok" else \
+                        self.over_budget(self.estimate(setting, "job2"))
+                    if why:
+                        rec.update(status="skipped", error=why)
+                        break
+                t_job = time.monotonic()
+                if job == 2:
+                    rec["between_jobs"] = self.between_jobs(server)
+                graph, rec["left_out"] = job_graph(config, setting, object_info, encoder,
+                                                   e2e_models.TINY_H3.text_dim if opts.tiny else None, job)
+                why = unoffered_choice(graph, object_info)
+                if why:
+                    for skipped in recs[job - 1:]:
+                        skipped.update(status="skipped", error=why)
+                    break
+                try:
+                    rec.update(self.run_job(server, graph, (setting, ram_gib, config.name, job)))
+                    rec["status"] = "ok"
+                except PromptError as e:
+                    rec.update(status="error", error=self.here(e.message[:3000]), failed_node=e.node_type,
+                               traceback=self.here(e.traceback[-3000:]))
+                phase = time.monotonic() - (t0 if job == 1 else t_job)
+                self.phases.setdefault(setting, {}).setdefault(f"job{job}", []).append(phase)
+                self.record(rec)
+            current = None
             if self.needs_encoder_check():
                 self.check_encoder(server)
-        except PromptError as e:
-            rec.update(status="error", error=self.here(e.message[:3000]), failed_node=e.node_type,
-                       traceback=self.here(e.traceback[-3000:]))
-        except Exception as e:  # the server died (an OOM kill?) or hung: record it, go on with the next one
-            rec.update(status="error", error=self.here(f"{type(e).__name__}: {e}"[-3000:]))
+        except Exception as e:  # the server died (an OOM kill?), hung or refused: record it, go on with the next one
+            error = self.here((e.message if isinstance(e, PromptError) else f"{type(e).__name__}: {e}")[-3000:])
+            if current is not None:
+                current.update(status="error", error=error)
+            else:  # after both jobs (the encoder check): the jobs' records stand
+                for rec in recs:
+                    rec["server_error_after_the_jobs"] = error
         finally:
-            if limit is not None:
-                rec["ram"].update(limit.stats())
+            stats = limit.stats() if limit is not None else {}
+            hwm = server_hwm(server.pid) if server is not None else None
             if server is not None:
-                rec["host_rss_hwm_gib"] = server_hwm(server.pid)
                 server.stop()
             if limit is not None:
                 limit.remove()
-            rec["duration_s"] = time.monotonic() - t0
+            duration = time.monotonic() - t0
             text = run_log.read_text(errors="replace") if run_log.exists() else ""
-            rec["log_lines"] = log_lines(text, self.work)
+            cached = cache_files(cache) if cache else None
+            for rec in recs:
+                rec["ram"] = {**rec["ram"], **stats}
+                rec.update(host_rss_hwm_gib=hwm, server_duration_s=duration)
+                if cached is not None:
+                    rec["quant_cache_files"] = cached
+                if rec["status"] is None:
+                    rec.update(status="skipped", error="the server stopped before this job")
+            if cache:
+                shutil.rmtree(cache, ignore_errors=True)
+            recs[0]["log_lines"] = log_lines(text, self.work)
             self.log(f"{setting} {ram_gib:g} GiB {config.name}", text)
-        return rec
+            for rec in recs:
+                if not any(rec is done for done in self.payload["results"]):
+                    self.record(rec)
+            self.write()
+        return recs
+
+    def between_jobs(self, server) -> str:
+        """--between-jobs free: ComfyUI's "Free model and node cache" (POST /free), so that the second job loads
+        everything again (through the quantize-once cache where the loader has it); keep: nothing, as a user
+        queues the next prompt."""
+        if self.opts.between_jobs == "free":
+            server._request("/free", {"unload_models": True, "free_memory": True})
+            # the prompt worker applies it when it wakes or after the prompt it takes next: a prompt of nothing
+            # first, so that the second job comes after it
+            server.run({"value": {"class_type": "PrimitiveInt", "inputs": {"value": int(time.time())}},
+                        "show": {"class_type": "PreviewAny", "inputs": {"source": ["value", 0]}}}, timeout=120)
+        return self.opts.between_jobs
 
     def run_job(self, server, graph: dict, key) -> dict:
         """POST the prompt, follow it to the end; the record's measurements."""
@@ -706,6 +882,7 @@ class Job:
         events.start()
         if not events.connected.wait(30) or events.error:
             raise RuntimeError(f"no websocket to follow the job: {events.error or 'no connection in 30 s'}")
+        log_start = len(server.log_text())
         monitor = Monitor(server.pid)
         monitor.start()
         t_post = time.time()
@@ -743,12 +920,15 @@ class Job:
         self.latents[key] = (server.latent(entry, "bench_video"), server.latent(entry, "bench_audio"))
         (save_video,) = nodes_of(graph, "SaveVideo")
         (video,) = server.output_files(entry, save_video, "images")
+        executed = {data.get("node") for _, kind, data in events.events if kind == "executing"}
+        job_log = server.log_text()[log_start:]
         out = {"wall_s": wall, "stages": stages, "stage_sum_s": sum(stages.values()),
                "host_share": sum(stages[s] for s in HOST_STAGES) / wall,
                "nodes": [{"node": n, "class_type": graph.get(n, {}).get("class_type"), "stage": st, "seconds": e - s}
                          for s, e, st, n in segs if n is not None],
                "sampling": sampling_detail(report), "video": probe_video(video),
-               "latent_shape": report.get("latent_shape"),
+               "latent_shape": report.get("latent_shape"), "model_input": report.get("model_input"),
+               "loads": self.here_all(loads(graph, executed, entry["outputs"], job_log)),
                "reports": {n: "\n".join(o["text"])[:4000] for n, o in entry["outputs"].items()
                            if o.get("text") and not n.startswith("bench_")}}
         video.unlink()
@@ -759,18 +939,69 @@ class Job:
                    host_rss_peak_gib=max((s[2] for s in samples if s[2]), default=0) / GIB,
                    host_rss_peak_by_stage_gib=peaks_by_stage(segs, samples, 2),
                    host_unreclaimable_peak_gib=max((s[3] for s in samples if s[3]), default=0) / GIB,
-                   samples=len(samples))
+                   disk_read_by_stage=bytes_by_stage(segs, samples, 4),
+                   disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples))
         # a machine of each size holds the job if what it cannot reclaim fits; the file pages it can drop and reread
         out["ram_budgets"] = {f"{gib}g": {"unreclaimable_fits": out["host_unreclaimable_peak_gib"] <= gib,
                                           "rss_fits": out["host_rss_peak_gib"] <= gib} for gib in RAM_BUDGETS_GIB}
         if monitor.nvml_error:
             out["device_used_error"] = monitor.nvml_error
+        out["profile"] = self.profile(out, graph, executed, self.latents[key][1], key[-1])
         return out
+
+    def here_all(self, value):
+        """`value` (JSON-like) with this machine's work folder written as <work> in its strings."""
+        return json.loads(self.here(json.dumps(value)))
+
+    def profile(self, out: dict, graph: dict, executed: set, audio_latent, job: int) -> dict:
+        """job_profile's floors of each stage of one job (see job_profile's docstring)."""
+        opts = self.opts
+        dit = job_profile.dit_config((e2e_models.TINY_H3 if opts.tiny else e2e_models.H3_PRUNED_RELEASED).kwargs)
+        video_vae, audio_vae = job_profile.VIDEO_VAE, job_profile.AUDIO_VAE
+        if opts.tiny:
+            video_vae = {**video_vae, **e2e_models.TINY_VAE["video_decoder"]}
+            audio_vae = {**audio_vae, **{k: e2e_models.TINY_VAE["audio"][k] for k in ("latent_dim", "decoder_dim")}}
+        model_input = out.get("model_input") or {}
+        calls = sum(out["sampling"].get("calls_per_step") or [])
+        flops, counted = dict.fromkeys(STAGES), dict.fromkeys(STAGES)
+        moved = dict.fromkeys(STAGES, 0.0)
+        if model_input.get("rows") and calls:
+            call = job_profile.dit_call_flops(dit, model_input["rows"])
+            flops["sampling"] = {k: calls * v for k, v in call.items()}
+            moved["sampling"] = calls * job_profile.dit_weight_bytes(dit)
+            counted["sampling"] = {"calls": calls, "rows": model_input["rows"], "flops_per_call": job_profile.total(call)}
+        text_tokens = (model_input.get("context") or [0, 0])[1]
+        if not opts.tiny and text_tokens and self.ran(graph, executed, "MiniMaxH3ImageToVideo"):
+            flops["encoder"] = job_profile.qwen_flops(job_profile.QWEN3VL_32B, text_tokens)
+            moved["encoder"] = job_profile.qwen_weight_bytes(job_profile.QWEN3VL_32B)
+            counted["encoder"] = {"tokens": text_tokens}
+        if out.get("latent_shape"):
+            video = job_profile.video_decode_flops(out["latent_shape"], video_vae)
+            audio = job_profile.audio_decode_flops(list(audio_latent.shape), audio_vae)
+            flops["vae_decode"] = {"linear": video["linear"] + audio["linear"], "attention": video["attention"]}
+            moved["vae_decode"] = video["passes"] * job_profile.video_decoder_weight_bytes(video_vae)
+            counted["vae_decode"] = {"video_latent": out["latent_shape"], "video_passes": video["passes"],
+                                     "audio_latent": list(audio_latent.shape), "audio_flops": audio["linear"]}
+        machine = self.payload["machine"]
+        stages = {stage: job_profile.stage_profile(out["stages"][stage], out["disk_read_by_stage"][stage],
+                                                   flops[stage], moved[stage], machine, counted[stage])
+                  for stage in STAGES}
+        loaded = {item["file"] for item in out["loads"] if item["ran"]}
+        must_read = sum(path.stat().st_size for path in self.paths.values() if path.name in loaded) if job == 1 else 0
+        to_device = (job_profile.dit_weight_bytes(dit) + job_profile.video_decoder_weight_bytes(video_vae)
+                     + (moved["encoder"] or 0.0)) if job == 1 and not opts.cpu else 0.0
+        return job_profile.job_profile(stages, must_read, to_device, machine)
+
+    @staticmethod
+    def ran(graph: dict, executed: set, class_type: str) -> bool:
+        return any(node in executed for node in nodes_of(graph, class_type))
 
     def record(self, rec):
         self.payload["results"].append(rec)
         self.write()
         print(f"[{self.elapsed():4.0f} s] {result_line(rec)}", flush=True)
+        for line in job_profile.profile_lines(rec):
+            print(line, flush=True)
 
     def run(self):
         self.make_files()
@@ -778,11 +1009,68 @@ class Job:
         for ram_gib in self.opts.ram_gib:
             for setting in self.opts.settings:
                 for name in self.opts.configs:
-                    self.record(self.run_one(CONFIGS[name], setting, ram_gib))
+                    self.run_server(CONFIGS[name], setting, ram_gib)
         self.write()
         print(f"wrote {self.out}", flush=True)
         for line in summary_lines(self.payload["summary"]):
             print(line, flush=True)
+
+
+# the loaders of the job's files: class -> the input naming the file
+LOADERS = {"UNETLoader": "unet_name", "LoadH3Quantized": "unet_name", "MixedCheckpointLoader": "unet_name",
+           "CLIPLoader": "clip_name", "QuantizedCLIPLoader": "clip_name", "LoraLoaderModelOnly": "lora_name",
+           "VAELoader": "vae_name", "BigditTinyVAELoader": "vae_name"}
+CACHE_LINE = re.compile(r"quantize-once cache: (\w+)")
+TUNING_LINE = re.compile(r"\btun(ed|ing)\b", re.I)
+
+
+def tuning_status(lines: list[str]) -> str | None:
+    """The tuned-kernel store's part in a load, as its lines say: "miss" where one says a search ran or a choice
+    was missing, "hit" where one says hit, "seen" where lines name it otherwise; None without a line."""
+    if not lines:
+        return None
+    text = " ".join(lines).lower()
+    if re.search(r"\bmiss|search|autotun", text):
+        return "miss"
+    return "hit" if re.search(r"\bhit\b", text) else "seen"
+
+
+def loads(graph: dict, executed: set, outputs: dict, log_text: str) -> list[dict]:
+    """Each loader of the graph in one job: its file, whether it ran (ComfyUI keeps a loader's output for the next
+    prompt while its inputs are the same), the first line of a pack loader's report, the quantize-once cache's
+    word for the load (hit, miss, off, skipped) with its line, and the tuned-kernel store's lines (the report's
+    and the job's log) and what they say."""
+    log = [line.strip()[:300] for line in log_text.splitlines() if TUNING_LINE.search(line)]
+    items = []
+    for node, spec in graph.items():
+        if spec["class_type"] not in LOADERS:
+            continue
+        output = outputs.get(node) or {}
+        full, short = "\n".join(output.get("report", [])), "\n".join(output.get("text", []))
+        item = {"node": node, "class_type": spec["class_type"], "file": spec["inputs"].get(LOADERS[spec["class_type"]]),
+                "ran": node in executed}
+        if short:
+            item["report"] = short.splitlines()[0][:300]
+        found = CACHE_LINE.search(full)
+        if found:
+            item["cache"] = found.group(1)
+            item["cache_line"] = full[found.start():].splitlines()[0][:400]
+        tuning = [line.strip()[:300] for line in full.splitlines() if TUNING_LINE.search(line)]
+        if tuning:
+            item["tuning"] = tuning[:10]
+        items.append(item)
+    for item in items:  # the log's lines are the job's, not a loader's: on the diffusion model's loader
+        if log and item["class_type"] in ("UNETLoader", "LoadH3Quantized", "MixedCheckpointLoader"):
+            item["tuning_log"] = log[:10]
+        item["tuning_status"] = tuning_status(item.get("tuning", []) + item.get("tuning_log", []))
+    return items
+
+
+def cache_files(folder: Path) -> dict:
+    """The quantize-once cache folder's files when its server stopped: how many, and their bytes."""
+    files = [p for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
+    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "names": sorted(p.name for p in files)[:10]}
 
 
 def server_hwm(pid: int) -> float | None:
@@ -795,7 +1083,7 @@ def server_hwm(pid: int) -> float | None:
 
 
 def result_line(rec) -> str:
-    head = f"{rec['setting']:>7} {rec['ram_gib']:g}G {rec['config']:<14}"
+    head = f"{rec['setting']:>7} {rec['ram_gib']:g}G {rec['config']:<14} job {rec['job']}"
     if rec["status"] != "ok":
         return f"{head} {rec['status'].upper()}: {(rec.get('error') or '').splitlines()[0][:300]}"
     stages = ", ".join(f"{s} {rec['stages'][s]:.1f}" for s in STAGES if rec["stages"][s] >= 0.05)
@@ -809,16 +1097,21 @@ def result_line(rec) -> str:
         parts.append(f"cos {streams['video']['cosine']:.4f} {ref}")
     if rec.get("encoder_loader") == "CLIPLoader":
         parts.append("encoder by CLIPLoader")
+    for item in rec.get("loads", []):  # the diffusion model's loader: did it run, and the caches' word
+        if item["class_type"] in ("UNETLoader", "LoadH3Quantized", "MixedCheckpointLoader"):
+            parts.append(f"{item['class_type']} " + (("cache " + item["cache"]) if item.get("cache") else
+                                                      "ran" if item["ran"] else "kept by ComfyUI")
+                         + (f", tuned kernels {item['tuning_status']}" if item.get("tuning_status") else ""))
     return f"{head} " + ", ".join(parts)
 
 
 def summarize(results) -> dict:
-    """Per setting and RAM size: each pack configuration against each reference (reference seconds / pack
-    seconds, whole job and per stage), and every configuration's share of host code."""
+    """Per setting, RAM size and job (`turbo_64g_job1`): each pack configuration against each reference (reference
+    seconds / pack seconds, whole job and per stage), and every configuration's share of host code."""
     summary = {}
     ok = [r for r in results if r["status"] == "ok"]
-    for setting, ram_gib in dict.fromkeys((r["setting"], r["ram_gib"]) for r in ok):
-        at = {r["config"]: r for r in ok if r["setting"] == setting and r["ram_gib"] == ram_gib}
+    for setting, ram_gib, job in dict.fromkeys((r["setting"], r["ram_gib"], r["job"]) for r in ok):
+        at = {r["config"]: r for r in ok if (r["setting"], r["ram_gib"], r["job"]) == (setting, ram_gib, job)}
         ratios = {}
         for pack in (p for p in PACK_CONFIGS if p in at):
             for ref in (r for r in REFERENCES if r in at):
@@ -827,7 +1120,7 @@ def summarize(results) -> dict:
                     "whole": a["wall_s"] / b["wall_s"],
                     "stages": {s: a["stages"][s] / b["stages"][s] for s in STAGES
                                if a["stages"][s] > 0.05 and b["stages"][s] > 0.05}}
-        summary[f"{setting}_{ram_gib:g}g"] = {
+        summary[f"{setting}_{ram_gib:g}g_job{job}"] = {
             "speedup": ratios, "host_share": {name: r["host_share"] for name, r in at.items()},
             "wall_s": {name: r["wall_s"] for name, r in at.items()}}
     return summary
@@ -860,6 +1153,9 @@ def parse_args(argv=None):
                         help="the pack configurations' encoder loader (auto: QuantizedCLIPLoader where it loads "
                              "the encoder file's layer kinds)")
     parser.add_argument("--warm", action="store_true", help="keep the files in the page cache between configurations")
+    parser.add_argument("--between-jobs", default="keep", choices=BETWEEN_JOBS,
+                        help="before each server's second job: keep (nothing, as a user queues the next prompt) or "
+                             "free (ComfyUI's 'Free model and node cache': the second job loads everything again)")
     parser.add_argument("--cpu", action="store_true", help="run ComfyUI with --cpu")
     parser.add_argument("--work", default=None, help="server folder and files (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON path (the .log goes beside it)")
