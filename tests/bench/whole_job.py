@@ -43,7 +43,7 @@ STAGE_OF: queue (POST to the first node), encoder (CLIPLoader / QuantizedCLIPLoa
 model_load (the DiT loader, the LoRA loader, SetAttentionBackend, and SamplerCustomAdvanced until its first
 model call, from the test node BigditStepTimer), sampling (the sampler from its first model call; under dynamic
 VRAM the first step also pages the weights in: `first_step_excess_s` says how much), vae_decode (both
-VAELoaders, VAEDecode, VAEDecodeAudio), save (CreateVideo, SaveVideo), graph (the template's small nodes:
+VAELoaders, SetVAEKernels, VAEDecode, VAEDecodeAudio), save (CreateVideo, SaveVideo), graph (the template's small nodes:
 resolution, math, switches, scheduler, noise) and capture (the benchmark's own nodes after sampling). The final
 latent is captured without changing what runs: LTXVSeparateAVLatent and SaveLatent on the sampler's output, and
 BigditRunReport; its cosine against `template`'s (and `template_sage`'s) at the same setting is `latent`.
@@ -158,7 +158,7 @@ STAGE_OF = {
     **dict.fromkeys(("UNETLoader", "LoadH3Quantized", "MixedCheckpointLoader", "LoraLoaderModelOnly",
                      "SetAttentionBackend", "BigditStepTimer"), "model_load"),
     "SamplerCustomAdvanced": "sampling",  # until its first model call: model_load
-    **dict.fromkeys(("VAELoader", "BigditTinyVAELoader", "VAEDecode", "VAEDecodeAudio"), "vae_decode"),
+    **dict.fromkeys(("VAELoader", "BigditTinyVAELoader", "SetVAEKernels", "VAEDecode", "VAEDecodeAudio"), "vae_decode"),
     **dict.fromkeys(("CreateVideo", "SaveVideo"), "save"),
     **dict.fromkeys(("LTXVSeparateAVLatent", "SaveLatent", "BigditRunReport"), "capture"),
 }
