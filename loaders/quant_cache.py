@@ -48,7 +48,7 @@ from .safetensors_writer import SUFFIX
 from .saving import PACK_ROOT
 
 #: Bumped when what a cache file holds changes meaning (its layout, or what a hit assumes of it).
-CACHE_LAYOUT = 2
+CACHE_LAYOUT = 3
 KEY_METADATA = "bigdit_cache_key"              # the whole key, as key_text writes it
 COMPUTE_METADATA = "bigdit_cache_compute_dtypes"  # the quantized layers' compute dtypes, checked once built
 KEPT_METADATA = "bigdit_cache_kept"            # {layer: why the load that wrote it kept it}, for a hit's report
