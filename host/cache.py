@@ -8,6 +8,10 @@ pipeline as MixedCheckpointLoader loads a marker file, nothing quantized: under 
 weights from it through the file slices it marks (Host.file_slices), so RAM holds one copy. A miss's model is paged
 from the file it just wrote (host/file_backed.py), not from a scratch file.
 
+A miss's file also carries the first-call checks of the layers auto chose or converted, and a hit makes them again,
+their fallbacks from the source file; a fallback a check takes is kept beside the file and taken at the next load
+(loaders/entry_checks.py).
+
 The folder: $BIGDIT_QUANT_CACHE, else the first `bigdit_cache` path of ComfyUI's extra_model_paths.yaml, else
 models/bigdit_cache. Its limit: $BIGDIT_QUANT_CACHE_GIB (default 100; 0 turns the cache off). Any failure to
 use the cache (an entry that does not load, whatever the error) rebuilds it; any failure to write it (a full disk, a

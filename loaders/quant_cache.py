@@ -22,8 +22,9 @@ A hit opens its file once (`OpenEntry`) and holds it while it loads by path: the
 renaming a new one over it, and an inode held open cannot be reused, so a path that still names the held inode after
 the load named it throughout (the header checked and every tensor loaded are that file's).
 
-Only the pack's own files count (an entry's name pattern and a key in its metadata), and the hidden temporary files
-of writes (`.partial`): a live write's counts against the limit, one a crash left (not written to for PARTIAL_AGE_S)
+An entry carries its layers' first-call checks, and the fallbacks they take are kept beside it (`entry_checks.py`;
+removed with the entry). Only the pack's own files count (an entry's name pattern and a key in its metadata), and the
+hidden temporary files of writes (`.partial`): a live write's counts against the limit, one a crash left (not written to for PARTIAL_AGE_S)
 is removed. Entries are evicted least recently used first (a hit touches its file) to keep the folder under its
 limit; a write first checks its room on the disk, with a margin, and evicts nothing where it has none. Anything else
 in the folder is never read as a model, counted or removed. Work on the folder is bounded by MAX_ENTRIES.
