@@ -8,6 +8,10 @@ pipeline as MixedCheckpointLoader loads a marker file, nothing quantized: under 
 weights from it through the file slices it marks (Host.file_slices), so RAM holds one copy. A miss's model is paged
 from the file it just wrote (host/file_backed.py), not from a scratch file.
 
+A miss's file also carries the first-call checks of the layers auto chose or converted, and a hit makes them again,
+their fallbacks from the source file; a fallback a check takes is kept beside the file and taken at the next load
+(loaders/entry_checks.py).
+
 The folder: $BIGDIT_QUANT_CACHE, else the first `bigdit_cache` path of ComfyUI's extra_model_paths.yaml, else
 models/bigdit_cache. Its limit: $BIGDIT_QUANT_CACHE_GIB (default 100; 0 turns the cache off). Any failure to
 use the cache (an entry that does not load, whatever the error) rebuilds it; any failure to write it (a full disk, a
@@ -30,8 +34,11 @@ import folder_paths
 import torch
 
 from ..hardware import cuda_capability
+from ..loaders.checkpoint import TensorSource
+from ..loaders.entry_checks import (CHECKS_METADATA, attach_checks, check_tensors, describe_taken, described_checks,
+                                    fallbacks_path, keep_fallbacks, read_kept, take_kept)
 from ..loaders.errors import CheckpointError
-from ..loaders.load import LoadOptions, load
+from ..loaders.load import LoadOptions, load, model_contents
 from ..loaders.quant_cache import (COMPUTE_METADATA, ENV_FOLDER, ENV_LIMIT, KEPT_METADATA, KEY_METADATA,
                                    QUANTIZING_CODE, DigestMemo, OpenEntry, cache_key, check_entry, code_digest,
                                    entry_name, file_version, key_text, may_hit, missing_reason, plan_write,
@@ -40,7 +47,8 @@ from ..loaders.safetensors_writer import data_bytes, encode_header, write_safete
 from ..loaders.saving import SaveError, save_contents
 from ..pack_logging import pack_logger
 from ..quant.layer import CONVERT, QUANTIZE
-from ..units import GIB, format_gib
+from ..quant.quantize_pass import online_method
+from ..units import GIB, MIB, format_gib
 from .file_backed import WrittenFile, give_back_pages
 from .model import DIFFUSION_PREFIX, quantized_layers, view_modules
 
@@ -148,7 +156,7 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
     why = "no cache file yet"
     if source is not None:
         key, entry = entry_of(source)
-        hit = _hit(entry, key, options, device, host)
+        hit = _hit(entry, key, real, source.version, options, device, host)
         if not isinstance(hit, str):
             return (*hit, None)
         why = hit or missing_reason(entries, key)
@@ -167,6 +175,9 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
     if problem is None:
         key, entry = entry_of(source)
         written, note, headline = _write(loaded, report, key, entry, found, *scan(found.folder))
+        if written is not None:
+            taken = _kept_fallbacks(loaded, entry, device)
+            note += f"; {taken}" if taken else ""
     else:
         written, note, headline = None, f"not written: {problem}", "cache not written"
     report.notes.append(f"{LABEL}: miss ({why}); {note}")
@@ -194,9 +205,10 @@ def _not_worth_caching(report) -> str | None:
     return None
 
 
-def _hit(entry: str, key: dict, options: LoadOptions, device, host):
-    """(the patcher, the report) of the cache file at `entry`, or why it cannot stand for the load ("" where there
-    is none): any failure, whatever its kind, is a reason to rebuild."""
+def _hit(entry: str, key: dict, path: str, version: str, options: LoadOptions, device, host):
+    """(the patcher, the report) of the cache file at `entry` for the source at `path` (keyed as `version` of the
+    file), or why it cannot stand for the load ("" where there is none): any failure, whatever its kind, is a reason
+    to rebuild."""
     start = time.perf_counter()
     try:
         opened = OpenEntry(entry)  # held while the file loads: the checked file is the loaded one
@@ -210,11 +222,13 @@ def _hit(entry: str, key: dict, options: LoadOptions, device, host):
             if header is None:
                 return why
             loaded, report = load(entry, LoadOptions(options.title), device, host)  # as stored: nothing converted
+            checked = _checks_again(loaded, header, entry, path, version, options, device, host)
             if not opened.same():
                 return "the cache file was replaced while it was checked and loaded"
             wanted, kept = (json.loads(header.metadata.get(name, "null")) for name in (COMPUTE_METADATA, KEPT_METADATA))
             if compute_dtypes(loaded) != wanted or not isinstance(kept, dict):
                 return f"stale: the model computes in {compute_dtypes(loaded)} here, the file was written for {wanted}"
+            taken = _kept_fallbacks(loaded, entry, device)
         except _INTERRUPTS:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the source can still be loaded
@@ -227,9 +241,36 @@ def _hit(entry: str, key: dict, options: LoadOptions, device, host):
     except OSError:
         pass
     report.notes.insert(0, f"{LABEL}: hit, loaded {entry} as stored ({format_gib(header.file_size)}, "
-                           f"{time.perf_counter() - start:.1f} s): nothing was quantized")
+                           f"{time.perf_counter() - start:.1f} s): nothing was quantized"
+                           + (f"; the first-call checks of {checked} layer(s) from its sketches" if checked else "")
+                           + (f"; {taken}" if taken else ""))
     report.headline_notes.append("cache hit")
     return loaded, report
+
+
+def _checks_again(loaded, header, entry: str, path: str, version: str, options: LoadOptions, device, host) -> int:
+    """Give a hit's layers the first-call checks its cache file carries (loaders/entry_checks.py), their fallbacks
+    from the source file at `path`, which must still be the `version` the key was made from; the number of layers."""
+    described = described_checks(header)
+    if not described:
+        return 0
+    source = model_contents(path, options, host)
+    selector = None if options.quantization == "none" else online_method(options.quantization, options.group_size,
+                                                                         device)
+    with TensorSource(entry, header) as held:
+        checked = attach_checks(quantized_layers(loaded), held, described, source, selector)
+    if file_version(path) != version:  # read after its map was made: the map holds the keyed data
+        raise CheckpointError(path, "the source file changed while its cache file loaded")
+    return checked
+
+
+def _kept_fallbacks(loaded, entry: str, device) -> str | None:
+    """The fallbacks earlier loads' checks took for `entry`'s layers, taken now (what the report says of them, or
+    None); the checks still to run keep theirs for the next load."""
+    layers, kept_at = quantized_layers(loaded), fallbacks_path(entry)
+    taken = take_kept(layers, read_kept(kept_at), device)
+    keep_fallbacks(layers, kept_at)
+    return describe_taken(taken, kept_at) if taken else None
 
 
 def _write(patcher, report, key: dict, entry: str, found: Settings, entries, partials):
@@ -243,10 +284,13 @@ def _write(patcher, report, key: dict, entry: str, found: Settings, entries, par
         contents = save_contents(view_modules(patcher, remove_duplicate=False))
     except SaveError as exc:
         return None, f"not written: {exc}", "cache not written"
+    checks, described = check_tensors(quantized_layers(patcher))  # what a hit needs to check the same layers
+    tensors = contents.tensors + checks
     metadata = {**contents.metadata(f"LoadH3Quantized ({LABEL})"), KEY_METADATA: key_text(key),
                 COMPUTE_METADATA: json.dumps(compute_dtypes(patcher)),
-                KEPT_METADATA: json.dumps({record.name: record.reason for record in report.kept})}
-    size = len(encode_header(contents.tensors, metadata)) + data_bytes(contents.tensors)
+                KEPT_METADATA: json.dumps({record.name: record.reason for record in report.kept}),
+                **({CHECKS_METADATA: json.dumps(described)} if described else {})}
+    size = len(encode_header(tensors, metadata)) + data_bytes(tensors)
     if size > found.limit:
         return None, (f"not written: its {format_gib(size)} are over the cache's limit of "
                       f"{format_gib(found.limit)} ({ENV_LIMIT})"), "cache not written"
@@ -259,12 +303,13 @@ def _write(patcher, report, key: dict, entry: str, found: Settings, entries, par
         if no_room:
             return None, f"not written to {found.folder} ({no_room}); loaded as without the cache", "cache not written"
         for old in evict:
-            try:
-                os.unlink(old.path)
-            except FileNotFoundError:  # another server evicted it
-                pass
+            for gone in (old.path, fallbacks_path(old.path)):
+                try:
+                    os.unlink(gone)
+                except FileNotFoundError:  # another server evicted it, or its checks took no fallback
+                    pass
             evicted.append(old)
-        write_safetensors(entry, contents.tensors, metadata, overwrite=True)
+        write_safetensors(entry, tensors, metadata, overwrite=True)
     except OSError as exc:
         log.warning("%s: could not write %s: %s", LABEL, entry, exc)
         return None, (f"not written to {found.folder} ({type(exc).__name__}: {exc}); loaded as without the "
@@ -272,6 +317,9 @@ def _write(patcher, report, key: dict, entry: str, found: Settings, entries, par
     finally:
         give_back_pages(tensor for _, tensor in contents.tensors)
     note = f"wrote {entry} ({format_gib(size)}, {time.perf_counter() - start:.1f} s) for the next load"
+    if described:
+        note += (f", with the first-call checks of {len(described)} layer(s) "
+                 f"({data_bytes(checks) / MIB:.1f} MiB of sketches)")
     if evicted:
         note += (f"; evicted the {len(evicted)} least recently used file(s) "
                  f"({format_gib(sum(e.size for e in evicted))}) to stay under {format_gib(found.limit)}")

@@ -19,7 +19,7 @@ from ..dtypes import FLOAT_DTYPES, SAFETENSORS_TO_TORCH
 from .errors import CheckpointError
 from .layers import Check, LayerFormat, method_tensors
 from .file_map import FileMap
-from .markers import MARKER_SUFFIX, has_markers, inspect_markers
+from .markers import CHECK_ROLES, MARKER_SUFFIX, has_markers, inspect_markers
 from .conventions import ConventionFile
 from ..dtypes import torch_dtype
 from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, SafetensorsHeader, read_header
@@ -234,6 +234,7 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointContents:
             kind, layers, notes = "plain", {}, []
     claimed = {key for layer in layers.values() for key in layer.tensors.values()} | extra_claimed
     claimed |= {f"{name}{MARKER_SUFFIX}" for name in layers}
+    claimed |= {f"{name}.{role}" for name in layers for role in CHECK_ROLES}  # a cache file's checks: not weights
     claimed |= {f"{name}.{aux}" for name, layer in layers.items() for aux in layer.contract.ignored}
     plain = {key: key for key in header.tensors if key not in claimed}
     _refuse_stray_scales(header, plain)

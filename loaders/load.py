@@ -78,14 +78,9 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
     if options.quantization != "none":
         require_kitchen(options.title)
         method = online_method(options.quantization, options.group_size, device)
-    contents = inspect_checkpoint(path, host.check)
-    if not options.text_encoder:
-        contents = host.namespace(contents)
+    contents = model_contents(path, options, host)
     if contents.layers:
         require_kitchen(options.title)
-    rules = parse_prefix_rules(options.rename_prefixes)
-    if rules:
-        contents = contents.renamed(rules)
     config = online_config(method, device, contents, options.ignored_layers)
     if config is not None and options.fit_gib > 0:
         config.fit_bytes = int(options.fit_gib * 2 ** 30)
@@ -109,6 +104,15 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
         report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                             "mapped, so the file's map is released")
     return loaded, report
+
+
+def model_contents(path: str, options: LoadOptions, host: Host) -> CheckpointContents:
+    """The file at `path` inspected whole, in the names of the model `load` builds from it."""
+    contents = inspect_checkpoint(path, host.check)
+    if not options.text_encoder:
+        contents = host.namespace(contents)
+    rules = parse_prefix_rules(options.rename_prefixes)
+    return contents.renamed(rules) if rules else contents
 
 
 def module_names(contents: CheckpointContents) -> set[str]:

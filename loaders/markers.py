@@ -31,6 +31,9 @@ from .safetensors_header import MAX_METADATA_BYTES, HeaderReader, SafetensorsHea
 log = pack_logger(__name__)
 
 MARKER_SUFFIX = ".comfy_quant"
+#: A quantized layer's companions that hold the reference of its first-call check, which the quantize-once cache's
+#: files carry (loaders/entry_checks.py): read by the cache, never loaded as the layer's or the model's tensors.
+CHECK_ROLES = ("bigdit_check_sketch", "bigdit_check_sketch_bias")
 METADATA_KEY = "_quantization_metadata"
 # A real marker is about a hundred bytes of flat JSON; the tensors' total is bounded like the metadata.
 MAX_MARKER_BYTES = 4096
@@ -186,7 +189,7 @@ def _check_layer(header: SafetensorsHeader, name: str, marker: dict, spec: Quant
     if missing:
         problems.add(f"{fmt} layer is missing tensor(s) {', '.join(missing)}", name)
         return None
-    extra = sorted(set(present) - required - optional - {"bias", MARKER_SUFFIX[1:]})
+    extra = sorted(set(present) - required - optional - {"bias", MARKER_SUFFIX[1:], *CHECK_ROLES})
     if extra:
         problems.add(f"unsupported companion tensor(s) for {fmt}: {', '.join(extra)}", name)
         return None

@@ -22,8 +22,9 @@ A hit opens its file once (`OpenEntry`) and holds it while it loads by path: the
 renaming a new one over it, and an inode held open cannot be reused, so a path that still names the held inode after
 the load named it throughout (the header checked and every tensor loaded are that file's).
 
-Only the pack's own files count (an entry's name pattern and a key in its metadata), and the hidden temporary files
-of writes (`.partial`): a live write's counts against the limit, one a crash left (not written to for PARTIAL_AGE_S)
+An entry carries its layers' first-call checks, and the fallbacks they take are kept beside it (`entry_checks.py`;
+removed with the entry). Only the pack's own files count (an entry's name pattern and a key in its metadata), and the
+hidden temporary files of writes (`.partial`): a live write's counts against the limit, one a crash left (not written to for PARTIAL_AGE_S)
 is removed. Entries are evicted least recently used first (a hit touches its file) to keep the folder under its
 limit; a write first checks its room on the disk, with a margin, and evicts nothing where it has none. Anything else
 in the folder is never read as a model, counted or removed. Work on the folder is bounded by MAX_ENTRIES.
@@ -48,7 +49,7 @@ from .safetensors_writer import SUFFIX
 from .saving import PACK_ROOT
 
 #: Bumped when what a cache file holds changes meaning (its layout, or what a hit assumes of it).
-CACHE_LAYOUT = 2
+CACHE_LAYOUT = 3
 KEY_METADATA = "bigdit_cache_key"              # the whole key, as key_text writes it
 COMPUTE_METADATA = "bigdit_cache_compute_dtypes"  # the quantized layers' compute dtypes, checked once built
 KEPT_METADATA = "bigdit_cache_kept"            # {layer: why the load that wrote it kept it}, for a hit's report

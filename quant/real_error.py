@@ -24,6 +24,11 @@ Over it, each fallback computes this call in turn; the first within the bound
 from host memory. The layer's own tensors are left as they are, so whatever
 the host holds of them (its pages, pinned or streamed copies, a cache file)
 stays true. The log and the node's `last run:` line give the numbers.
+
+A check can be made again elsewhere from what it holds: its sketch (`OutputSketch.stored`) and its fallbacks'
+labels (rebuilt by `auto_fallbacks` / `conversion_fallbacks` from the same file); `on_fallback` hears of a fallback
+taken, and `take` runs a fallback an earlier check took from the first call on (loaders/entry_checks.py, the
+quantize-once cache's).
 """
 from __future__ import annotations
 
@@ -86,6 +91,19 @@ class OutputSketch:
             self.weight = (p.to(weight.dtype) @ weight).to(device="cpu", dtype=torch.bfloat16)
             self.bias = None if bias is None else (p @ bias.to(weight.device).float()).cpu()
         self.out_features = weight.shape[0]
+
+    @classmethod
+    def stored(cls, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> "OutputSketch":
+        """The sketch whose `weight` ([SKETCH_DIM, in] bf16) and `bias` ([SKETCH_DIM] fp32) were kept (a cache file's),
+        of a reference weight with `out_features` rows."""
+        if weight.shape[0] != SKETCH_DIM or weight.dtype != torch.bfloat16 or (
+                bias is not None and (bias.shape != (SKETCH_DIM,) or bias.dtype != torch.float32)):
+            raise ValueError(f"a sketch is [{SKETCH_DIM}, in] bf16 and [{SKETCH_DIM}] fp32; got "
+                             f"{list(weight.shape)} {weight.dtype}" + ("" if bias is None else
+                                                                       f", {list(bias.shape)} {bias.dtype}"))
+        sketch = cls.__new__(cls)
+        sketch.weight, sketch.bias, sketch.out_features = weight, bias, out_features
+        return sketch
 
     def error(self, x: torch.Tensor, out: torch.Tensor) -> float:
         """Relative L2 error of `out` (rows of a layer's output) against the reference's output for `x` (the same
@@ -167,6 +185,21 @@ class RealErrorCheck:
     def __init__(self, name: str, sketch: OutputSketch, fallbacks: list[Fallback]):
         self.name, self.sketch, self.fallbacks, self.bound = name, sketch, fallbacks, ERROR_BOUND
         self.route: QuantLinear | None = None
+        self.on_fallback: Callable[[RealError], None] | None = None  # told of the fallback the check takes
+
+    @property
+    def pending(self) -> bool:
+        """Whether the first-call check is still to run (no route taken)."""
+        return self.route is None and self.sketch is not None
+
+    def take(self, label: str, device: torch.device) -> bool:
+        """Compute with the fallback `label` from now on, unchecked (one an earlier check of the same layer took);
+        False where this check has no such fallback."""
+        chosen = next((fallback for fallback in self.fallbacks if fallback.label == label), None)
+        if chosen is None or not self.pending:
+            return False
+        self.route, self.sketch, self.fallbacks = chosen.build(device), None, []
+        return True
 
     def __call__(self, layer: QuantLinear, x: torch.Tensor, input_act: str | None) -> torch.Tensor:
         if self.route is not None and layer._unpatched is None:  # a LoRA written into the layer: its own weights
@@ -209,6 +242,8 @@ class RealErrorCheck:
             log.warning("%s: %s's error on its first input is %.4f (%d of %d rows), over the bound %g; it computes "
                         "with %s from now on, from host memory (%s)", self.name, checked.format, error,
                         checked.sampled, checked.rows, self.bound, label, _tried(tried))
+            if self.on_fallback is not None:
+                self.on_fallback(layer.real_error)
         return chosen
 
 
@@ -236,21 +271,41 @@ def _as_held(method: LinearMethod, tensors: dict, in_features: int, out_features
     return Fallback(label, lambda device: QuantLinear(method, in_features, out_features, tensors, bias, compute_dtype))
 
 
+def auto_fallbacks(selector, method: LinearMethod, source: torch.Tensor, bias: torch.Tensor | None,
+                   compute_dtype: torch.dtype) -> list[Fallback] | None:
+    """What a layer auto (`selector`) quantized with `method` falls back to: the later formats of auto's order, then
+    full precision, each made from `source` (the file's weight, in its map: read when built). None where `method`
+    is not auto's choice (a rule's, the fit's)."""
+    from .auto import AutoSelector  # auto builds on the layers this module checks
+    if not isinstance(selector, AutoSelector):
+        return None
+    out_features, in_features = source.shape
+    later = selector.fallbacks(method, in_features, out_features)
+    if later is None:
+        return None
+    fallbacks = [_requantized(later_method, source, bias, compute_dtype) for later_method in later]
+    fallbacks.append(_as_held(Unquantized(), {"weight": source}, in_features, out_features, bias, compute_dtype,
+                              Unquantized.name))
+    return fallbacks
+
+
+def conversion_fallbacks(stored: LinearMethod, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
+                         bias: torch.Tensor | None, compute_dtype: torch.dtype) -> list[Fallback]:
+    """What a layer converted from `stored`'s `tensors` (in the file's map) falls back to: the stored layer as the
+    file holds it, then its weight in full precision."""
+    k, n, dtype = in_features, out_features, compute_dtype
+    return [_as_held(stored, tensors, k, n, bias, dtype, f"{stored.name} as stored"),
+            _as_held(Unquantized(stored), tensors, k, n, bias, dtype, Unquantized(stored).describe())]
+
+
 def watch_auto_choice(built: QuantLinear, name: str, selector, reference: torch.Tensor, source: torch.Tensor | None,
                       bias: torch.Tensor | None) -> bool:
     """Give `built` (quantized from `reference`, the file's weight on the quantizing device) its first-call check
-    where auto (`selector`) chose its format: fallbacks the later formats of auto's order, then full precision, each
-    made from `source`, the same weight in the file's map (None: it is not there, and the layer is not checked).
-    Returns whether it was given one."""
-    from .auto import AutoSelector  # auto builds on the layers this module checks
-    if not isinstance(selector, AutoSelector) or source is None:
+    where auto (`selector`) chose its format: `auto_fallbacks` made from `source`, the same weight in the file's map
+    (None: it is not there, and the layer is not checked). Returns whether it was given one."""
+    fallbacks = None if source is None else auto_fallbacks(selector, built.method, source, bias, built.compute_dtype)
+    if fallbacks is None:
         return False
-    later = selector.fallbacks(built.method, built.in_features, built.out_features)
-    if later is None:  # a rule's or the fit's method, not auto's
-        return False
-    fallbacks = [_requantized(method, source, bias, built.compute_dtype) for method in later]
-    fallbacks.append(_as_held(Unquantized(), {"weight": source}, built.in_features, built.out_features, bias,
-                              built.compute_dtype, Unquantized.name))
     built.real_check = RealErrorCheck(name, OutputSketch(reference, bias), fallbacks)
     return True
 
@@ -258,13 +313,11 @@ def watch_auto_choice(built: QuantLinear, name: str, selector, reference: torch.
 def watch_conversion(built: QuantLinear, name: str, stored: LinearMethod, tensors: dict[str, torch.Tensor],
                      bias: torch.Tensor | None, device: torch.device) -> None:
     """Give `built` (converted from a stored layer: `stored`'s `tensors`, in the file's map) its first-call check
-    against their dequantized weight (computed on `device`): fallbacks the stored layer as the file holds it, then
-    its weight in full precision."""
+    against their dequantized weight (computed on `device`), with `conversion_fallbacks`."""
     k, n, dtype = built.in_features, built.out_features, built.compute_dtype
     reference = dequantized_weight(stored, tensors, k, n, dtype, device)
-    fallbacks = [_as_held(stored, tensors, k, n, bias, dtype, f"{stored.name} as stored"),
-                 _as_held(Unquantized(stored), tensors, k, n, bias, dtype, Unquantized(stored).describe())]
-    built.real_check = RealErrorCheck(name, OutputSketch(reference, bias), fallbacks)
+    built.real_check = RealErrorCheck(name, OutputSketch(reference, bias),
+                                      conversion_fallbacks(stored, tensors, k, n, bias, dtype))
 
 
 def summary(outcomes: list[RealError]) -> str:

@@ -304,7 +304,8 @@ def test_only_the_caches_own_files_count_and_the_least_recently_used_go_first(so
     os.utime(crashed, (1, 1))
     entries, partials = scan(str(folder))
     assert sorted(e.path for e in entries) == sorted(paths) and {e.path: e.key for e in entries} == dict(zip(paths, keys))
-    assert sorted(partials, key=lambda p: p.path) == [Partial(str(crashed), 10, True), Partial(str(writing), 20, False)]
+    assert sorted(partials, key=lambda p: p.path) == sorted([Partial(str(crashed), 10, True),
+                                                             Partial(str(writing), 20, False)], key=lambda p: p.path)
     size = entries[0].size
     assert all(e.size == size == os.path.getsize(e.path) for e in entries)
     by_path = {e.path: e for e in entries}

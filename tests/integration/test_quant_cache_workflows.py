@@ -23,6 +23,11 @@ with int8_convrot:
   this user may mount one, filled with the cache's files to the limit) fall back to loading without the cache, the
   low disk before anything is evicted: the report names the folder and the error, and the model samples the first
   load's latent.
+With `auto` (on CPU: INT8 ConvRot, then full precision), the entry carries its layers' first-call checks: a hit checks
+the same layers (their sketches from the entry) and samples the miss's latent bit for bit; on a copy of the tiny Wan
+with one layer whose real activations carry outliers INT8 cannot hold, that layer falls back to full precision on the
+miss and again on a hit, the fallback is kept beside the entry, and the next load (a hit, or a miss that writes the
+entry again) takes it at load, unchecked, with the same latent.
 In the host's Python, through host/loading.py's load_checkpoint: a hit whose file is replaced between its check and its
 load, and one whose load fails with an unexpected error, are rebuilt with the weights of a load without the cache; an
 interrupt is not swallowed.
@@ -35,17 +40,21 @@ finds the file stale and rebuilds it. There too, the folder: BIGDIT_QUANT_CACHE,
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 from contextlib import contextmanager
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from comfy_harness import PACK_ROOT, ComfyServer
 from graphs import node_report, wan_t2v_graph
 from test_file_backed import run_probe
 
+from bigdit.loaders.entry_checks import fallbacks_path
 from bigdit.loaders.quant_cache import MEMO_NAME
 from bigdit.loaders.safetensors_header import DTYPE_SIZES, read_header
 
@@ -80,6 +89,13 @@ class Cached:
     def sample(self, inputs=INPUTS) -> tuple[torch.Tensor, str]:
         history = self.server.run(wan_t2v_graph(None, self.vae, loader=("LoadH3Quantized", dict(inputs))))
         return self.server.latent(history, "save_latent"), node_report(history, "unet")
+
+    def sample_run(self, inputs) -> tuple[torch.Tensor, str, str]:
+        """(the latent, the loader's report, the `last run:` line its sampling logged)."""
+        start = len(self.server.log_text())
+        latent, report = self.sample(inputs)
+        (line,) = re.findall(r"last run: (ran \d+/\d+ quantized layers.*)", self.server.log_text()[start:])
+        return latent, report, line
 
 
 @pytest.fixture(scope="module")
@@ -627,3 +643,101 @@ def test_an_already_quantized_file_is_neither_written_nor_hashed(cached, comfy, 
     assert cached.entries() == []
     memo = cached.folder / MEMO_NAME
     assert not memo.exists() or name not in memo.read_text()
+
+
+# ---- auto's first-call checks, carried by the entry ----------------------------------------------------------------
+
+AUTO = {**INPUTS, "quantization": "auto"}
+OUTLIER_SOURCE, OUTLIER_LAYER = "cache_wan_outliers.safetensors", "blocks.0.ffn.2"
+MASSIVE = 1e5
+
+
+def checks_written(report: str, entry: str) -> int:
+    """How many layers' checks the miss that wrote `entry` put into it."""
+    found = re.search(re.escape(f"; wrote {entry} (") + r"[^)]*\) for the next load, with the first-call checks of "
+                      r"(\d+) layer\(s\) \(([\d.]+) MiB of sketches\)", report)
+    assert found, report
+    return int(found[1])
+
+
+def test_a_hit_checks_the_layers_auto_chose_as_the_miss_did_and_samples_the_same(cached):
+    cached.clear()
+    latent, report, line = cached.sample_run(AUTO)
+    (entry,) = cached.entries()
+    checked = checks_written(report, entry)
+    quantized = int(re.match(r"quantized (\d+)/", report)[1])
+    assert checked == quantized, report  # every layer auto quantized
+    assert re.match(rf"ran {quantized}/{quantized} quantized layers; auto's formats on real input: {checked} "
+                    r"checked \(bound 0.08\), error up to 0\.0\d+(;|$)", line) and "fell back" not in line, line
+    # the entry's sketches are the layers' companions, never the model's: ComfyUI loads it with no stray key
+    with safe_open(entry, "pt") as f:
+        sketches = [key for key in f.keys() if key.endswith(".bigdit_check_sketch")]
+        assert len(sketches) == checked and json.loads(f.metadata()["bigdit_cache_checks"]).keys() == {
+            key[:-len(".bigdit_check_sketch")] for key in sketches}
+    hit_latent, hit_report, hit_line = cached.sample_run(AUTO)
+    assert (f"{LABEL}: hit, loaded {entry} as stored" in hit_report
+            and f"; the first-call checks of {checked} layer(s) from its sketches" in hit_report), hit_report
+    assert hit_line == line  # the same errors, to the last digit
+    assert torch.equal(hit_latent, latent)
+    assert not os.path.exists(fallbacks_path(entry))  # no check took a fallback
+
+
+@pytest.fixture(scope="module")
+def outliers(cached):
+    """A copy of the tiny Wan in which 4 of blocks.0.ffn.2's input channels carry 1e5 for every token (ffn.0's bias
+    there, which GELU passes) and its weights there are 1e-5 times the others', so that the other channels still
+    make its output (tests/test_real_error.py's outlier layer): INT8 ConvRot's per-token scale crushes them."""
+    from checkpoint_files import load
+    tensors, metadata = load(cached.source)
+    (bias,) = [k for k in tensors if k.endswith("blocks.0.ffn.0.bias")]
+    (weight,) = [k for k in tensors if k.endswith(f"{OUTLIER_LAYER}.weight")]
+    tensors[bias][:4] = MASSIVE
+    tensors[weight][:, :4] /= MASSIVE
+    save_file(tensors, cached.server.models_dir / "diffusion_models" / OUTLIER_SOURCE, metadata)
+    return {**AUTO, "unet_name": OUTLIER_SOURCE}
+
+
+def test_an_outlier_layer_falls_back_on_the_miss_and_on_the_hit_and_the_next_loads_take_it_kept(cached, outliers):
+    cached.clear()
+    latent, report, line = cached.sample_run(outliers)
+    (entry,) = cached.entries()
+    checked = checks_written(report, entry)
+    fell_back = re.compile(rf"; 1 fell back: {OUTLIER_LAYER}: int8_convrot (\d+\.\d+) -> full precision "
+                           r"(0\.00\d+)(;|$)")
+    found = fell_back.search(line)
+    assert found and float(found[1]) > 0.08 and f"auto's formats on real input: {checked} checked" in line, line
+    kept_at = fallbacks_path(entry)
+    with open(kept_at) as f:
+        kept = json.load(f)
+    assert list(kept) == [OUTLIER_LAYER] and kept[OUTLIER_LAYER]["runs"] == "full precision", kept
+    assert kept[OUTLIER_LAYER]["error"] == pytest.approx(float(found[1]), abs=1e-4)
+    # a hit checks the layer again from the entry's sketch and takes the same fallback, built from the source
+    os.unlink(kept_at)
+    hit_latent, hit_report, hit_line = cached.sample_run(outliers)
+    assert f"{LABEL}: hit, loaded {entry} as stored" in hit_report, hit_report
+    assert hit_line == line and torch.equal(hit_latent, latent), (hit_line, line)
+    with open(kept_at) as f:
+        assert json.load(f) == kept
+    # the next load takes the kept fallback at load: the layer is not checked again
+    taken = (f"1 layer(s) compute with the fallback an earlier load's first-call check took, unchecked "
+             f"({OUTLIER_LAYER}: int8_convrot -> full precision; kept in {os.path.basename(kept_at)})")
+    kept_latent, kept_report, kept_line = cached.sample_run(outliers)
+    assert f"{LABEL}: hit, loaded {entry}" in kept_report and taken in kept_report, kept_report
+    assert f"auto's formats on real input: {checked - 1} checked" in kept_line and "fell back" not in kept_line, \
+        kept_line
+    assert torch.equal(kept_latent, latent)
+    # so does a miss that writes the entry again (here: it was cut short)
+    with open(entry, "r+b") as f:
+        f.truncate(os.path.getsize(entry) - 1000)
+    again_latent, again_report, again_line = cached.sample_run(outliers)
+    assert f"{LABEL}: miss (the cache file is damaged or cut short" in again_report and taken in again_report, \
+        again_report
+    assert "fell back" not in again_line and torch.equal(again_latent, latent), again_line
+    # an entry evicted takes its kept fallbacks with it: copies of it used later fill the folder, and another entry
+    # of the same size evicts the least recently used, the entry
+    size = os.path.getsize(entry)
+    for i in range(LIMIT // size - 1):
+        shutil.copy(entry, cached.folder / f"copy{i}-{i:020x}.safetensors")
+    os.utime(entry, (os.path.getmtime(entry) - 1000,) * 2)
+    _, report = cached.load({**outliers, "group_size": "64"})
+    assert "evicted the " in report and not os.path.exists(entry) and not os.path.exists(kept_at), report
