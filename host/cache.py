@@ -165,8 +165,9 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
     if skipped:  # no entry to write, so no digest to take of the file
         report.notes.append(f"{LABEL}: miss ({why}); {skipped}")
         return loaded, report, None
+    digested_late = source is None
     try:
-        if source is None:  # no entry could stand for it: its digest now, from what the load read
+        if digested_late:  # no entry could stand for it: its digest now, from what the load read
             source = source_digest(real, memo)
         # a file written meanwhile: the weights may be of either version, an entry for neither
         problem = None if source.version == before == file_version(real) else "the source file changed while it loaded"
@@ -174,6 +175,8 @@ def load_with_cache(path: str, options: LoadOptions, device, host) -> tuple[obje
         problem = f"cannot key the file: {exc}"
     if problem is None:
         key, entry = entry_of(source)
+        if digested_late and os.path.exists(entry):  # a file the scan could not read as an entry: say what it is
+            why = check_entry(entry, key)[1] or why
         written, note, headline = _write(loaded, report, key, entry, found, *scan(found.folder))
         if written is not None:
             taken = _kept_fallbacks(loaded, entry, device)

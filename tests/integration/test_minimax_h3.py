@@ -77,7 +77,8 @@ def test_load_h3_quantized_against_unetloader(comfy, tiny_h3, baseline, quantiza
             for offload in ("none", "auto")}
     if quantization == "auto":  # each layer auto chose is checked at its first real call: all within the bound here
         checked = re.findall(r"last run: ran 13/13 quantized layers; auto's formats on real input: 13 checked "
-                             r"\(bound 0\.08\), error up to (0\.\d+)$", comfy.log_text()[start:], re.M)
+                             r"\(bound 0\.08\), error up to (0\.\d+); ran int8: \w+ x\d+ calls$",
+                             comfy.log_text()[start:], re.M)
         assert len(checked) == 2 and all(float(error) < 0.08 for error in checked), comfy.log_text()[start:][-3000:]
     for offload, (video, audio, history, report_id) in runs.items():
         report = history["outputs"][report_id]["text"][0]
