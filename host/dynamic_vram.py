@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from ..quant.linear import QuantLinear
 from .lora_branch import attach_branches
-from .lora_fold import fold_paged, record, unfold_paged
+from .lora_fold import fold_paged, record_lines, unfold_paged
 from .model import is_dynamic, quantized_layers
 
 KEY = "bigdit_dynamic_vram"
@@ -117,7 +117,7 @@ def on_load(patcher, device_to=None, *_) -> None:
         for tensor_name, tensor in backups.get(path, {}).items():
             record["originals"].setdefault(tensor_name, tensor)  # the first one is the original
     branches = attach_branches(patcher, device_to)
-    record(patcher, branches.lines(), fold_paged(patcher, device_to).lines())
+    record_lines(patcher, branches.lines(), fold_paged(patcher, device_to).lines())
     for module in patcher.model.modules():
         if isinstance(module, QuantLinear):
             for tensor_name in ("weight", "bias"):

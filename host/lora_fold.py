@@ -498,7 +498,7 @@ def unfold_paged(patcher, unpatch_all: bool = True) -> int:
 
 # ---- the report and the callbacks -----------------------------------------------------------------------------
 
-def record(patcher, *parts: tuple[str, str] | None) -> None:
+def record_lines(patcher, *parts: tuple[str, str] | None) -> None:
     """Keep the load's lines (the branch's, the fold's) for the node; log them when they differ from the last load's
     (a reuse says so once)."""
     parts = [p for p in parts if p is not None]
@@ -519,7 +519,7 @@ def install_lora_fold(patcher, run=None) -> None:
     def on_load(loaded, device_to=None, *_):
         if not is_dynamic(loaded):
             branches = attach_branches(loaded, device_to)
-            record(loaded, branches.lines(), _static_line(loaded, fold_offloaded_patches(loaded, device_to)))
+            record_lines(loaded, branches.lines(), _static_line(loaded, fold_offloaded_patches(loaded, device_to)))
 
     def on_detach(detached, unpatch_all=True):
         detach_branches(detached, unpatch_all)
