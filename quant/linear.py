@@ -167,15 +167,15 @@ class QuantLinear(nn.Module):
             # under a LoRA too, which patches the stored weight
             x = apply_input_act(x, input_act) * pre_scale.to(x.device, x.dtype)
             input_act = None
+        branches = self.output_branches()
+        if branches and input_act is not None:
+            x, input_act = apply_input_act(x, input_act), None  # once, for the GEMM and the branches
         weight_patches, bias_patches = self.weight_patches("weight"), self.weight_patches("bias")
         if weight_patches or bias_patches:
             out = self._forward_patched(x, input_act, weight_patches, bias_patches)
         else:
             out = self.method.apply(self, x, input_act=input_act)
-        branches = self.output_branches()
         if branches:
-            if input_act is not None:
-                x = apply_input_act(x, input_act)  # what the GEMM multiplied
             out = out.contiguous()
             for branch in branches:
                 out = branch(x, out)

@@ -8,8 +8,8 @@ per output: the distance to the reference may exceed the base layer's own distan
 weight (the format's rounding, which the LoRA does not change) by at most BRANCH_ROUNDING of the reference's norm
 (bf16 rounding of the branch's hidden activations and sum), and the branch alone (added to zeros) matches
 x @ (W_patched - W)^T + (b_patched - b) within BRANCH_ROUNDING.
-Cases: a LoRA with and without alpha, with a 1x1 mid (LoCon's linear part), a strength other than 1, two LoRAs
-stacked, a bias diff, a zero strength; on INT8 ConvRot, FP8, W4A8 and W4A4 layers (packed 4-bit weights, which
+Cases: a LoRA with and without alpha, with a 1x1 mid (LoCon's linear part), in fp32, a strength other than 1, two
+LoRAs stacked, a bias diff, a zero strength, a layer fed SwiGLU of a wider input (H3's fc2); on INT8 ConvRot, FP8, W4A8 and W4A4 layers (packed 4-bit weights, which
 upstream skips a LoRA on). Each patch the branch cannot compute exactly (LoHa, LoKr, DoRA, a full weight diff, a
 set weight, an offset, a model strength, a function) gives no branch, saying why; through a real ModelPatcher load
 (no dynamic VRAM) such a layer keeps ComfyUI's fold, and the report says which path each layer took.
@@ -41,6 +41,7 @@ from bigdit.host.layers import ComfyQuantLinear
 from bigdit.host.lora_branch import build_branch
 from bigdit.host.lora_fold import LAST_LINE, install_lora_fold
 from bigdit.quant import get_method
+from bigdit.quant.kitchen_api import apply_input_act
 from bigdit.quant.linear import quantized_layer
 
 cpu = torch.device("cpu")
@@ -92,6 +93,7 @@ CASES = {
     "stacked": {"weight": [entry(lora()), entry(lora(rank=4, alpha=1.0), strength=-0.7)]},
     "bias_diff": {"weight": [entry(lora())], "bias": [entry(("diff", (randn(OUT, scale=0.2),)), strength=0.8)]},
     "zero_strength": {"weight": [entry(lora(), strength=0.0), entry(lora(), strength=0.5)]},
+    "swiglu_input": {"weight": [entry(lora())]},  # H3's fc2: the layer takes SwiGLU of a twice wider input
 }
 loha = adapters.LoHaAdapter(set(), (randn(OUT, 4, scale=0.3), randn(4, IN, scale=0.3), 4.0, randn(OUT, 4, scale=0.3),
                                     randn(4, IN, scale=0.3), None, None, None))
@@ -107,19 +109,23 @@ NOT_EXPRESSIBLE = {
 }
 
 out = {}
-x = randn(3, 7, IN).bfloat16()
+x_plain = randn(3, 7, IN).bfloat16()
+x_wide = randn(3, 7, 2 * IN).bfloat16()
 for name, options in formats.items():
     method = get_method(name, **options)
     res = out[name] = {}
     for case, patches in CASES.items():
         layer = make_layer(method)
         stored = {k: v.clone() for k, v in layer.named_parameters()}
+        act = "swiglu" if case == "swiglu_input" else None
+        x_in = x_wide if act else x_plain
+        x = apply_input_act(x_in, act) if act else x_in  # what the GEMM multiplies
         with torch.no_grad():
-            base = layer(x)
+            base = layer(x_in, input_act=act)
             base_own = rel(base, F.linear(x, layer.dequantized(cpu, torch.bfloat16), layer.bias))
             branch = build_branch(layer, {k: ("k." + k, tuple(v)) for k, v in patches.items()}, cpu)
             layer.lora_branch = branch
-            got = layer(x)
+            got = layer(x_in, input_act=act)
             weight, bias = reference(layer, patches)
             ref = F.linear(x, weight.bfloat16(), bias.bfloat16())
             delta = F.linear(x.float(), weight - layer.dequantized(cpu, torch.float32), bias - layer.bias.float())
@@ -165,6 +171,7 @@ def loaded_state():
     return state
 
 
+x = x_plain
 with torch.no_grad():
     load = loaded_state()  # loaded whole: ComfyUI patched each layer through set_weight
     patched.unpatch_model(cpu)
