@@ -23,7 +23,9 @@ from comfy_harness import PACK_ROOT
 
 pytestmark = pytest.mark.integration
 
-BRANCH_ROUNDING = 2 ** -7  # two bf16 roundings (hidden activations, the sum), relative to the output's norm
+# two bf16 roundings (hidden activations, the sum), relative to the output's norm; measured on both hosts: the branch
+# alone at most 0.0034 from the exact delta, a layer at most 0.0005 further from the reference than its base
+BRANCH_ROUNDING = 2 ** -7
 FORMATS = {"int8_convrot": {"group_size": 16}, "float8_e4m3fn": {}, "asym_w4a8_int8": {"group_size": 16,
            "convrot_groupsize": 64}, "convrot_w4a4": {"convrot_groupsize": 64}}
 

@@ -40,12 +40,16 @@ PRODUCERS = {
     "LoadH3Quantized-int8_convrot": ("int8_convrot", [], "int8_convrot"),
     "LoadH3Quantized-float8_e4m3fn": ("float8_e4m3fn", [], "float8_e4m3fn"),
 }
-# Latent after 2 steps, quantized + LoRA against float + LoRA (relative L2). Measured on both hosts:
-# QuantizeModelINT8 0.0075, LoadH3Quantized INT8 0.0062, FP8 0.023 (the LoRA-widened rows cost FP8 more).
+# A quantized model against the float one (relative L2): a forward, or the latent of a LoRA written in before
+# quantization (QuantizeModelINT8 after the LoRA loader).
 TOLERANCE = {"int8_convrot": 0.02, "float8_e4m3fn": 0.06}
+# Latent after 2 steps, quantized + LoRA (the LoRA a branch beside the quantized GEMM) against float + LoRA. Measured
+# on both hosts: QuantizeModelINT8 0.0023, LoadH3Quantized INT8 0.0027, FP8 0.0099 (folded into the quantized
+# weights, the LoRA gave 0.0075, 0.0062 and 0.023: its delta quantized a second time, FP8's LoRA-widened rows).
+BRANCH_TOLERANCE = {"int8_convrot": 0.006, "float8_e4m3fn": 0.02}
 # The LoRA's effect on the quantized model against its effect on the float model
-# (quantized+LoRA - quantized vs float+LoRA - float); measured 0.016-0.059.
-EFFECT_TOLERANCE = 0.12
+# (quantized+LoRA - quantized vs float+LoRA - float); measured 0.006-0.027 (folded: 0.016-0.059).
+EFFECT_TOLERANCE = 0.05
 
 
 
@@ -85,7 +89,7 @@ def test_lora_after_quantization_matches_lora_on_float_model(comfy, tiny_wan2, l
     # moving the quantized model as it moves the float model.
     assert not torch.equal(quantized_lora, quantized)
     assert rel_l2(quantized_lora - quantized, with_lora - plain) < EFFECT_TOLERANCE
-    assert rel_l2(quantized_lora, with_lora) < TOLERANCE[fmt], rel_l2(quantized_lora, with_lora)
+    assert rel_l2(quantized_lora, with_lora) < BRANCH_TOLERANCE[fmt], rel_l2(quantized_lora, with_lora)
 
 
 def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name, float_latents):
