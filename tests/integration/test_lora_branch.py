@@ -12,7 +12,8 @@ Cases: a LoRA with and without alpha, with a 1x1 mid (LoCon's linear part), in f
 LoRAs stacked, a bias diff, a zero strength, a layer fed SwiGLU of a wider input (H3's fc2); on INT8 ConvRot, FP8, W4A8 and W4A4 layers (packed 4-bit weights, which
 upstream skips a LoRA on). Each patch the branch cannot compute exactly (LoHa, LoKr, DoRA, a full weight diff, a
 set weight, an offset, a model strength, a function) gives no branch, saying why; through a real ModelPatcher load
-(no dynamic VRAM) such a layer keeps ComfyUI's fold, and the report says which path each layer took.
+(no dynamic VRAM) such a layer keeps ComfyUI's fold, and the report says which path each layer took. Where the
+host's LoRA adapter has upstream's bypass `h`, the branch computes the same product.
 """
 import json
 import subprocess
@@ -137,6 +138,15 @@ for name, options in formats.items():
                                                                    for t in vars(p).values() if torch.is_tensor(t)}),
                      "parts": len(branch.parts), "rank": branch.rank,
                      "untouched": all(torch.equal(v, stored[k]) for k, v in layer.named_parameters())}
+    # upstream's bypass mode computes the same product (LoRAAdapter.h, where the host has it)
+    strength, adapter = CASES["no_alpha_strength"]["weight"][0][:2]
+    if hasattr(adapter, "h"):
+        layer = make_layer(method)
+        branch = build_branch(layer, {"weight": ("k.weight", tuple(CASES["no_alpha_strength"]["weight"]))}, cpu)
+        adapter.multiplier = strength
+        with torch.no_grad():
+            h = adapter.h(x_plain, None)
+            res["vs_bypass_h"] = rel(branch(x_plain, torch.zeros_like(h)), h)
     layer = make_layer(method)
     res["not_expressible"] = {kind: build_branch(layer, {"weight": ("k.weight", (entry(lora()), e))}, cpu)
                               for kind, e in NOT_EXPRESSIBLE.items()}
@@ -200,7 +210,7 @@ def probe(comfy):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_branch_matches_the_hosts_patched_weight(probe, fmt):
     for case, res in probe[fmt].items():
-        if case == "not_expressible":
+        if case in ("not_expressible", "vs_bypass_h"):
             continue
         assert res["untouched"], (fmt, case)  # nothing folded, requantized or copied into the layer
         assert res["dtypes"] == ["torch.bfloat16"], (fmt, case, res)  # the activations' dtype, no fp32 upcast
@@ -210,6 +220,8 @@ def test_branch_matches_the_hosts_patched_weight(probe, fmt):
     assert probe[fmt]["stacked"]["parts"] == 2 and probe[fmt]["stacked"]["rank"] == 12
     assert probe[fmt]["zero_strength"]["parts"] == 1  # a zero strength adds nothing, as calculate_weight
     assert probe[fmt]["bias_diff"]["parts"] == 2
+    if "vs_bypass_h" in probe[fmt]:  # upstream's bypass `h`: the same product, rounded as bf16 rounds
+        assert probe[fmt]["vs_bypass_h"] < BRANCH_ROUNDING, probe[fmt]["vs_bypass_h"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
