@@ -76,6 +76,9 @@ class LowRank:
     def rank(self) -> int:
         return self.down.shape[0]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.down, self.mid, self.up) if t is not None]
+
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         hidden = F.linear(x, _like(self.down, x))
         if self.mid is not None:
@@ -91,8 +94,15 @@ class BiasDiff:
     scale: float
     rank = 0
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.diff]
+
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         out.add_(_like(self.diff, out), alpha=self.scale)
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def _same_entries(a, b) -> bool:
@@ -122,7 +132,7 @@ class LoraBranch:
         return sum(part.rank for part in self.parts)
 
     def device_bytes(self) -> int:
-        tensors = {id(t): t for part in self.parts for t in vars(part).values() if isinstance(t, torch.Tensor)}
+        tensors = {id(t): t for part in self.parts for t in part.tensors()}
         return sum(t.nbytes for t in tensors.values())
 
 
@@ -216,7 +226,9 @@ def build_branch(layer: ComfyQuantLinear, patches: dict[str, tuple[str, tuple]],
         if others:
             return "ComfyUI's other per-call functions on the layer"
     old = layer.lora_branch
-    reuse = {} if old is None else {tuple(map(id, part.source)): part for part in old.parts}
+    device = torch.device(device)
+    reuse = {} if old is None else {tuple(map(id, part.source)): part for part in old.parts
+                                    if _on_device(part.tensors()[0], device)}
     parts = []
     for name, (_, entries) in patches.items():
         for entry in entries:
