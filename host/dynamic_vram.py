@@ -1,6 +1,6 @@
 """The pack's quantized layers under upstream's dynamic VRAM (`patcher.is_dynamic()`): paged by the host like
-its own layers, a LoRA folded into them, and ComfyUI's backups of object-patched layers kept off the layers
-they replaced.
+its own layers, a LoRA as a branch beside them or folded into them, and ComfyUI's backups of object-patched
+layers kept off the layers they replaced.
 
 Dynamic loading treats a module with `comfy_cast_weights` as a cast layer: its
 weight and bias get a slot in comfy-aimdo's virtual VRAM, which only the host's
@@ -13,11 +13,12 @@ pressure and copies them in from pinned memory otherwise (block prefetch
 included), exactly as it pages its own quantized weights. Nothing is loaded
 past the card. It adds:
 - an ON_LOAD callback that records the backups of object-patched layers, then
-  folds the LoRA the host attached for its own cast path (`weight_lowvram_function`,
-  which would requantize the patched weight as a plain dtype into the page) into
-  the layers' quantized weights (host/lora_fold.py, `fold_paged`); a layer it
-  cannot fold gets the LoRA as a per-call patch, applied by the pack on the
-  dequantized weight;
+  takes the LoRA the host attached for its own cast path (`weight_lowvram_function`,
+  which would requantize the patched weight as a plain dtype into the page) as a
+  low-rank branch beside the layer's GEMM (host/lora_branch.py, `attach_branches`),
+  else folds it into the layers' quantized weights (host/lora_fold.py, `fold_paged`);
+  a layer it can do neither for gets the LoRA as a per-call patch, applied by the
+  pack on the dequantized weight;
 - an ON_DETACH callback: the folds taken out when the host unloads the model
   (`unfold_paged`), and the object-patched layers (QuantizeModelINT8's) put right.
   `ModelPatcherDynamic.unpatch_model` puts the object patches back before it
@@ -40,7 +41,8 @@ import torch
 import torch.nn as nn
 
 from ..quant.linear import QuantLinear
-from .lora_fold import fold_paged, unfold_paged
+from .lora_branch import attach_branches
+from .lora_fold import fold_paged, record_lines, unfold_paged
 from .model import is_dynamic, quantized_layers
 
 KEY = "bigdit_dynamic_vram"
@@ -97,8 +99,8 @@ def page_weights(layer: QuantLinear, device: torch.device):
 
 
 def on_load(patcher, device_to=None, *_) -> None:
-    """Record object-patched layers' backups (before a fold replaces them), fold the LoRA the host attached for its
-    cast path, and move what could not be folded into the layers' per-call patches."""
+    """Record object-patched layers' backups (before a fold replaces them), take the LoRA the host attached for its
+    cast path as a branch, else fold it, and move what could be neither into the layers' per-call patches."""
     layers = _object_patched(patcher)
     backups: dict[str, dict] = {}
     for key, saved in patcher.backup.items():
@@ -114,7 +116,8 @@ def on_load(patcher, device_to=None, *_) -> None:
             record["replaced"] = (replaced, dict(replaced._parameters))
         for tensor_name, tensor in backups.get(path, {}).items():
             record["originals"].setdefault(tensor_name, tensor)  # the first one is the original
-    fold_paged(patcher, device_to)
+    branches = attach_branches(patcher, device_to)
+    record_lines(patcher, branches.lines(), fold_paged(patcher, device_to).lines())
     for module in patcher.model.modules():
         if isinstance(module, QuantLinear):
             for tensor_name in ("weight", "bias"):

@@ -17,6 +17,11 @@ weights) need no scratch file: `file_slice_marker` marks them, as they are read
 from the model file, the way ComfyUI's loader marks its own, so the host pages them
 from the model file itself. Where the load wrote its model to the quantize-once
 cache (host/cache.py), that file backs the quantized weights instead of a scratch file.
+
+`mapped_copies` does the same for tensors the pack makes later (a LoRA's fold,
+host/lora_fold.py): written to a scratch file and handed back as maps of it, so
+their pages are the file's (reclaimable page cache, not anonymous memory), and
+marked for the host to page from where it pages from files.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ import folder_paths
 import torch
 from torch import nn
 
+from ..loaders.checkpoint import TensorSource
 from ..loaders.host_memory import release_pages, trim_heap
+from ..loaders.safetensors_header import read_header
 from ..loaders.safetensors_writer import data_bytes, write_safetensors
 from ..quant.linear import QuantLinear
 from ..units import format_gib
@@ -195,3 +202,21 @@ def _scratch_file(patcher, tensors: dict[str, tuple[nn.Module, str]], label: str
         weakref.finalize(patcher.model, _remove, path)
     return (f"put the {format_gib(nbytes)} of paged weights in a scratch file ComfyUI pages from, as from "
             f"its own files: one copy in RAM ({time.perf_counter() - start:.1f} s)")
+
+
+def mapped_copies(tensors: dict[str, torch.Tensor], label: str) -> dict[str, torch.Tensor]:
+    """`tensors` written to a scratch file in ComfyUI's temp folder and handed back, by the same names, as slices of
+    a private map of it (see the module's docstring). The file is unlinked once mapped (POSIX; elsewhere ComfyUI
+    empties its temp folder at its next start). Raises where the file cannot be written or mapped (no room on the
+    disk, a temp folder that is not writable); `tensors` are left as they were."""
+    folder = folder_paths.get_temp_directory()
+    path = os.path.join(folder, f"bigdit-{secrets.token_hex(6)}-{label}.safetensors")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        write_safetensors(path, list(tensors.items()), durable=False)
+        source = TensorSource(path, read_header(path), file_slice_marker(path))
+        mapped = {key: source(key) for key in tensors}
+        source.close()
+    finally:
+        _remove(path)
+    return mapped

@@ -9,7 +9,10 @@ ComfyUI finds these protocols by name, never by type:
   weight and bias (host/dynamic_vram.py sets the layer's `weight_pager`);
 - per-call patches: `weight_function` / `bias_function`, and upstream's dynamic
   VRAM's `weight_lowvram_function` (a LoRA on an offloaded or paged layer), all
-  applied by the core to the dequantized weight (`weight_patches`);
+  applied by the core to the dequantized weight (`weight_patches`), less those
+  the layer's LoRA branch computes;
+- a LoRA as a low-rank branch beside the GEMM (`lora_branch`, the core's
+  `output_branches`; host/lora_branch.py installs it);
 - the weight-patch protocol (`convert_weight` / `set_weight`, looked up by
   ModelPatcher as `convert_<name>` / `set_<name>`): a LoRA is written in and
   requantized with fresh scales; the tensors it replaced come back when ComfyUI
@@ -35,11 +38,19 @@ class ComfyQuantLinear(QuantLinear):
         # (its cast layers apply it while copying the weight in).
         self.weight_lowvram_function = None
         self.bias_lowvram_function = None
+        self.lora_branch = None  # host.lora_branch.LoraBranch: a LoRA computed beside the GEMM
 
     def weight_patches(self, name: str) -> list:
-        """ComfyUI's per-call patches of `name`, in the order its own cast layers apply them."""
+        """ComfyUI's per-call patches of `name`, in the order its own cast layers apply them, less those the LoRA
+        branch computes (a LowVramPatch ComfyUI's partial unload adds to a layer it offloads)."""
         lowvram = getattr(self, f"{name}_lowvram_function")
-        return ([] if lowvram is None else [lowvram]) + list(getattr(self, f"{name}_function"))
+        patches = ([] if lowvram is None else [lowvram]) + list(getattr(self, f"{name}_function"))
+        if self.lora_branch is not None:
+            patches = [p for p in patches if not self.lora_branch.covers(p)]
+        return patches
+
+    def output_branches(self) -> list:
+        return [] if self.lora_branch is None else [self.lora_branch]
 
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **_) -> torch.Tensor:
         """The dequantized weight ComfyUI's patches apply to: the unpatched one where this layer holds it.

@@ -1,5 +1,6 @@
-"""A LoRA on the pack's quantized layers: folded into their quantized weights (requantized in the layer's own
-format, with fresh scales) instead of applied at each call, and taken out exactly when it changes or goes.
+"""A LoRA the branch cannot compute (host/lora_branch.py: LoHa, LoKr, DoRA, full diffs, offsets...) folded into
+the pack's quantized weights (requantized in the layer's own format, with fresh scales) instead of applied at each
+call, and taken out exactly when it changes or goes. A layer with a LoRA branch is never folded.
 
 Without dynamic VRAM, ComfyUI patches the layers it loads at each load through the
 weight-patch protocol (ComfyQuantLinear.set_weight), and gives every layer its
@@ -11,23 +12,31 @@ layers it loads: ComfyUI's patch math, its backup of the unpatched weight (which
 unpatch_model and partially_unload restore), and set_weight requantizing with the
 layer's own method. The math runs on the load device; the patched weight stays in
 RAM, pinned where ComfyUI had pinned the original, so ComfyUI's per-op copy and
-the pack's block streaming (offload/streaming.py) move the folded weight. A layer
-ComfyUI offloads later (partially_unload, between loads) runs per call until the
-next load.
+the pack's block streaming (offload/streaming.py) move the folded weight: the
+layer's own tensors, as ComfyUI keeps its own patched weights. A layer ComfyUI
+offloads later (partially_unload, between loads) runs per call until the next load.
 
 Under upstream's dynamic VRAM (`patcher.is_dynamic()`) the host loads again at
 every sampling and attaches a LoRA to each paged layer as `weight_lowvram_function`,
 which its cast path applies at each page fill, requantizing the result as a plain
 dtype (wrong for a layer with scales). `fold_paged`, from host/dynamic_vram.py's
 ON_LOAD callback, folds it instead:
-- once per LoRA set and strength: the fold (the requantized tensors, in RAM) stays
-  on the layer with the patches it came from; a load with the same patches (the
-  same patcher, a clone, the same LoRA loaded again) writes it back without
-  computing, other patches fold again, no patch restores and drops the fold;
+- once per LoRA set and strength: the last FOLDS_KEPT folds of a layer (the
+  requantized tensors) stay on it with the patches they came from, so a load with
+  the same patches (the same patcher, a clone, the same LoRA loaded again, a
+  strength going back and forth) writes one back without computing, other patches
+  fold again, no patch restores the originals;
 - layer by layer on the load device: the unpatched weight dequantized, ComfyUI's
   own patch math (comfy.lora.calculate_weight) in fp32, the layer's method with
   fresh scales; the report gives each folded weight's relative error against the
   exact patched one;
+- file-backed: the folded tensors go to a scratch file FOLD_BATCH at a time and
+  are kept as maps of it (host/file_backed.py `mapped_copies`), so their pages are
+  reclaimable page cache, marked for the host to page from, never anonymous memory
+  the host's accounting does not see; a batch is computed only into RAM that is
+  really free (loaders/host_memory.py `free_ram`: not psutil's `available`, which
+  counts the page cache of the files the host pages from and ignores a memory
+  cgroup's limit), less RAM_HEADROOM;
 - the originals (views of the model file or of its scratch file) are kept by
   reference as the layer's unpatched tensors: a restore copies nothing and is exact.
 The host keeps copies of a paged layer's weight and bias: its page in VRAM, reused
@@ -40,11 +49,11 @@ device finished any copy from it. The layer's other tensors (scales) are
 force-loaded by the host at each load from its backup, which it also restores when
 it unloads: the fold's go into that backup, so the layer is consistent in every
 state. A layer whose host copies are not as the pack knows them (an unknown pin, a
-copy in flight), or whose fold would not fit in the RAM available (less the 2 GiB
-the host keeps free of its pinned copies), keeps the LoRA per call, and the log says why.
+copy in flight), whose fold would not fit in the free RAM, or whose scratch file
+cannot be written, keeps the LoRA per call, and the log says why.
 `unfold_paged` (ON_DETACH, when the host unloads the model) puts the originals back
-and keeps the fold for the next load. The last load's line goes on the loader's
-node (`last run:`).
+and keeps the folds for the next load. The last load's line (the branch's and the
+fold's) goes on the loader's node (`last run:`).
 """
 from __future__ import annotations
 
@@ -61,9 +70,13 @@ import comfy.patcher_extension
 import torch
 from torch import nn
 
+from ..loaders import host_memory
+from ..loaders.host_memory import trim_heap
 from ..pack_logging import pack_logger
 from ..quant.linear import QuantLinear
 from ..units import GIB, format_gib
+from .file_backed import mapped_copies
+from .lora_branch import attach_branches, detach_branches
 from .model import is_dynamic, weight_patched_quant_tensors
 
 try:  # upstream's dynamic VRAM: how the host sizes a layer's pinned copy
@@ -78,12 +91,14 @@ except ImportError:
 log = pack_logger(__name__)
 
 FOLD_KEY = "bigdit_lora_fold"
-_FOLD = "_bigdit_lora_fold"  # on a layer: its Fold
+_FOLDS = "_bigdit_lora_folds"  # on a layer: its last Folds, the latest first
+FOLDS_KEPT = 2
+FOLD_BATCH = GIB  # folded bytes computed into RAM before they go to their scratch file
 PAGED = ("weight", "bias")  # what dynamic VRAM pages; a layer's other tensors it force-loads at each load
 WEIGHT_PINS = ("weights", "weights-loaded")  # the subsets of a layer's pinned copies of weight and bias
 LAST_LINE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (node line, log line), last load
 RAM_HEADROOM = 2 * GIB  # RAM a fold leaves free, as the host leaves it free of its pinned copies (ensure_pin_budget)
-NO_RAM = "not enough free RAM to hold its folded weights"
+NO_RAM = "not enough free RAM to compute its folded weights"
 
 
 def _per_call_patch(function) -> bool:
@@ -268,8 +283,14 @@ def _at_rest(patcher, path: str | None, layer: QuantLinear):
 
 
 def _ram_room() -> float:
-    """The bytes of RAM folds may still take: what is available less RAM_HEADROOM (unbounded without psutil)."""
-    return float("inf") if psutil is None else psutil.virtual_memory().available - RAM_HEADROOM
+    """The bytes of RAM a fold may take now: what is really free (loaders/host_memory.py), never more than psutil's
+    `available` (what the host reads, and the benchmark's emulated hosts patch), less RAM_HEADROOM; unbounded where
+    the system says nothing."""
+    known = [host_memory.free_ram()]
+    if psutil is not None:
+        known.append(psutil.virtual_memory().available)
+    known = [k for k in known if k is not None]
+    return float(min(known)) - RAM_HEADROOM if known else float("inf")
 
 
 def _fold_bytes(layer: QuantLinear, wanted) -> int:
@@ -321,7 +342,7 @@ class FoldSummary:
     reused: int = 0
     restored: int = 0
     seconds: float = 0.0
-    ram_bytes: int = 0
+    file_bytes: int = 0
     errors: list = field(default_factory=list)
     per_call: Counter = field(default_factory=Counter)
 
@@ -339,7 +360,7 @@ class FoldSummary:
             short.append(f"LoRA folded into {folded} quantized layers ({error})")
             full.append(f"LoRA folded into {folded} quantized layers ({how}): relative error of the folded weights "
                         f"against the exact patched ones {_percent(self.errors) if self.errors else 'none (bias only)'}"
-                        f"; {format_gib(self.ram_bytes)} of folded weights in RAM")
+                        f"; {format_gib(self.file_bytes)} of folded weights mapped from scratch files (reclaimable)")
         if self.restored:
             short.append(f"LoRA taken out of {self.restored} layers")
             full.append(f"LoRA taken out of {self.restored} quantized layers: their original tensors are back")
@@ -350,71 +371,126 @@ class FoldSummary:
         return ", ".join(short), "; ".join(full)
 
 
+class _Batch:
+    """Folds computed into RAM, then moved to a scratch file together (host/file_backed.py `mapped_copies`)."""
+
+    def __init__(self, label: str):
+        self.label, self.folds, self.nbytes = label, [], 0
+        self.failed: dict[int, str] = {}  # id(fold) -> why its file could not be written
+
+    def add(self, fold: Fold) -> None:
+        self.folds.append(fold)
+        self.nbytes += sum(t.nbytes for t in fold.tensors.values())
+
+    def flush(self) -> None:
+        if not self.folds:
+            return
+        tensors = {f"{i}.{name}": t.data for i, fold in enumerate(self.folds) for name, t in fold.tensors.items()}
+        try:
+            mapped = mapped_copies(tensors, self.label)
+        except Exception as e:  # the folds stay in RAM only until their layers fall back to per call
+            for fold in self.folds:
+                self.failed[id(fold)] = f"no scratch file for its folded weights ({type(e).__name__}: {e})"
+        else:
+            for i, fold in enumerate(self.folds):
+                fold.tensors = {name: nn.Parameter(mapped[f"{i}.{name}"], requires_grad=False) for name in fold.tensors}
+        del tensors
+        self.folds, self.nbytes = [], 0
+        trim_heap()
+
+
+def _keep(layer: QuantLinear, fold: Fold) -> None:
+    """`fold` first among the layer's folds, which keep at most FOLDS_KEPT."""
+    folds = [f for f in layer.__dict__.get(_FOLDS, []) if f is not fold]
+    layer.__dict__[_FOLDS] = [fold, *folds][:FOLDS_KEPT]
+
+
 def fold_paged(patcher, device_to=None) -> FoldSummary:
-    """Under dynamic VRAM, fold the LoRA the host attached to the pack's paged layers (see the module's
-    docstring); the layers left with their per-call patch are those it could not fold."""
+    """Under dynamic VRAM, fold the LoRA the host attached to the pack's paged layers that have no LoRA branch (see
+    the module's docstring); the layers left with their per-call patch are those it could not fold."""
     summary = FoldSummary()
     refresh = HostCopies(device_to)
-    room = _ram_room()
+    batch = _Batch("lora-fold")
+    chosen = []  # (path, layer, fold, wanted): the folds to write, computed or reused
     for path, layer in patcher.model.named_modules():
         if not isinstance(layer, QuantLinear):
             continue
-        wanted, why = _wanted(patcher, path, layer)
-        fold = layer.__dict__.get(_FOLD)
-        if fold is not None and (why or not _same(fold.patches, wanted)):
-            if _written(layer, fold):  # its patches went or changed: the originals come back
+        folds = layer.__dict__.get(_FOLDS, [])
+        written = next((f for f in folds if _written(layer, f)), None)
+        if getattr(layer, "lora_branch", None) is not None:  # the branch computes its LoRA
+            if written is not None:
                 _restore(patcher, path, layer, refresh)
-                summary.restored += not wanted
-            room += sum(t.nbytes for t in fold.tensors.values())
-            del layer.__dict__[_FOLD]
-            fold = None
+            continue
+        wanted, why = _wanted(patcher, path, layer)
+        if written is not None and (why or not _same(written.patches, wanted)):
+            _restore(patcher, path, layer, refresh)  # its patches went or changed: the originals come back
+            summary.restored += not wanted
+            written = None
         if not wanted:
             continue
-        if why is None and not (fold is not None and _written(layer, fold)):  # weight or bias are to change
+        fold = written or next((f for f in folds if _same(f.patches, wanted)), None)
+        if why is None and written is None:  # weight or bias are to change
             why = _host_copies_unknown(patcher, path, layer)
         if why is None and fold is None:
             if layer._unpatched is not None:
                 why = "a weight patch is written into it already"
-            elif _fold_bytes(layer, wanted) > room:
-                why = NO_RAM
             else:
-                start = time.perf_counter()
-                try:
-                    fold = _compute(layer, path, wanted, device_to or layer.weight.device)
-                    layer.__dict__[_FOLD] = fold
-                    summary.computed += 1
-                    room -= sum(t.nbytes for t in fold.tensors.values())
-                except Exception as e:  # the layer is untouched: it keeps the per-call patch
-                    why = f"{type(e).__name__}: {e}"
-                summary.seconds += time.perf_counter() - start
+                fold, why = _computed(layer, path, wanted, device_to, batch, summary)
         elif why is None:
             summary.reused += 1
         if why is not None:
             summary.per_call[why] += 1
             continue
+        chosen.append((path, layer, fold, wanted))
+    batch.flush()
+    for path, layer, fold, wanted in chosen:
+        if id(fold) in batch.failed:
+            summary.computed -= 1
+            summary.per_call[batch.failed[id(fold)]] += 1
+            continue
+        _keep(layer, fold)
         if not _in_place(patcher, path, layer, fold):
             _write(patcher, path, layer, fold, refresh)
         for name in wanted:
             setattr(layer, f"{name}_lowvram_function", None)
-        summary.ram_bytes += sum(fold.tensors[name].nbytes for name in PAGED if name in fold.tensors)
+        summary.file_bytes += sum(fold.tensors[name].nbytes for name in PAGED if name in fold.tensors)
         if fold.error is not None:
             summary.errors.append(fold.error)
-    _record(patcher, summary.lines())
     return summary
+
+
+def _computed(layer: QuantLinear, path: str, wanted, device_to, batch: _Batch,
+              summary: FoldSummary) -> tuple[Fold | None, str | None]:
+    """The layer's fold computed into the batch, which goes to its file first where it is full or RAM is short;
+    (the fold, None), or (None, why not)."""
+    need = _fold_bytes(layer, wanted)
+    if batch.nbytes + need > FOLD_BATCH or need > _ram_room():
+        batch.flush()
+    if need > _ram_room():
+        return None, NO_RAM
+    start = time.perf_counter()
+    try:
+        fold = _compute(layer, path, wanted, device_to or layer.weight.device)
+    except Exception as e:  # the layer is untouched: it keeps the per-call patch
+        return None, f"{type(e).__name__}: {e}"
+    finally:
+        summary.seconds += time.perf_counter() - start
+    batch.add(fold)
+    summary.computed += 1
+    return fold, None
 
 
 def unfold_paged(patcher, unpatch_all: bool = True) -> int:
     """When the host unloads the model (ModelPatcherDynamic.detach with unpatch_all: its pinned copies and pages are
-    gone, its backups restored), put the original tensors back into every layer a fold is written into; the fold
-    stays for the next load. A detach that only switches to another clone leaves the folds to its load."""
+    gone, its backups restored), put the original tensors back into every layer a fold is written into; the folds
+    stay for the next load. A detach that only switches to another clone leaves the folds to its load."""
     if not unpatch_all:
         return 0
     restored = 0
     refresh = HostCopies(None)
     layers = {m for m in (*patcher.model.modules(), *patcher.object_patches.values()) if isinstance(m, QuantLinear)}
     for layer in layers:
-        fold = layer.__dict__.get(_FOLD)
-        if fold is not None and _written(layer, fold):
+        if any(_written(layer, fold) for fold in layer.__dict__.get(_FOLDS, [])):
             _restore(patcher, None, layer, refresh)
             restored += 1
     return restored
@@ -422,30 +498,38 @@ def unfold_paged(patcher, unpatch_all: bool = True) -> int:
 
 # ---- the report and the callbacks -----------------------------------------------------------------------------
 
-def _record(patcher, lines: tuple[str, str] | None) -> None:
-    """Keep the load's lines for the node; log them when they differ from the last load's (a reuse says so once)."""
-    if lines is None:
+def record_lines(patcher, *parts: tuple[str, str] | None) -> None:
+    """Keep the load's lines (the branch's, the fold's) for the node; log them when they differ from the last load's
+    (a reuse says so once)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
         LAST_LINE.pop(patcher.model, None)
         return
+    lines = "; ".join(p[0] for p in parts), "; ".join(p[1] for p in parts)
     (log.debug if LAST_LINE.get(patcher.model) == lines else log.info)("%s", lines[1])
     LAST_LINE[patcher.model] = lines
 
 
 def install_lora_fold(patcher, run=None) -> None:
-    """Fold the LoRA into `patcher`'s quantized layers after each of its loads (and its clones'); after each
-    sampling, the last load's line goes to `run` (a host.report.NodeRun). Under dynamic VRAM the folding itself
-    runs in host/dynamic_vram.py's ON_LOAD callback (fold_paged), between what it does before and after."""
+    """Give `patcher`'s quantized layers (and its clones') the LoRA as a branch, else folded, after each of its loads;
+    after each sampling, the last load's line goes to `run` (a host.report.NodeRun). Under dynamic VRAM both run in
+    host/dynamic_vram.py's ON_LOAD callback, between what it does before and after."""
     callbacks = comfy.patcher_extension.CallbacksMP
 
     def on_load(loaded, device_to=None, *_):
         if not is_dynamic(loaded):
-            _record(loaded, _static_line(loaded, fold_offloaded_patches(loaded, device_to)))
+            branches = attach_branches(loaded, device_to)
+            record_lines(loaded, branches.lines(), _static_line(loaded, fold_offloaded_patches(loaded, device_to)))
+
+    def on_detach(detached, unpatch_all=True):
+        detach_branches(detached, unpatch_all)
 
     def on_cleanup(sampled):
         lines = LAST_LINE.get(sampled.model)
         if run is not None and lines is not None:
             run.add("lora", lines[0])
 
-    for kind, function in ((callbacks.ON_LOAD, on_load), (callbacks.ON_CLEANUP, on_cleanup)):
+    for kind, function in ((callbacks.ON_LOAD, on_load), (callbacks.ON_DETACH, on_detach),
+                           (callbacks.ON_CLEANUP, on_cleanup)):
         patcher.remove_callbacks_with_key(kind, FOLD_KEY)
         patcher.add_callback_with_key(kind, FOLD_KEY, function)

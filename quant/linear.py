@@ -6,10 +6,12 @@ delegates the forward to the method. `quantized_layer` makes one from a
 full-precision weight, for every caller; `requantized_layer` is the one
 dequantize-then-quantize routine (a stored layer converted to another format).
 
-Two generic hooks serve a host that manages weights itself (host/ adapts
+Three generic hooks serve a host that manages weights itself (host/ adapts
 ComfyUI's protocols onto them, in a subclass): `weight_pager` (the host pages
-weight and bias, and hands each call the device copies) and per-call weight
-transforms (`weight_patches`, applied to the dequantized weight). A patch
+weight and bias, and hands each call the device copies), per-call weight
+transforms (`weight_patches`, applied to the dequantized weight) and branches
+beside the GEMM (`output_branches`, each adding its part to the output: a
+LoRA's low-rank branch, host/lora_branch.py). A patch
 written into the stored tensors (`write_patched`, or `quantized_patch` once and
 `write_patched_tensors` each time it is written back) keeps the tensors it
 replaced until `restore_unpatched`.
@@ -183,16 +185,31 @@ class QuantLinear(nn.Module):
             # under a LoRA too, which patches the stored weight
             x = apply_input_act(x, input_act) * pre_scale.to(x.device, x.dtype)
             input_act = None
+        branches = self.output_branches()
+        if branches and input_act is not None:
+            x, input_act = apply_input_act(x, input_act), None  # once, for the GEMM and the branches
         weight_patches, bias_patches = self.weight_patches("weight"), self.weight_patches("bias")
         if weight_patches or bias_patches:
-            return self._forward_patched(x, input_act, weight_patches, bias_patches)
-        if self.real_check is not None:
-            return self.real_check(self, x, input_act)
-        return self.method.apply(self, x, input_act=input_act)
+            out = self._forward_patched(x, input_act, weight_patches, bias_patches)
+        elif self.real_check is not None:
+            out = self.real_check(self, x, input_act)
+        else:
+            out = self.method.apply(self, x, input_act=input_act)
+        if branches:
+            out = out.contiguous()
+            for branch in branches:
+                out = branch(x, out)
+        return out
 
     def weight_patches(self, name: str) -> list:
         """Per-call transforms of the dequantized `name` ("weight" or "bias"), in order; a host's subclass
         gives its own (host/layers.py)."""
+        return []
+
+    def output_branches(self) -> list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """Callables `branch(x, out)` run after the GEMM, in order, on its input (activation and smoothing
+        applied) and its output, which is the layer's own: each returns the output with its part added (in
+        place or not). A host's subclass gives its own (host/layers.py)."""
         return []
 
     def _forward_patched(self, x: torch.Tensor, input_act: str | None, weight_patches: list,

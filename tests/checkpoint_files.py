@@ -53,6 +53,22 @@ def write_lora(path, targets: dict, seed: int, rank: int = 4, scale: float = 0.3
     return path.name
 
 
+def write_loha(path, targets: dict, seed: int, rank: int = 4, scale: float = 0.3) -> str:
+    """A random LoHa (LyCORIS Hadamard product, which a LoRA branch cannot compute) on `targets` {module name:
+    (out_features, in_features)}; returns the file name."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out_f, in_f) in targets.items():
+        for i in (1, 2):
+            tensors[f"diffusion_model.{module}.hada_w{i}_a"] = torch.randn(out_f, rank, generator=gen) * scale
+            tensors[f"diffusion_model.{module}.hada_w{i}_b"] = torch.randn(rank, in_f, generator=gen) * scale
+        tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(float(rank))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(path))
+    return path.name
+
+
 def marker_tensor(marker: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
 

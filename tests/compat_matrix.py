@@ -89,6 +89,11 @@ FEATURES = [
     ("LoRA after quantization", ["test_lora_workflows::test_lora_after_quantization_matches_lora_on_float_model"]),
     ("LoRA before quantization", ["test_lora_workflows::test_lora_before_quantization_keeps_patched_layers"]),
     ("Partial loading and unloading with LoRA", ["test_lora_workflows::test_partial_loading_and_unloading_with_lora"]),
+    ("LoRA as a branch beside the quantized GEMM, against the host's patched weight (every format); other "
+     "adapters folded", ["test_lora_branch::"]),
+    ("Dynamic VRAM: a LoRA as a branch (a strength change reloads nothing), a LoHa folded into mapped files",
+     ["test_lora_fold::test_lora_is_a_branch_that_a_strength_change_does_not_reload_under_dynamic_vram",
+      "test_lora_fold::test_loha_is_folded_once_file_backed_and_restored_exactly_under_dynamic_vram"]),
     ("Quantized clones run quantized", ["test_quantized_clones::"]),
     ("Run-time witness (`last run:`)", ["test_run_witness::"]),
     ("MiniMax-H3 with upstream's model class and nodes", ["test_minimax_h3::"]),

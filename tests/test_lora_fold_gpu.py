@@ -1,19 +1,24 @@
-"""The LoRA fold on a GPU under upstream ComfyUI's real dynamic VRAM (comfy-aimdo's pages and pinned copies).
+"""A LoRA on a GPU under upstream ComfyUI's real dynamic VRAM (comfy-aimdo's pages and pinned copies): as a branch
+beside the quantized GEMM (host/lora_branch.py), and a LoHa folded (host/lora_fold.py).
 
 A subprocess in this python, with upstream's ComfyUI folder as its working directory
 ($BIGDIT_COMFYUI, else the test cache's comfyui-0.33.0), switches dynamic VRAM on as
 upstream's main.py does, loads a tiny Wan through LoadH3Quantized's own path
 (host.loading.load_checkpoint: INT8 ConvRot layers, file-backed under dynamic VRAM)
-and a LoRA through LoraLoaderModelOnly's own function, and runs it through ComfyUI's
-model management (load_models_gpu, partially_unload, unload_all_models). After
+and a LoRA (then a LoHa) through LoraLoaderModelOnly's own function, and runs it through
+ComfyUI's model management (load_models_gpu, partially_unload, unload_all_models). After
 each step, every LoRA'd layer is run through the host's page path (its page, refilled
-from its pinned copy where the page is stale) and compared bit for bit with the same
-method on the tensors the layer holds, and its pinned copy is compared with them: a
-stale page or pin would give the other weights. Checked: the fold is computed once
-per LoRA set and strength, never per call; a patcher without the LoRA brings back the
-original bytes in the layer, its page and its pins; an eviction (pages and the
-force-loaded scales given back) leaves the layer consistent; an unload and a reload
-reuse the fold.
+from its pinned copy where the page is stale) and compared with the same method on the
+tensors the layer holds, and its pinned copy is compared with them: a stale page or pin
+would give the other weights. Checked, for the LoRA: a branch at every load, nothing
+computed or folded, the layer's bytes (page and pins included) the original ones; each
+layer against the exact LoRA'd layer; another strength reloads nothing (no patch
+computation, the adapter's device copies reused, under 2 s); an eviction and a reload
+keep the branch; an unload takes it away. For the LoHa: the fold is computed once per
+set and strength and kept (a strength going back and forth reuses it), never per call,
+its weights maps of a scratch file; a patcher without the LoHa brings back the original
+bytes in the layer, its page and its pins; an eviction (pages and the force-loaded
+scales given back) leaves the layer consistent; an unload and a reload reuse the fold.
 
     BIGDIT_COMFYUI=<upstream 0.33.0> PYTHONPATH=<its site-packages with comfy-aimdo> python -m pytest -m gpu \
         tests/test_lora_fold_gpu.py
@@ -52,9 +57,13 @@ TARGETS = {"blocks.0.ffn.0": (512, 256), "blocks.0.ffn.2": (256, 512), "blocks.1
 # differs (then within bf16 rounding); a stale page or pin holds the other weights, which move a LoRA'd layer's
 # output by far more (`layer_effect`, the folded against the original layer).
 PAGE_SAME = 1e-3
+# The branch: a layer against the exact LoRA'd layer (F.linear on calculate_weight's patched weight, fp32) may exceed
+# the unpatched layer's own distance to F.linear on its dequantized weight by this much (bf16 rounding of the
+# branch, tests/integration/test_lora_branch.py).
+BRANCH_ROUNDING = 2 ** -7
 
 PROBE = r"""
-import json, os, sys, tempfile, types
+import json, os, sys, tempfile, time, types
 pack_root, tests_dir = sys.argv[1:3]
 sys.path.insert(0, os.getcwd())
 import comfy_aimdo.control
@@ -73,7 +82,7 @@ comfy.memory_management.aimdo_enabled = True
 sys.path.insert(0, tests_dir)
 import safetensors.torch
 from tiny_models import _tiny_wan
-from checkpoint_files import write_lora
+from checkpoint_files import write_loha, write_lora
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.host import dynamic_vram
 from bigdit.host.loading import load_checkpoint
@@ -84,9 +93,11 @@ folder_paths.add_model_folder_path("diffusion_models", work)
 folder_paths.set_temp_directory(os.path.join(work, "temp"))
 safetensors.torch.save_file(_tiny_wan({"dim": 256, "ffn_dim": 512, "num_heads": 2, "num_layers": 2, "seed": 0}),
                             os.path.join(work, "tiny_wan2.safetensors"))
-targets = json.loads(sys.argv[3])
-write_lora(os.path.join(work, "lora.safetensors"), {k: tuple(v) for k, v in targets.items()}, seed=5)
+targets = {k: tuple(v) for k, v in json.loads(sys.argv[3]).items()}
+write_lora(os.path.join(work, "lora.safetensors"), targets, seed=5)
+write_loha(os.path.join(work, "loha.safetensors"), targets, seed=6, scale=0.5)
 lora_sd = comfy.utils.load_torch_file(os.path.join(work, "lora.safetensors"))
+loha_sd = comfy.utils.load_torch_file(os.path.join(work, "loha.safetensors"))
 
 """ + COUNT_LORA_CALLS + r"""
 
@@ -107,6 +118,8 @@ def as_bytes(t):
 
 
 originals = {(n, k): as_bytes(t) for n, m in layers.items() for k, t in m._parameters.items() if t is not None}
+original_tensors = {n: {k: t.detach().clone() for k, t in m._parameters.items() if t is not None}
+                    for n, m in layers.items()}
 
 
 def load(p):
@@ -122,15 +135,29 @@ def model_out(p):
     return outs, {k: calls[k] - before[k] for k in calls}
 
 
-def layer_state():
-    # each LoRA'd layer through the host's page path, against the same method on the tensors it holds (no pager);
-    # its pinned copies against those tensors; whether it holds the original bytes
+def scratch_mapped(t):
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            low, high = (int(v, 16) for v in fields[0].split("-"))
+            if low <= address < high:
+                return len(fields) >= 6 and os.path.basename(fields[5]).startswith("bigdit-")
+    return False
+
+
+def layer_state(p=None):
+    # each LoRA'd layer through the host's page path, against the same method on the tensors it holds (no pager),
+    # with its branch; its pinned copies against those tensors; whether it holds the original bytes; with `p`,
+    # against the exact LoRA'd layer (calculate_weight on the original weight, fp32)
     out = {}
     for name, m in layers.items():
         held = {k: v.to(device) for k, v in m._parameters.items() if v is not None and k != "bias"}
         stand_in = QuantLinear(m.method, m.in_features, m.out_features, held, m.bias.to(device), m.compute_dtype)
         with torch.no_grad():
             paged, direct = m(x_layer[name]), stand_in(x_layer[name])
+            if m.lora_branch is not None:
+                direct = m.lora_branch(x_layer[name], direct.contiguous())
         pins = []
         for subset, entry in (m.__dict__.get("_pins") or {}).items():
             if entry.get("pin") is not None:
@@ -139,91 +166,161 @@ def layer_state():
         out[name] = {"page_vs_held": rel(paged.float(), direct.float()), "pins": pins,
                      "original": all(torch.equal(as_bytes(t), originals[(name, k)])
                                      for k, t in m._parameters.items() if t is not None),
-                     "lowvram": m.weight_lowvram_function is not None, "per_call": len(m.weight_function)}
+                     "lowvram": m.weight_lowvram_function is not None, "per_call": len(m.weight_function),
+                     "branch": m.lora_branch is not None, "file_backed": scratch_mapped(m.weight)}
+        key = "diffusion_model." + name + ".weight"
+        if p is not None and key in p.patches:
+            tensors = {k: v.to(device) for k, v in original_tensors[name].items() if k != "bias"}
+            original = QuantLinear(m.method, m.in_features, m.out_features, tensors,
+                                   original_tensors[name]["bias"].to(device), m.compute_dtype)
+            xf = x_layer[name].float()
+            with torch.no_grad():
+                dequantized = original.method.dequantize(original).float()
+                exact = real_calculate(p.patches[key], dequantized.clone(), key)
+                bias = original.bias.float()
+                ref = torch.nn.functional.linear(xf, exact, bias)
+                own = rel(original(x_layer[name]).float(), torch.nn.functional.linear(xf, dequantized, bias), ref)
+                out[name]["exact_err"] = rel(paged.float(), ref)
+                out[name]["base_own"] = own
     return out
 
 
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
+def rel(a, b, norm=None):
+    return ((a - b).norm() / (b if norm is None else norm).norm()).item()
+
+
+def device_copies():
+    return {n: [t.data_ptr() for part in m.lora_branch.parts for t in (part.down, part.up)]
+            for n, m in layers.items() if m.lora_branch is not None}
 
 
 res = {}
-l1 = comfy.sd.load_lora_for_models(base, None, lora_sd, 1.0, 0)[0]
-half = comfy.sd.load_lora_for_models(base, None, lora_sd, 0.5, 0)[0]
 load(base)
 (plain, plain2), _ = model_out(base)
 res["base"] = {"repeat": rel(plain2, plain), "layers": layer_state()}
 
+# the LoRA: a branch
+l1 = comfy.sd.load_lora_for_models(base, None, lora_sd, 1.0, 0)[0]
+half = comfy.sd.load_lora_for_models(base, None, lora_sd, 0.5, 0)[0]
+res["branch_calls"] = load(l1)
+(branched, branched2), res["branch_run"] = model_out(l1)
+res["branch"] = {"repeat": rel(branched2, branched), "effect": rel(branched, plain), "layers": layer_state(l1)}
+copies = device_copies()
+start = time.perf_counter()
+res["branch_half_calls"] = load(half)
+res["branch_half_seconds"] = time.perf_counter() - start
+res["branch_half_reused"] = device_copies() == copies
+(half_out, _), res["branch_half_run"] = model_out(half)
+res["branch_half"] = {"vs_branch": rel(half_out, branched), "layers": layer_state(half)}
+res["branch_back_calls"] = load(l1)
+res["branch_back_vs_branch"] = rel(model_out(l1)[0][0], branched)
+l1.partially_unload(l1.offload_device, 1e30)  # pages evicted and the force-loaded scales given back, no load after
+(evicted, _), res["branch_evicted_run"] = model_out(l1)
+res["branch_evicted"] = {"vs_branch": rel(evicted, branched), "layers": layer_state()}
+res["branch_restore_calls"] = load(base)
+res["branch_restore"] = {"vs_plain": rel(model_out(base)[0][0], plain), "layers": layer_state()}
+load(l1)
+mm.unload_all_models()
+res["branch_unloaded"] = sum(m.lora_branch is not None for m in layers.values())
+res["branch_after_unload_calls"] = load(l1)
+res["branch_after_unload_vs_branch"] = rel(model_out(l1)[0][0], branched)
+load(base)
+
+# the LoHa: folded
+f1 = comfy.sd.load_lora_for_models(base, None, loha_sd, 1.0, 0)[0]
+fhalf = comfy.sd.load_lora_for_models(base, None, loha_sd, 0.5, 0)[0]
 with torch.no_grad():
     before = {name: m(x_layer[name]).float() for name, m in layers.items()}
-res["fold_calls"] = load(l1)
-(folded, folded2), res["fold_run"] = model_out(l1)
+res["fold_calls"] = load(f1)
+(folded, folded2), res["fold_run"] = model_out(f1)
 res["fold"] = {"repeat": rel(folded2, folded), "effect": rel(folded, plain), "layers": layer_state()}
 with torch.no_grad():
     res["layer_effect"] = min(rel(m(x_layer[name]).float(), before[name]) for name, m in layers.items())
 dynamic_vram.PAGED.reset()
-l1.partially_unload(l1.offload_device, 1e30)  # pages evicted and the force-loaded scales given back, no load after
-(evicted, _), res["evicted_run"] = model_out(l1)
+f1.partially_unload(f1.offload_device, 1e30)
+(evicted, _), res["evicted_run"] = model_out(f1)
 res["evicted"] = {"vs_fold": rel(evicted, folded), "copied": dynamic_vram.PAGED.copied_calls,
                   "layers": layer_state()}
-res["reload_calls"] = load(l1)
-res["reload_vs_fold"] = rel(model_out(l1)[0][0], folded)
+res["reload_calls"] = load(f1)
+res["reload_vs_fold"] = rel(model_out(f1)[0][0], folded)
 
 res["restore_calls"] = load(base)
 (restored, _), _ = model_out(base)
 res["restore"] = {"vs_plain": rel(restored, plain), "layers": layer_state()}
 
-res["half_calls"] = load(half)
-(half_out, _), res["half_run"] = model_out(half)
+res["half_calls"] = load(fhalf)
+(half_out, _), res["half_run"] = model_out(fhalf)
 res["half"] = {"vs_fold": rel(half_out, folded), "layers": layer_state()}
-res["refold_calls"] = load(l1)
-res["refold_vs_fold"] = rel(model_out(l1)[0][0], folded)
+res["refold_calls"] = load(f1)  # back to the first strength: its fold kept, written back
+res["refold_vs_fold"] = rel(model_out(f1)[0][0], folded)
 
 mm.unload_all_models()
 res["unloaded_original"] = all(torch.equal(as_bytes(t), originals[(n, k)])
                                for n, m in layers.items() for k, t in m._parameters.items() if t is not None)
-res["after_unload_calls"] = load(l1)
-res["after_unload_vs_fold"] = rel(model_out(l1)[0][0], folded)
+res["after_unload_calls"] = load(f1)
+res["after_unload_vs_fold"] = rel(model_out(f1)[0][0], folded)
 res["after_unload"] = layer_state()
 print(json.dumps(res))
 """
 
 
-def test_lora_fold_pages_and_pins_under_dynamic_vram():
+def test_lora_branch_and_fold_pages_and_pins_under_dynamic_vram():
     result = subprocess.run([sys.executable, "-c", PROBE, str(PACK_ROOT), str(TESTS_DIR), json.dumps(TARGETS)],
                             cwd=COMFYUI, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-8000:]
     res = json.loads(result.stdout.strip().splitlines()[-1])
     n = len(TARGETS)
     same = 1e-5  # the same weights in every kernel: run to run, the model's output varies by less
-    assert res["base"]["repeat"] < same and res["fold"]["repeat"] < same, res
+    assert res["base"]["repeat"] < same and res["branch"]["repeat"] < same and res["fold"]["repeat"] < same, res
 
-    def pages_and_pins(state, original, pinned=True):
+    def pages_and_pins(state, original, pinned=True, branch=False, folded_file=False):
         for name, layer in res[state]["layers"].items() if "layers" in res[state] else res[state].items():
             assert layer["page_vs_held"] < PAGE_SAME, (state, name, layer)  # the page holds what the layer holds
             assert all(layer["pins"]) and (layer["pins"] or not pinned), (state, name, layer)
             assert layer["original"] is original, (state, name, layer)
             assert not layer["lowvram"] and layer["per_call"] == 0, (state, name, layer)
+            assert layer["branch"] is branch, (state, name, layer)
+            assert layer["file_backed"] or not folded_file, (state, name, layer)
+            if "exact_err" in layer:
+                assert layer["exact_err"] < layer["base_own"] + BRANCH_ROUNDING, (state, name, layer)
 
     pages_and_pins("base", original=True)
-    # folded once, at load; nothing per call; the output moved by the LoRA
+    # the LoRA as a branch: nothing computed at the load or per call, the layers' bytes the originals
+    assert res["branch_calls"] == 0 and res["branch_run"] == {"patch": 0, "per_call": 0}, res
+    assert res["branch"]["effect"] > 0.01, res
+    pages_and_pins("branch", original=True, branch=True)
+    # another strength reloads nothing: no patch computation, the adapter's device copies reused, under 2 s
+    assert res["branch_half_calls"] == 0 and res["branch_half_reused"] and res["branch_half_seconds"] < 2, res
+    assert res["branch_half_run"] == {"patch": 0, "per_call": 0} and res["branch_half"]["vs_branch"] > 1e-3, res
+    pages_and_pins("branch_half", original=True, branch=True)
+    assert res["branch_back_calls"] == 0 and res["branch_back_vs_branch"] < same, res
+    # evicted: refilled from the pinned copies, the branch still on; no LoRA: no branch; an unload takes it away
+    assert res["branch_evicted_run"] == {"patch": 0, "per_call": 0}, res
+    assert res["branch_evicted"]["vs_branch"] < same, res
+    pages_and_pins("branch_evicted", original=True, branch=True)
+    assert res["branch_restore_calls"] == 0 and res["branch_restore"]["vs_plain"] < same, res
+    pages_and_pins("branch_restore", original=True)
+    assert res["branch_unloaded"] == 0, res
+    assert res["branch_after_unload_calls"] == 0 and res["branch_after_unload_vs_branch"] < same, res
+
+    # the LoHa folded once, at load, into weights mapped from a scratch file; nothing per call
     assert res["fold_calls"] == n and res["fold_run"] == {"patch": 0, "per_call": 0}, res
     assert res["fold"]["effect"] > 0.01 and res["layer_effect"] > 100 * PAGE_SAME, res
-    pages_and_pins("fold", original=False)
+    pages_and_pins("fold", original=False, folded_file=True)
     # evicted: pages refilled from the pinned copies, the scales from the host's backup: the same folded model
     assert res["evicted"]["copied"] > 0 and res["evicted"]["vs_fold"] < same, res["evicted"]
     assert res["evicted_run"] == {"patch": 0, "per_call": 0}, res
-    pages_and_pins("evicted", original=False)
+    pages_and_pins("evicted", original=False, folded_file=True)
     assert res["reload_calls"] == 0 and res["reload_vs_fold"] < same, res
-    # no LoRA: the original bytes in the layers, their pages and pins, and the model's output as before
+    # no LoHa: the original bytes in the layers, their pages and pins, and the model's output as before
     assert res["restore"]["vs_plain"] < same, res["restore"]
     pages_and_pins("restore", original=True)
-    # another strength folds again; back to the first one folds again (the fold went with the LoRA) to the same
+    # another strength folds again; back to the first one reuses the kept fold
     assert res["half_calls"] == n and res["half_run"] == {"patch": 0, "per_call": 0}, res
     assert res["half"]["vs_fold"] > 1e-3, res
-    pages_and_pins("half", original=False)
-    assert res["refold_calls"] == n and res["refold_vs_fold"] < same, res
+    pages_and_pins("half", original=False, folded_file=True)
+    assert res["refold_calls"] == 0 and res["refold_vs_fold"] < same, res
     # unloaded: the originals; loaded again: the fold written back without computing
     assert res["unloaded_original"], res
     assert res["after_unload_calls"] == 0 and res["after_unload_vs_fold"] < same, res
-    pages_and_pins("after_unload", original=False, pinned=False)
+    pages_and_pins("after_unload", original=False, pinned=False, folded_file=True)

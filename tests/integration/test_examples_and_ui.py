@@ -270,9 +270,10 @@ NO_TINY_FORM = {"QuantizedCLIPLoader", "VAELoader", "VAEDecode", "VAEDecodeAudio
 CONDITIONING = {"MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo", "CLIPTextEncode"}
 TINY_STEPS = 2  # each step of the INT8 model on CPU takes about a second
 # Relative L2 distance of the example's latents from the same graph on upstream's UNETLoader (the bf16 file,
-# computing in fp32 on CPU), both with the turbo LoRA, which the pack writes into the INT8 ConvRot layers and
-# quantizes again; measured on CPU: 0.010-0.014 (without a LoRA it is 0.0024: test_minimax_h3.py).
-LOADER_TOLERANCE = 0.03
+# computing in fp32 on CPU), both with the turbo LoRA, which runs as a branch beside the pack's INT8 ConvRot layers;
+# measured on CPU: 0.0072-0.0102 (folded into the layers, its delta quantized again: 0.010-0.014; without a LoRA
+# 0.0024: test_minimax_h3.py).
+LOADER_TOLERANCE = 0.02
 # The turbo LoRA's effect: the latents with it against those at strength 0 (measured 0.56-0.73).
 LORA_EFFECT = 0.1
 

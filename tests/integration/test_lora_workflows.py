@@ -10,8 +10,8 @@ The same models under ComfyUI's partial loading and unloading, LoRA included:
 on a CPU load device ComfyUI never offloads, so the test node BigditLoadProbe
 calls the ModelPatcher's own load / partially_unload / partially_load as its
 model management does on a small GPU, and reports its size accounting and how
-often ComfyUI's patch math ran (once per load, never per forward, offloaded
-layers included).
+often ComfyUI's patch math ran: the LoRA is a branch beside the quantized GEMM
+(host/lora_branch.py) wherever the layer sits, never applied per forward.
 """
 import json
 
@@ -40,12 +40,16 @@ PRODUCERS = {
     "LoadH3Quantized-int8_convrot": ("int8_convrot", [], "int8_convrot"),
     "LoadH3Quantized-float8_e4m3fn": ("float8_e4m3fn", [], "float8_e4m3fn"),
 }
-# Latent after 2 steps, quantized + LoRA against float + LoRA (relative L2). Measured on both hosts:
-# QuantizeModelINT8 0.0075, LoadH3Quantized INT8 0.0062, FP8 0.023 (the LoRA-widened rows cost FP8 more).
+# A quantized model against the float one (relative L2): a forward, or the latent of a LoRA written in before
+# quantization (QuantizeModelINT8 after the LoRA loader).
 TOLERANCE = {"int8_convrot": 0.02, "float8_e4m3fn": 0.06}
+# Latent after 2 steps, quantized + LoRA (the LoRA a branch beside the quantized GEMM) against float + LoRA. Measured
+# on both hosts: QuantizeModelINT8 0.0023, LoadH3Quantized INT8 0.0027, FP8 0.0099 (folded into the quantized
+# weights, the LoRA gave 0.0075, 0.0062 and 0.023: its delta quantized a second time, FP8's LoRA-widened rows).
+BRANCH_TOLERANCE = {"int8_convrot": 0.006, "float8_e4m3fn": 0.02}
 # The LoRA's effect on the quantized model against its effect on the float model
-# (quantized+LoRA - quantized vs float+LoRA - float); measured 0.016-0.059.
-EFFECT_TOLERANCE = 0.12
+# (quantized+LoRA - quantized vs float+LoRA - float); measured 0.006-0.027 (folded: 0.016-0.059).
+EFFECT_TOLERANCE = 0.05
 
 
 
@@ -85,7 +89,7 @@ def test_lora_after_quantization_matches_lora_on_float_model(comfy, tiny_wan2, l
     # moving the quantized model as it moves the float model.
     assert not torch.equal(quantized_lora, quantized)
     assert rel_l2(quantized_lora - quantized, with_lora - plain) < EFFECT_TOLERANCE
-    assert rel_l2(quantized_lora, with_lora) < TOLERANCE[fmt], rel_l2(quantized_lora, with_lora)
+    assert rel_l2(quantized_lora, with_lora) < BRANCH_TOLERANCE[fmt], rel_l2(quantized_lora, with_lora)
 
 
 def test_lora_before_quantization_keeps_patched_layers(comfy, tiny_wan2, lora_name, float_latents):
@@ -140,22 +144,22 @@ def test_partial_loading_and_unloading_with_lora(comfy, tiny_wan2, lora_name, fl
     offloaded, offloaded_reloaded = report["offloaded"], report["offloaded_reloaded"]
     assert offloaded["lowvram_lora"] == len(TARGETS) and offloaded_reloaded["lowvram_modules"] == 0
 
-    # Every load patches each LoRA layer once, offloaded ones included (the pack folds the LoRA into the
-    # quantized weight, host/lora_fold.py), and no forward patches anything.
-    for name in ("full", "offloaded", "offloaded_reloaded", "partial", "reloaded"):
+    # The LoRA is a branch beside the GEMM on every LoRA'd layer, wherever it sits (host/lora_branch.py): ComfyUI
+    # computes its fold for the layers it loads (set_weight: it has no hook before), which the pack takes out again;
+    # a layer it leaves in RAM gets no patch computation at all; no forward patches anything.
+    n = len(TARGETS)
+    expected_load_calls = {"full": n, "offloaded": 0, "offloaded_reloaded": n, "partial": n, "unloaded": 0,
+                           "reloaded": n}
+    for name, calls in expected_load_calls.items():
         state = report[name]
-        assert state["patch_calls_load"] == len(TARGETS), (name, state)
-        assert state["patch_calls_per_forward"] == 0 and state["lowvram_patched"] == 0, (name, state)
+        assert state["patch_calls_load"] == calls and state["patch_calls_per_forward"] == 0, (name, state)
         assert state["repeatable"]
-        # The LoRA written into the quantized weights is the same wherever the layer sits: bit for bit;
-        # offloaded-and-folded layers that are then loaded are patched once, not twice.
+        # the same computation wherever the layer sits: bit for bit
         assert torch.equal(out[name], out["full"]), (name, rel_l2(out[name], out["full"]))
-    # Layers ComfyUI offloads between loads (partially_unload) apply the LoRA per call until the next load,
-    # on their dequantized weight in float (without activation quantization).
     assert partial["lowvram_lora"] == 0  # all LoRA layers were resident, and are offloaded now
-    assert unloaded["patch_calls_load"] == 0 and unloaded["lowvram_patched"] == len(TARGETS)
-    assert unloaded["patch_calls_per_forward"] == len(TARGETS)
-    assert rel_l2(out["unloaded"], out["full"]) < TOLERANCE[fmt], rel_l2(out["unloaded"], out["full"])
+    # ComfyUI's partial unload gives the layers it offloads a per-call LowVramPatch: the branch computes it already
+    assert unloaded["lowvram_patched"] == n
+    assert all(report[name]["lowvram_patched"] == 0 for name in expected_load_calls if name != "unloaded")
     assert rel_l2(out["full"], float_out["full"]) < TOLERANCE[fmt]
     # Unpatched, every quantized tensor is bit for bit what it was before the LoRA was loaded.
     assert report["quantized_tensors"] > 0 and report["restored_exact"]

@@ -1,0 +1,117 @@
+"""A LoRA's branch beside the pack's INT8 layers at MiniMax-H3 pruned's shapes (run on a GPU, with upstream ComfyUI
+importable: --comfyui or BIGDIT_COMFYUI): what the branch (host/lora_branch.py) adds to each layer's call.
+
+For each of H3's four Linear shapes at 32,700 rows (INT8 ConvRot, group 256, as the official file; fc2 takes SwiGLU
+of fc1's 28672-wide output, as the model runs it), with the turbo LoRA's ranks (128; 384 on the fused qkv): the layer
+as the pack runs it (Int8ConvRotMethod, its measured kernel), the same layer with the branch through its
+output_branches, and for comparison the same product as upstream's bypass `h` computes it (two F.linear, a scale,
+then the sum with the layer's output). Each: ms (CUDA events, warmed up, median of three runs of ten calls); the
+branch's cost in ms and in % of the layer; the sum over one block (its four layers). With --step-s (the s/step
+measured at that length, e.g. from whole_job.py) and --blocks, the branch's share of a step; the target is at most 3%.
+
+    python tests/bench/lora_branch.py --comfyui /path/to/comfyui-0.33.0 [--rows 32700] [--step-s S --blocks N]
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from _pack import cuda_time_ms, default_out, environment, write_json
+
+SHAPES = {  # name: (K, N, input activation, LoRA rank)
+    "qkv_proj": (5376, 21504, None, 384),
+    "out_proj": (7168, 5376, None, 128),
+    "fc1": (5376, 28672, None, 128),
+    "fc2": (14336, 5376, "swiglu", 128),
+}
+GROUP = 256
+TARGET_STEP_SHARE = 0.03
+
+
+def bench_shape(name, k, n, act, rank, rows):
+    from bigdit.host.layers import ComfyQuantLinear
+    from bigdit.host.lora_branch import LoraBranch, LowRank
+    from bigdit.quant.int8_convrot import Int8ConvRotMethod
+    from bigdit.quant.kitchen_api import apply_input_act
+    from bigdit.quant.linear import quantized_layer
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+    layer = quantized_layer(Int8ConvRotMethod(GROUP), weight, k, n, None, torch.bfloat16, device, device,
+                            layer_type=ComfyQuantLinear)
+    del weight
+    x = torch.randn(rows, 2 * k if act else k, device=device, dtype=torch.bfloat16)
+    down = torch.randn(rank, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+    up = torch.randn(n, rank, device=device, dtype=torch.bfloat16) * 0.01
+    scale = 0.7
+    branch = LoraBranch([LowRank((None, None, None), down, None, up, scale)], {})
+
+    def plain():
+        layer.lora_branch = None
+        return layer(x, input_act=act)
+
+    def with_branch():
+        layer.lora_branch = branch
+        return layer(x, input_act=act)
+
+    def bypass_h():  # upstream's bypass: g(f(x) + h(x)), h = up(down(x)) * scale
+        layer.lora_branch = None
+        xa = apply_input_act(x, act) if act else x
+        return layer(x, input_act=act) + F.linear(F.linear(xa, down), up) * scale
+
+    row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act, "rank": rank}
+    with torch.no_grad():
+        outs = {}
+        for cand, fn in (("layer", plain), ("branch", with_branch), ("bypass_h", bypass_h)):
+            outs[cand] = fn().float()  # the first call measures the method's kernels
+            row[cand] = {"ms": cuda_time_ms(fn)}
+        delta = outs["bypass_h"] - outs["layer"]
+        row["branch_vs_bypass_rel"] = ((outs["branch"] - outs["bypass_h"]).norm() / delta.norm()).item()
+    for cand in ("branch", "bypass_h"):
+        row[cand]["cost_ms"] = row[cand]["ms"] - row["layer"]["ms"]
+        row[cand]["cost_fraction"] = row[cand]["cost_ms"] / row["layer"]["ms"]
+    del layer, x, outs
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfyui", default=os.environ.get("BIGDIT_COMFYUI"),
+                    help="upstream ComfyUI's folder (host/lora_branch.py imports comfy)")
+    ap.add_argument("--rows", type=int, default=32700)
+    ap.add_argument("--step-s", type=float, default=None, help="s/step measured at these rows")
+    ap.add_argument("--blocks", type=int, default=None, help="blocks per step's forward(s)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not args.comfyui:
+        raise SystemExit("give upstream ComfyUI's folder: --comfyui PATH or BIGDIT_COMFYUI")
+    sys.path.insert(0, args.comfyui)
+    import comfy.model_patcher  # noqa: F401 - ComfyUI's modules the branch's module imports
+
+    print(f"{torch.cuda.get_device_name()}, {args.rows} rows: ms per call (branch cost: ms, % of the layer)")
+    results = [bench_shape(name, *shape, args.rows) for name, shape in SHAPES.items()]
+    for r in results:
+        print(f"{r['shape']:9} rank {r['rank']:3}: layer {r['layer']['ms']:7.3f}  with the branch "
+              f"{r['branch']['ms']:7.3f} (+{r['branch']['cost_ms']:.3f}, {100 * r['branch']['cost_fraction']:.1f}%)"
+              f"  as bypass h {r['bypass_h']['ms']:7.3f} (+{r['bypass_h']['cost_ms']:.3f})"
+              f"  branch vs h: {r['branch_vs_bypass_rel']:.1e}", flush=True)
+    block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "bypass_h")}
+    summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results)}
+    print(f"one block: the four layers {summary['block_layers_ms']:.2f} ms; the branch adds {block['branch']:.2f} ms "
+          f"(as bypass h {block['bypass_h']:.2f} ms)")
+    if args.step_s and args.blocks:
+        share = block["branch"] * args.blocks / 1000 / args.step_s
+        summary["step_share"] = share
+        print(f"per step ({args.blocks} blocks, {args.step_s} s/step): the branch {100 * share:.2f}% "
+              f"(target <= {100 * TARGET_STEP_SHARE:.0f}%: {'met' if share <= TARGET_STEP_SHARE else 'MISSED'})")
+    write_json(Path(args.out) if args.out else default_out("lora_branch"), {
+        "bench": "lora_branch", "env": environment(), "group_size": GROUP, "rows": results, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
