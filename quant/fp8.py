@@ -171,9 +171,18 @@ class Fp8Method(LinearMethod):
             # input gets the 16-bit result widened. cuBLASLt fuses a bias only into 16-bit outputs.
             gemm_dtype = out_dtype if out_dtype != torch.float32 else _sixteen_bit(layer.compute_dtype)
             fused_bias = bias is not None and gemm_dtype == out_dtype
-            out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
-                                   bias=bias.to(out_dtype) if fused_bias else None,
-                                   out_dtype=gemm_dtype, use_fast_accum=True).to(out_dtype)
+            try:
+                out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
+                                       bias=bias.to(out_dtype) if fused_bias else None,
+                                       out_dtype=gemm_dtype, use_fast_accum=True).to(out_dtype)
+            except RuntimeError as exc:
+                # cuBLASLt finds no algorithm for some shapes with a fused bias (seen on an H100: 18 rows,
+                # 16384 -> 4096): the same product without the epilogue, the bias added after
+                if not fused_bias or "NOT_SUPPORTED" not in str(exc):
+                    raise
+                fused_bias = False
+                out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=gemm_dtype,
+                                       use_fast_accum=True).to(out_dtype)
             if bias is not None and not fused_bias:
                 out += bias.to(out_dtype)
         else:

@@ -154,3 +154,34 @@ def test_fp8_weights_use_the_same_row_formula():
     ref_q, ref_scale = definition(weight)
     assert stored["weight_scale"].shape == (64, 1) and torch.equal(stored["weight_scale"], ref_scale)
     assert torch.equal(stored["weight"].view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def test_fp8_gemm_without_an_algorithm_for_its_fused_bias_adds_the_bias_after(monkeypatch):
+    """cuBLASLt has no algorithm for some shapes with a fused bias (an H100: 18 rows, 16384 -> 4096,
+    tests/bench/results/fp8-scaled-mm-bias-probe-nvidia-h100-2026-12-06.log): the same product runs without the
+    epilogue and the bias is added after. The GPU's GEMM is stood in for on CPU: the plain product of the
+    dequantized operands, refusing a bias as cuBLASLt does there."""
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
+        calls.append(bias is not None)
+        if bias is not None:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic`")
+        return ((a.float() * scale_a) @ (b.float() * scale_b.reshape(1, -1))).to(out_dtype)
+
+    monkeypatch.setattr(fp8, "native_fp8_supported", lambda device: True)
+    monkeypatch.setattr(fp8, "_fast_quantize_rows", fp8.quantize_rows)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(64, 32, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.bias.normal_(generator=gen)
+    layer = quantize_linear(linear, get_method("float8_e4m3fn"), torch.device("cpu"))
+    x = torch.randn(18, 64, generator=gen).to(torch.bfloat16)
+    out = layer(x)
+    assert calls == [True, False]
+    reference = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert float((out.float() - reference).norm() / reference.norm()) < 0.05  # FP8's own error, bias included
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other failure")))
+    with pytest.raises(RuntimeError, match="other failure"):
+        layer(x)
