@@ -488,13 +488,16 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
                 "finite"]
     template, pack = by[("template", 1)], by[("pack", 1)]
     assert "vs_template" not in template.get("latent", {})
-    # the pack's loader: the quantize-once cache in a fresh folder of the server's own: written by the first job,
-    # read by the second
+    # the pack's loader: the quantize-once cache in a fresh folder of the server's own; the INT8 file's few plain
+    # layers quantized at load are too small a share to write the whole model for (host/cache.py WORTH_CACHING), so
+    # each job's load, the second after ComfyUI's cache was freed, is a miss that writes nothing
     load = {r["job"]: next(i for i in r["loads"] if i["class_type"] == "LoadH3Quantized") for r in
             (pack, by[("pack", 2)])}
-    assert load[1]["cache"] == "miss" and "wrote <work>/quant_cache/turbo_64g_pack/" in load[1]["cache_line"]
-    assert load[2]["cache"] == "hit" and load[2]["report"].startswith("quantized ")
-    assert pack["quant_cache"].startswith("on") and pack["quant_cache_files"]["files"] == 1
+    for job in (1, 2):
+        assert load[job]["cache"] == "miss" and "not written: the layers quantized or converted at load held" in \
+            load[job]["cache_line"], load[job]
+        assert load[job]["report"].startswith("quantized ")
+    assert pack["quant_cache"].startswith("on") and pack["quant_cache_files"]["files"] == 0
     assert template["quant_cache"] == "off"
     assert next(i for i in template["loads"] if i["class_type"] == "UNETLoader").get("cache") is None
     assert pack["reports"]["140:141"].startswith("attention: backend")
