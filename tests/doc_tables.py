@@ -1,12 +1,14 @@
 """The README's tables of end-to-end results, from the benchmark JSON in tests/bench/results/.
 
     python tests/doc_tables.py                    prints the headline table
+    python tests/doc_tables.py --job              prints the whole-job table (whole_job.py's runs in JOB_RUNS)
     python tests/doc_tables.py --formats FILE [FILE ...]
                                                   prints issue 21's formats table of a comfy_e2e.py run of
                                                   its FORMAT_CONFIGS (--model, --length: which of its runs),
                                                   the formats it left out from the other runs
 
-tests/test_docs.py checks that README.md holds exactly the headline table and FORMATS_RUNS' formats tables.
+tests/test_docs.py checks that README.md holds exactly the whole-job table, the headline table and FORMATS_RUNS'
+formats tables.
 """
 import json
 import statistics
@@ -116,6 +118,40 @@ def headline() -> str:
     return "\n".join(lines)
 
 
+# The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
+# its configurations (the reference, template_sage, first); each setting's runs came from one GPU machine.
+JOB_RUNS = (
+    ("turbo", ("whole-job-turbo-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
+    ("default", ("whole-job-default-template-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",
+                 "whole-job-default-pack-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json")),
+)
+JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
+              "pack": "`pack` (the shipped example)", "pack_fast": "`pack_fast`"}
+
+
+def job_table() -> str:
+    lines = ["| setting, job | configuration | job s | vs template + Sage | encoder | model_load | sampling "
+             "(first step) | s/step | VAE decode | save | RSS GiB (unreclaimable) | latent cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, names in JOB_RUNS:
+        records = [r for name in names for r in load(name)["results"] if r.get("status") == "ok"]
+        for job in (1, 2):
+            ran = [r for r in records if r["job"] == job and r["setting"] == setting]
+            reference = next(r for r in ran if r["config"] == "template_sage")
+            for r in ran:
+                stages, sampling = r["stages"], r["sampling"]
+                cosine = ((r.get("latent") or {}).get("vs_template_sage") or {}).get("video", {}).get("cosine")
+                lines.append(
+                    f"| {setting}, {job} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
+                    f"{reference['wall_s'] / r['wall_s']:.2f}x | {stages.get('encoder', 0):.1f} | "
+                    f"{stages.get('model_load', 0):.1f} | {stages.get('sampling', 0):.1f} "
+                    f"({sampling['step_seconds'][0]:.1f}) | {sampling['step_s']:.2f} | "
+                    f"{stages.get('vae_decode', 0):.1f} | {stages.get('save', 0):.1f} | "
+                    f"{r['host_rss_peak_gib']:.1f} ({r['host_unreclaimable_peak_gib']:.1f}) | "
+                    f"{'—' if cosine is None else f'{cosine:.4f}'} |")
+    return "\n".join(lines)
+
+
 # issue 21's formats tables, in the README from these runs: (comfy_e2e.py configuration, row label); the label
 # names the LoadH3Quantized choice. Each table is one run, plus runs that add the formats it left out (each such
 # row against its own run's reference)
@@ -169,10 +205,13 @@ if __name__ == "__main__":
     parser.add_argument("--formats", metavar="FILE", nargs="+",
                         help="comfy_e2e.py results JSONs (names in tests/bench/results/ or paths): print the first's "
                              "formats table, with the formats it left out from the others")
+    parser.add_argument("--job", action="store_true", help="print the whole-job table")
     parser.add_argument("--model", default=None)
     parser.add_argument("--length", default="long")
     args = parser.parse_args()
-    if args.formats:
+    if args.job:
+        print(job_table())
+    elif args.formats:
         first, *more = (load(name) for name in args.formats)
         print(formats_table(first, args.model, args.length, tuple(more)))
     else:

@@ -52,6 +52,14 @@ def test_readme_documents_every_node_and_every_input(snapshot):
                     f"README's {name} section has no row for input {input_name!r}"
 
 
+def test_readme_job_table_is_the_table_from_the_whole_job_runs():
+    text = README.read_text()
+    marker = "<!-- job: tests/doc_tables.py --job writes this table from tests/bench/results/ -->\n"
+    assert marker in text and text.index(marker) < text.index("<!-- headline:")  # the README's first table
+    assert text.split(marker, 1)[1].startswith(doc_tables.job_table() + "\n")
+    assert "| turbo, 1 | `pack` (the shipped example) | 68.1 | 1.02x |" in doc_tables.job_table()
+
+
 def test_readme_headline_is_the_table_from_the_benchmark_json():
     text = README.read_text()
     marker = "<!-- headline: tests/doc_tables.py writes this table from tests/bench/results/ -->\n"
@@ -104,4 +112,4 @@ def test_docs_say_the_state_not_the_story(doc):
 
 
 def test_readme_is_short():
-    assert len(README.read_text().splitlines()) <= 290  # the headline table is most of it
+    assert len(README.read_text().splitlines()) <= 320  # the job and headline tables are most of it
