@@ -91,8 +91,12 @@ from bigdit.quant.linear import QuantLinear
 work = tempfile.mkdtemp(prefix="bigdit-lora-fold-gpu-")
 folder_paths.add_model_folder_path("diffusion_models", work)
 folder_paths.set_temp_directory(os.path.join(work, "temp"))
+# built with dynamic VRAM off: under it comfy.ops' Linear leaves its weight unmade until a state dict loads it, so
+# the module's own state dict would hold no Linear weights
+comfy.memory_management.aimdo_enabled = False
 safetensors.torch.save_file(_tiny_wan({"dim": 256, "ffn_dim": 512, "num_heads": 2, "num_layers": 2, "seed": 0}),
                             os.path.join(work, "tiny_wan2.safetensors"))
+comfy.memory_management.aimdo_enabled = True
 targets = {k: tuple(v) for k, v in json.loads(sys.argv[3]).items()}
 write_lora(os.path.join(work, "lora.safetensors"), targets, seed=5)
 write_loha(os.path.join(work, "loha.safetensors"), targets, seed=6, scale=0.5)
