@@ -277,12 +277,9 @@ def _kept_fallbacks(loaded, entry: str, device) -> str | None:
 
 
 def _write(patcher, report, key: dict, entry: str, found: Settings, entries, partials):
-    """Write the loaded model to `entry`, given the folder's `entries` and `partials` (quant_cache.scan); (the
-    WrittenFile or None, the report's note, a headline or None)."""
+    """Write the loaded model (one worth caching: `_not_worth_caching`) to `entry`, given the folder's `entries`
+    and `partials` (quant_cache.scan); (the WrittenFile or None, the report's note, a headline or None)."""
     start = time.perf_counter()
-    skipped = _not_worth_caching(report)
-    if skipped:
-        return None, skipped, None
     try:
         contents = save_contents(view_modules(patcher, remove_duplicate=False))
     except SaveError as exc:
