@@ -25,6 +25,12 @@ def cuda_capability(device) -> tuple[int, int] | None:
     return _capability(device.type, index)
 
 
+def device_text(device: torch.device) -> str:
+    """"cuda sm90", "cpu": a device as the reports name it."""
+    capability = cuda_capability(device) if device.type == "cuda" else None
+    return device.type + (f" sm{''.join(map(str, capability))}" if capability is not None else "")
+
+
 def cuda_at_least(device, minimum: tuple[int, int]) -> bool:
     """Whether `device` is a CUDA device of compute capability `minimum` or later."""
     capability = cuda_capability(device)

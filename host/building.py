@@ -152,6 +152,33 @@ def clip_types() -> list[str]:
     return [t.name.lower() for t in comfy.sd.CLIPType]
 
 
+def host_marker_formats() -> dict[str, frozenset[str]]:
+    """The marker formats ComfyUI's own loaders read (comfy.quant_ops' QUANT_ALGOS), by name, with the tensors
+    each takes beside the weight; none on a host without them."""
+    try:
+        import comfy.quant_ops
+    except ImportError:
+        return {}
+    algos = getattr(comfy.quant_ops, "QUANT_ALGOS", None) or {}
+    return {name: frozenset(spec.get("parameters", ())) for name, spec in algos.items()}
+
+
+def host_text_encoder(path: str, clip_type: str, embedding_directory, quantized: int):
+    """(the text encoder at `path` as ComfyUI's CLIPLoader loads it, None) where ComfyUI made `quantized` of its
+    layers quantized tensors (its loaders read markers only for some text-encoder families); else (None, why)."""
+    from comfy.quant_ops import QuantizedTensor
+    try:
+        clip = comfy.sd.load_clip(ckpt_paths=[path], embedding_directory=embedding_directory,
+                                  clip_type=getattr(comfy.sd.CLIPType, clip_type.upper()))
+    except Exception as exc:  # e.g. a family whose loader reads no markers: packed weights of the wrong shape
+        return None, f"ComfyUI's own loader failed ({type(exc).__name__}: {' '.join(str(exc).split())[:160]}...)"
+    held = sum(1 for module in clip.cond_stage_model.modules()
+               if isinstance(getattr(getattr(module, "weight", None), "data", None), QuantizedTensor))
+    if held != quantized:
+        return None, f"ComfyUI's own loader kept {held} of the file's {quantized} quantized layers"
+    return clip, None
+
+
 def load_text_encoder(contents: CheckpointContents, builder: LayerBuilder, state_dict: dict, clip_type: str,
                       embedding_directory, patcher_options: dict):
     """A CLIP object whose text encoder was built through `builder` (same guarantees as above)."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import folder_paths
 
-from ..loaders.load import LoadOptions, load
+from ..loaders.load import LoadOptions, emulated_alike, load
 from ..quant.quantize_pass import QuantizeOptions
 from .model import compute_device, quantize_on_clone, quantized_layers
-from .building import ComfyHost
+from .building import ComfyHost, host_marker_formats, host_text_encoder
 from .cache import load_with_cache
 from .dynamic_vram import prepare_dynamic_vram
 from .file_backed import back_with_file
@@ -47,6 +47,17 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
     options = LoadOptions(title, text_encoder=clip_type is not None, conversions=conversions, quantization=quantization,
                           group_size=int(group_size), ignored_layers=ignored_layers, rename_prefixes=rename_prefixes,
                           fit_gib=float(fit_gib))
+    host_note = None
+    if clip_type is not None:
+        alike = emulated_alike(path, options, compute_device(), host_marker_formats())
+        if alike is not None:
+            clip, host_note = host_text_encoder(path, clip_type, folder_paths.get_folder_paths("embeddings"),
+                                                alike.quantized)
+            if clip is not None:
+                short = "loaded by ComfyUI's own text-encoder loader, as CLIPLoader loads it"
+                full = (f"{short}: {alike.why}; nothing the pack does would change how it runs (requantize or "
+                        f"rename_prefixes loads it through the pack)")
+                return node_output(title, short, full, (clip, full))
     cached = cached and clip_type is None
     written = None
     if cached:
@@ -56,6 +67,8 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
     patcher = loaded if clip_type is None else loaded.patcher
     if hasattr(patcher, "cached_patcher_init"):  # upstream's loaders leave the factory that loads them again
         patcher.cached_patcher_init = (reload_patcher, (path, options, clip_type, cached))
+    if host_note is not None:
+        report.notes.append(f"{host_note}, so the pack loaded it")
     backed = back_with_file(loaded, file_name, written) if clip_type is None else None
     if backed:
         report.notes.append(backed)

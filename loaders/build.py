@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import torch_dtype
-from ..hardware import cuda_capability
+from ..hardware import device_text
 from ..quant.decision import QuantConfig, decide, decide_all
 from ..quant.layer import CONVERT, KEEP, LOAD, QUANTIZE, Layer
 from ..quant.linear import QuantLinear, dequantized_weight, quantized_layer, requantized_layer
@@ -223,8 +223,6 @@ class LayerBuilder:
             self.report.notes.append(self._timing_note())
         self.staging.close()
         for fmt, paths in self._paths.items():
-            where = f"{self.device.type}" + (f" sm{''.join(map(str, cuda_capability(self.device)))}"
-                                            if self.device.type == "cuda" else "")
-            self.report.headline_notes.append(f"{fmt} layers on {where}: " + ", ".join(
+            self.report.headline_notes.append(f"{fmt} layers on {device_text(self.device)}: " + ", ".join(
                 f"{label} x{n}" for label, n in paths.items()))
         return self.report

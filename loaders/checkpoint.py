@@ -25,6 +25,7 @@ from ..dtypes import torch_dtype
 from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, SafetensorsHeader, read_header
 from ..quant.registry import convention_formats, formats
 
+MARKER_KIND = "ComfyUI per-layer markers"
 
 
 MarkFileSlice = Callable[[torch.Tensor, int], None]
@@ -219,7 +220,7 @@ def inspect_checkpoint(path, check: Check = None) -> CheckpointContents:
         extra_claimed = set()
         if marked:
             notes = []
-            kind, layers = "ComfyUI per-layer markers", inspect_markers(header, source, check, notes)
+            kind, layers = MARKER_KIND, inspect_markers(header, source, check, notes)
         elif conventions:
             found = convention_formats()[next(iter(conventions))].read_convention(file)
             kind, layers, extra_claimed, notes = found.kind, found.layers, found.claimed, found.notes

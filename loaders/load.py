@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
+from ..hardware import device_text
 from ..quant import QuantConfig, get_method
 from ..quant.keep import keep_patterns
+from ..quant.kitchen_layout import BlockFormat
 from ..quant.kitchen_api import require_kitchen
 from ..quant.linear import QuantLinear
 from ..quant.quantize_pass import online_method, stored_conversions
@@ -24,7 +27,7 @@ from ..quant.registry import fit_formats
 from ..quant.report import QuantReport
 from ..units import format_gib
 from .build import LayerBuilder
-from .checkpoint import CheckpointContents, MarkFileSlice, inspect_checkpoint
+from .checkpoint import MARKER_KIND, CheckpointContents, MarkFileSlice, inspect_checkpoint
 from .file_map import release_file_map
 
 
@@ -104,6 +107,46 @@ def load(path: str, options: LoadOptions, device: torch.device, host: Host) -> t
         report.notes.append(f"copied the {format_gib(copied)} of the file's tensors ComfyUI kept "
                             "mapped, so the file's map is released")
     return loaded, report
+
+
+@dataclass(frozen=True)
+class HostAlike:
+    why: str         # for the report
+    quantized: int   # the file's quantized layers, which the host's load must hold as such
+
+
+def emulated_alike(path: str, options: LoadOptions, device: torch.device,
+                   host_formats: dict[str, frozenset[str]]) -> HostAlike | None:
+    """Why the host's own loader would load the text encoder at `path` as this load would, or None.
+
+    So where the file is a marker file whose every layer the host reads (`host_formats`: its marker formats by
+    name, with the tensor roles each takes beside the weight) and whose block-format layers (NVFP4, MXFP8) this
+    device runs dequantized before each matmul in either loader, with no conversion (`requantize`), renaming or
+    quantization asked. A text encoder's time is moving its weights, not computing: the pack's kernels gain
+    nothing there, while the host's loader keeps the weights where its memory management moves them fastest."""
+    if not options.text_encoder or options.quantization != "none" or parse_prefix_rules(options.rename_prefixes):
+        return None
+    contents = inspect_checkpoint(path)
+    if contents.kind != MARKER_KIND or not contents.layers:
+        return None
+    conversions = stored_conversions(options.conversions)
+    emulated = Counter()
+    for layer in contents.layers.values():
+        roles = host_formats.get(layer.format)
+        if roles is None or not set(layer.tensors) - {"weight"} <= roles:
+            return None
+        if conversions.get(layer.format) == "requantize":
+            return None
+        if isinstance(layer.spec, BlockFormat) and not layer.spec.native(device):
+            emulated[layer.format] += 1
+    if not emulated:
+        return None
+    def listed(counts: Counter) -> str:
+        return ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items()))
+    every = Counter(layer.format for layer in contents.layers.values())
+    return HostAlike(f"its {listed(emulated)} layers run dequantized before each matmul on {device_text(device)} in "
+                     f"either loader, and ComfyUI reads every layer of the file ({listed(every)})",
+                     len(contents.layers))
 
 
 def model_contents(path: str, options: LoadOptions, host: Host) -> CheckpointContents:

@@ -141,7 +141,10 @@ class QuantizedCLIPLoader(io.ComfyNode):
                 "Loads a text encoder saved as self-describing Quanto qint8 (e.g. DeepBeepMeep's MiniMax-H3 "
                 f"encoder) or with ComfyUI per-layer markers ({marker_format_list()}), as "
                 "CLIPLoader loads a plain one. Quanto qint8 saves memory, not time: each layer's weight is "
-                "dequantized just before its matmul."
+                "dequantized just before its matmul. A marker file whose NVFP4 / MXFP8 layers this GPU runs "
+                "dequantized before each matmul in either loader goes to ComfyUI's own loader where that reads "
+                "every layer (checked; else the pack loads it and says why): a text encoder's time is moving "
+                "its weights, which ComfyUI's loader does fastest; requantize or rename_prefixes loads it here."
             ),
             inputs=[
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),

@@ -57,24 +57,6 @@ HEADLINE = [
          ("comfy_fp8_fast_sage", "ComfyUI `fp8_e4m3fn_fast` + its `--use-sage-attention` (SageAttention 2)"),
          ("pack_auto_sage", "LoadH3Quantized `auto` + SetAttentionBackend `sage` (SageAttention 2)"),
      ]),
-    ("MiniMax-H3 full (33B), 32,690 tokens, ComfyUI 0.33.0, dynamic VRAM, each file against itself resident",
-     "comfy-e2e-h3full-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
-         ("comfy_int8_marker_resident", "ComfyUI UNETLoader, int8_convrot file (reference)"),
-         ("comfy_int8_marker", "ComfyUI UNETLoader, int8_convrot file"),
-         ("pack_mixed_int8", "MixedCheckpointLoader, int8_convrot file"),
-         ("comfy_fp8_marker_resident", "ComfyUI UNETLoader, FP8 file (reference)"),
-         ("comfy_fp8_marker", "ComfyUI UNETLoader, FP8 file"),
-         ("pack_mixed_fp8", "MixedCheckpointLoader, FP8 file"),
-     ]),
-    ("MiniMax-H3 full (33B) in 4 bits, 32,690 tokens, ComfyUI 0.33.0, dynamic VRAM, each file against itself resident",
-     "comfy-e2e-h3full-4bit-nvidia-h200-comfyui-0.33.0-2026-12-02.json", [
-         ("comfy_w4a8_marker_resident", "ComfyUI UNETLoader, W4A8 file (reference)"),
-         ("comfy_w4a8_marker", "ComfyUI UNETLoader, W4A8 file"),
-         ("pack_mixed_w4a8", "MixedCheckpointLoader, W4A8 file"),
-         ("comfy_w4a4_marker_resident", "ComfyUI UNETLoader, W4A4 file (reference)"),
-         ("comfy_w4a4_marker", "ComfyUI UNETLoader, W4A4 file"),
-         ("pack_mixed_w4a4", "MixedCheckpointLoader, W4A4 file"),
-     ]),
 ]
 
 
@@ -120,9 +102,10 @@ def headline() -> str:
 
 # The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
 # its configurations (the reference, template_sage, first); each setting's runs came from one GPU machine.
-JOB_RUNS = (
-    ("turbo", ("whole-job-turbo-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
-    ("default", ("whole-job-default-template-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",
+JOB_RUNS = (  # (setting, RAM GiB, files)
+    ("turbo", 64, ("whole-job-turbo-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
+    ("turbo", 32, ("whole-job-turbo-32g-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
+    ("default", 64, ("whole-job-default-template-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",
                  "whole-job-default-pack-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json")),
 )
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
@@ -130,19 +113,19 @@ JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": 
 
 
 def job_table() -> str:
-    lines = ["| setting, job | configuration | job s | vs template + Sage | encoder | model_load | sampling "
+    lines = ["| setting, RAM, job | configuration | job s | vs template + Sage | encoder | model_load | sampling "
              "(first step) | s/step | VAE decode | save | RSS GiB (unreclaimable) | latent cosine |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for setting, names in JOB_RUNS:
+    for setting, ram_gib, names in JOB_RUNS:
         records = [r for name in names for r in load(name)["results"] if r.get("status") == "ok"]
         for job in (1, 2):
-            ran = [r for r in records if r["job"] == job and r["setting"] == setting]
+            ran = [r for r in records if r["job"] == job and r["setting"] == setting and r["ram_gib"] == ram_gib]
             reference = next(r for r in ran if r["config"] == "template_sage")
             for r in ran:
                 stages, sampling = r["stages"], r["sampling"]
                 cosine = ((r.get("latent") or {}).get("vs_template_sage") or {}).get("video", {}).get("cosine")
                 lines.append(
-                    f"| {setting}, {job} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
+                    f"| {setting}, {ram_gib} GiB, {job} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
                     f"{reference['wall_s'] / r['wall_s']:.2f}x | {stages.get('encoder', 0):.1f} | "
                     f"{stages.get('model_load', 0):.1f} | {stages.get('sampling', 0):.1f} "
                     f"({sampling['step_seconds'][0]:.1f}) | {sampling['step_s']:.2f} | "

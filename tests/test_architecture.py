@@ -205,12 +205,13 @@ def test_the_layout_names_every_top_level_module_and_package():
 
 
 def test_the_host_calls_the_core_pipelines_through_their_entry_points():
-    """host/loading.py takes from the core only the two pipelines' entry points: the rest of a load (inspect,
-    decide, build, release) runs in loaders/load.py, which calls back only through its Host
-    (tests/test_load_pipeline.py), and QuantizeModelINT8's pass in quant/quantize_pass.py (host/model.py)."""
+    """host/loading.py takes from the core only the two pipelines' entry points (and `emulated_alike`, whether a
+    text encoder's load would run as the host's own loader runs it): the rest of a load (inspect, decide, build,
+    release) runs in loaders/load.py, which calls back only through its Host (tests/test_load_pipeline.py), and
+    QuantizeModelINT8's pass in quant/quantize_pass.py (host/model.py)."""
     def core_names(path):
         tree = ast.parse((PACK_ROOT / "host" / path).read_text())
         return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 2
                 and node.module.split(".")[0] in CORE for alias in node.names}
-    assert core_names("loading.py") == {"LoadOptions", "load", "QuantizeOptions"}
+    assert core_names("loading.py") == {"LoadOptions", "load", "emulated_alike", "QuantizeOptions"}
     assert {"QuantizeOptions", "quantize_model"} <= core_names("model.py")

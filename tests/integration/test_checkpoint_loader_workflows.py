@@ -484,6 +484,61 @@ def test_quantized_clip_loader_nvfp4_awq_clip_l(comfy, clip_l):
     assert 0 < difference < 2e-2
 
 
+_QWEN3_06B = """
+import sys
+from comfy.cli_args import args
+args.cpu = True
+import torch, comfy.ops, comfy.text_encoders.llama, safetensors.torch
+with torch.device("meta"):
+    model = comfy.text_encoders.llama.Qwen3_06B({}, torch.bfloat16, "meta", comfy.ops.manual_cast)
+gen, sd = torch.Generator().manual_seed(0), {}
+for name, ref in model.state_dict().items():
+    if ref.dim() >= 2:
+        sd[name] = ((torch.rand(ref.shape, generator=gen) * 2 - 1) * ref.shape[-1] ** -0.5).to(torch.bfloat16)
+    else:
+        sd[name] = torch.ones(ref.shape, dtype=torch.bfloat16)
+safetensors.torch.save_file(sd, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b(comfy):
+    """A random Qwen3-0.6B text encoder (upstream's smallest whose loader reads per-layer markers; 0.6B
+    parameters, bf16) with its first two blocks' Linear layers in NVFP4 with AWQ scales: (file, NVFP4 layers)."""
+    folder = comfy.models_dir / "text_encoders"
+    folder.mkdir(exist_ok=True)
+    plain, awq = folder / "qwen3_06b_random.safetensors", folder / "qwen3_06b_nvfp4_awq.safetensors"
+    subprocess.run([str(comfy.python), "-c", _QWEN3_06B, str(plain)], cwd=comfy.comfyui, check=True)
+    layers = [f"model.layers.{b}.{name}" for b in range(2) for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    write_nvfp4_awq(plain, awq, layers)
+    plain.unlink()
+    return awq, layers
+
+
+@pytest.mark.host_feature("nvfp4_pre_quant_scale")
+def test_quantized_clip_loader_hands_an_emulated_file_to_the_hosts_loader(comfy, qwen3_06b):
+    """A text encoder whose NVFP4 layers this device would run dequantized before each matmul in either loader,
+    in a family whose loader reads markers: QuantizedCLIPLoader hands it to ComfyUI's own loader (its memory
+    management moves the weights of a second prompt faster), so the conditioning is CLIPLoader's, bit for bit;
+    `nvfp4: requantize` loads it through the pack, which converts the layers."""
+    awq, layers = qwen3_06b
+    reference = encode(comfy, "CLIPLoader", awq.name)
+    handed = encode(comfy, "QuantizedCLIPLoader", awq.name)
+    report = handed["report"]["text"][0]
+    assert report.startswith("loaded by ComfyUI's own text-encoder loader, as CLIPLoader loads it: its nvfp4 "
+                             f"x{len(layers)} layers run dequantized before each matmul on cpu"), report
+    expected, got = _floats(reference["cond"]["text"][0]), _floats(handed["cond"]["text"][0])
+    assert expected.numel() > 20 and torch.equal(got, expected)
+    converted = encode(comfy, "QuantizedCLIPLoader", awq.name, {"type": "stable_diffusion", "nvfp4": "requantize"})
+    lines = converted["report"]["text"][0].splitlines()
+    assert lines[0].startswith("quantized "), lines
+    assert f"nvfp4 layers on cpu: re-quantized at load to int8_convrot(g=256) x{len(layers)}" in lines, lines
+    moved = (_floats(converted["cond"]["text"][0]) - expected).abs().max().item()
+    assert 0 < moved < 5e-2, moved
+
+
 H3_EXAMPLES = [Path(__file__).resolve().parents[2] / "example_workflows" / "api" / f"{name}.json"
                for name in template_workflows.EXAMPLES]
 
@@ -505,6 +560,9 @@ def test_quantized_clip_loader_as_the_h3_examples_configure_it(comfy, clip_l):
     report, difference = encoded_difference(comfy, clip_l, awq.name, inputs)
     assert report.splitlines()[0] == f"quantized {len(linears)}/{len(linears)} linear layers", report
     assert f"formats: nvfp4 x{len(linears)}" in report.splitlines(), report
+    # upstream reads no markers for a CLIP-L: its loader was tried and the pack loaded the file, saying why
+    assert re.search(r"^ComfyUI's own loader (failed|kept 0 of the file's \d+ quantized layers).*so the pack loaded "
+                     r"it$", report, re.M), report
     # as test_quantized_clip_loader_nvfp4_awq_clip_l (measured 0.0074)
     assert 0 < difference < 2e-2
 
