@@ -183,9 +183,12 @@ class LayerBuilder:
             built = self.layer_type(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
         else:  # the file's tensors as a layer, for the one dequantize-then-quantize routine
             as_stored = QuantLinear(method, layer.in_features, layer.out_features, tensors, bias, layer.compute_dtype)
-            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type)
+            watch = None
             if self.config.conversions.get(stored.format) == "auto":  # checked at its first real call
-                watch_conversion(built, layer.name, method, tensors, bias, self.device)
+                def watch(new, weight):
+                    watch_conversion(new, layer.name, method, tensors, bias, weight)
+            built = requantized_layer(as_stored, layer.method, self.device, home, layer_type=self.layer_type,
+                                      watch=watch)
         self.consumed.add(layer.name)
         return built
 

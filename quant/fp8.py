@@ -170,7 +170,9 @@ class Fp8Method(LinearMethod):
             # Row-wise scaled GEMMs write 16-bit outputs (fp32 only on some torch versions); an fp32
             # input gets the 16-bit result widened. cuBLASLt fuses a bias only into 16-bit outputs.
             gemm_dtype = out_dtype if out_dtype != torch.float32 else _sixteen_bit(layer.compute_dtype)
-            fused_bias = bias is not None and gemm_dtype == out_dtype
+            shape = (x.device, xq.shape[0], xq.shape[1], n_out, out_dtype)
+            fused_bias = bias is not None and gemm_dtype == out_dtype and (
+                torch.compiler.is_compiling() or shape not in _NO_FUSED_BIAS)  # a trace keeps its own
             try:
                 out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale,
                                        bias=bias.to(out_dtype) if fused_bias else None,
@@ -181,6 +183,7 @@ class Fp8Method(LinearMethod):
                 if not fused_bias or "NOT_SUPPORTED" not in str(exc):
                     raise
                 fused_bias = False
+                _NO_FUSED_BIAS.add(shape)  # its next calls go straight to the product without the epilogue
                 out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=gemm_dtype,
                                        use_fast_accum=True).to(out_dtype)
             if bias is not None and not fused_bias:
@@ -189,6 +192,10 @@ class Fp8Method(LinearMethod):
             out = F.linear(xq.float() * x_scale, weight.float() * w_scale.reshape(-1, 1),
                            None if bias is None else bias.float()).to(out_dtype)
         return out.reshape(*lead, n_out)
+
+
+#: (device, rows, in, out, dtype) of the GEMMs cuBLASLt refused a fused bias for, in this process
+_NO_FUSED_BIAS: set[tuple] = set()
 
 
 def _sixteen_bit(dtype: torch.dtype) -> torch.dtype:

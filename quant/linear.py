@@ -80,11 +80,14 @@ def _smoothing_folded(weight: torch.Tensor, pre_scale: torch.Tensor | None) -> t
 def requantized_layer(source: nn.Module, target: LayerMethod, device: torch.device, home: torch.device,
                       layer_type: type["QuantLinear"] | None = None, *,
                       dequantize: Callable[[nn.Module, torch.device], torch.Tensor] | None = None,
-                      compute_dtype: torch.dtype | None = None) -> "QuantLinear":
+                      compute_dtype: torch.dtype | None = None,
+                      watch: Callable[["QuantLinear", torch.Tensor], None] | None = None) -> "QuantLinear":
     """The one dequantize-then-quantize routine: `source`'s weight dequantized on `device` (a QuantLinear's by
     its method; another stored layer's, a host's own, by `dequantize(source, device)`, computing in
     `compute_dtype`), its smoothing pre_quant_scale folded in, and quantized by `target`, as a layer on `home`
-    with `source`'s bias, of `layer_type` (default: a QuantLinear source's type).
+    with `source`'s bias, of `layer_type` (default: a QuantLinear source's type). `watch(new layer, weight)` is
+    handed the full-precision weight it was quantized from (a first-call check's reference), so none dequantizes
+    it again.
 
     A patch written into `source` (a LoRA) is left out, as its host patches the new layer itself: a layer that
     does not hold its unpatched weight (the host keeps it) raises."""
@@ -99,8 +102,11 @@ def requantized_layer(source: nn.Module, target: LayerMethod, device: torch.devi
             weight = _smoothing_folded(dequantize(source, device), source._parameters.get(PRE_QUANT_SCALE))
     bias = source._parameters.get("bias")
     bias = None if bias is None else bias.detach().to(compute_dtype)
-    return quantized_layer(target, weight, source.in_features, source.out_features, bias, compute_dtype,
-                           device, home, layer_type=layer_type)
+    built = quantized_layer(target, weight, source.in_features, source.out_features, bias, compute_dtype,
+                            device, home, layer_type=layer_type)
+    if watch is not None:
+        watch(built, weight)
+    return built
 
 
 class QuantLinear(nn.Module):

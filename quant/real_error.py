@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..pack_logging import pack_logger
 from .kitchen_api import apply_input_act
-from .linear import QuantLinear, dequantized_weight, quantized_layer
+from .linear import QuantLinear, quantized_layer
 from .linear_method import LinearMethod, output_dtype
 
 log = pack_logger(__name__)
@@ -311,11 +311,10 @@ def watch_auto_choice(built: QuantLinear, name: str, selector, reference: torch.
 
 
 def watch_conversion(built: QuantLinear, name: str, stored: LinearMethod, tensors: dict[str, torch.Tensor],
-                     bias: torch.Tensor | None, device: torch.device) -> None:
+                     bias: torch.Tensor | None, reference: torch.Tensor) -> None:
     """Give `built` (converted from a stored layer: `stored`'s `tensors`, in the file's map) its first-call check
-    against their dequantized weight (computed on `device`), with `conversion_fallbacks`."""
+    against `reference`, their dequantized weight (requantized_layer's), with `conversion_fallbacks`."""
     k, n, dtype = built.in_features, built.out_features, built.compute_dtype
-    reference = dequantized_weight(stored, tensors, k, n, dtype, device)
     built.real_check = RealErrorCheck(name, OutputSketch(reference, bias),
                                       conversion_fallbacks(stored, tensors, k, n, bias, dtype))
 

@@ -171,6 +171,7 @@ def test_fp8_gemm_without_an_algorithm_for_its_fused_bias_adds_the_bias_after(mo
 
     monkeypatch.setattr(fp8, "native_fp8_supported", lambda device: True)
     monkeypatch.setattr(fp8, "_fast_quantize_rows", fp8.quantize_rows)
+    monkeypatch.setattr(fp8, "_NO_FUSED_BIAS", set())
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     gen = torch.Generator().manual_seed(0)
     linear = nn.Linear(64, 32, bias=True).to(torch.bfloat16)
@@ -182,6 +183,9 @@ def test_fp8_gemm_without_an_algorithm_for_its_fused_bias_adds_the_bias_after(mo
     assert calls == [True, False]
     reference = F.linear(x.float(), linear.weight.float(), linear.bias.float())
     assert float((out.float() - reference).norm() / reference.norm()) < 0.05  # FP8's own error, bias included
+    assert torch.equal(layer(x), out) and calls == [True, False, False]  # the refused shape is not tried again
+    layer(torch.randn(5, 64, generator=gen).to(torch.bfloat16))
+    assert calls[3:] == [True, False]  # another shape is
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other failure")))
     with pytest.raises(RuntimeError, match="other failure"):
         layer(x)

@@ -198,6 +198,17 @@ def test_int8_conversion_falls_back_to_the_stored_layer(tmp_path, int8_converted
     assert file_map.holds(layer.real_check.route.weight)  # read from the file's map, not copied
 
 
+def test_a_conversion_dequantizes_the_stored_weight_once(tmp_path, int8_converted_by_auto, monkeypatch):
+    """The converted layer and its first-call check's reference come from one dequantization of the stored weight
+    (requantized_layer hands it to the check): none is made again."""
+    spec_method = type(get_method("int8_tensorwise"))
+    calls, original = [], spec_method.dequantize
+    monkeypatch.setattr(spec_method, "dequantize", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    model, _ = load(int8_file(tmp_path, outliers=False, convrot=True), conversions={"int8_tensorwise": "auto"})
+    assert model.proj.method.name == FP8 and model.proj.real_check is not None
+    assert len(calls) == 1, calls
+
+
 def test_int8_conversion_rejected_on_outliers_runs_the_stored_weight_in_full_precision(tmp_path,
                                                                                         int8_converted_by_auto):
     """Stored without the rotation, the outlier channels' tiny weights are INT8 zeros: the output is all the small
