@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .descriptor import PRE_QUANT_SCALE
+from . import swiglu
 from .kitchen_api import apply_input_act
 from .witness import count_run
 
@@ -193,7 +194,7 @@ class QuantLinear(nn.Module):
             input_act = None
         branches = self.output_branches()
         if branches and input_act is not None:
-            x, input_act = apply_input_act(x, input_act), None  # once, for the GEMM and the branches
+            x, input_act = swiglu.activated(x, input_act), None  # once, for the GEMM and the branches
         weight_patches, bias_patches = self.weight_patches("weight"), self.weight_patches("bias")
         if weight_patches or bias_patches:
             out = self._forward_patched(x, input_act, weight_patches, bias_patches)

@@ -9,7 +9,8 @@ then the sum with the layer's output). Each: ms (CUDA events, warmed up, median 
 branch's cost in ms and in % of the layer; the sum over one block (its four layers). With --step-s (the s/step
 measured at that length, e.g. from whole_job.py) and --blocks, the branch's share of a step; the target is at most 3%.
 
-    python tests/bench/lora_branch.py --comfyui /path/to/comfyui-0.33.0 [--rows 32700] [--step-s S --blocks N]
+    python tests/bench/lora_branch.py --comfyui /path/to/comfyui-0.33.0 [--rows 32700] [--step-s S --blocks N] \
+        [--profile]   # --profile: each variant's CUDA kernels, the longest first
 """
 import argparse
 import os
@@ -31,7 +32,19 @@ GROUP = 256
 TARGET_STEP_SHARE = 0.03
 
 
-def bench_shape(name, k, n, act, rank, rows):
+def kernel_breakdown(fn, top: int = 8) -> list[dict]:
+    """The CUDA kernels of one call of `fn` (torch.profiler), the longest first: [{"kernel", "ms"}]."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    def device_us(e):  # torch's name for it changed from cuda_time_total
+        return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+    events = sorted((e for e in prof.key_averages() if device_us(e) > 0), key=lambda e: -device_us(e))
+    return [{"kernel": e.key[:90], "ms": device_us(e) / 1000} for e in events[:top]]
+
+
+def bench_shape(name, k, n, act, rank, rows, profiled=False):
     from bigdit.host.layers import ComfyQuantLinear
     from bigdit.host.lora_branch import LoraBranch, LowRank
     from bigdit.quant.int8_convrot import Int8ConvRotMethod
@@ -69,6 +82,8 @@ def bench_shape(name, k, n, act, rank, rows):
         for cand, fn in (("layer", plain), ("branch", with_branch), ("bypass_h", bypass_h)):
             outs[cand] = fn().float()  # the first call measures the method's kernels
             row[cand] = {"ms": cuda_time_ms(fn)}
+            if profiled:
+                row[cand]["kernels"] = kernel_breakdown(fn)
         delta = outs["bypass_h"] - outs["layer"]
         row["branch_vs_bypass_rel"] = ((outs["branch"] - outs["bypass_h"]).norm() / delta.norm()).item()
     for cand in ("branch", "bypass_h"):
@@ -86,6 +101,7 @@ def main():
     ap.add_argument("--rows", type=int, default=32700)
     ap.add_argument("--step-s", type=float, default=None, help="s/step measured at these rows")
     ap.add_argument("--blocks", type=int, default=None, help="blocks per step's forward(s)")
+    ap.add_argument("--profile", action="store_true", help="also each variant's CUDA kernels, one call profiled")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not args.comfyui:
@@ -94,12 +110,14 @@ def main():
     import comfy.model_patcher  # noqa: F401 - ComfyUI's modules the branch's module imports
 
     print(f"{torch.cuda.get_device_name()}, {args.rows} rows: ms per call (branch cost: ms, % of the layer)")
-    results = [bench_shape(name, *shape, args.rows) for name, shape in SHAPES.items()]
+    results = [bench_shape(name, *shape, args.rows, args.profile) for name, shape in SHAPES.items()]
     for r in results:
         print(f"{r['shape']:9} rank {r['rank']:3}: layer {r['layer']['ms']:7.3f}  with the branch "
               f"{r['branch']['ms']:7.3f} (+{r['branch']['cost_ms']:.3f}, {100 * r['branch']['cost_fraction']:.1f}%)"
               f"  as bypass h {r['bypass_h']['ms']:7.3f} (+{r['bypass_h']['cost_ms']:.3f})"
               f"  branch vs h: {r['branch_vs_bypass_rel']:.1e}", flush=True)
+        for cand in ("layer", "branch") if args.profile else ():
+            print(f"    {cand:6} " + "; ".join(f"{k['kernel'][:48]} {k['ms']:.3f}" for k in r[cand]["kernels"]))
     block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "bypass_h")}
     summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results)}
     print(f"one block: the four layers {summary['block_layers_ms']:.2f} ms; the branch adds {block['branch']:.2f} ms "
