@@ -157,6 +157,37 @@ def write_nvfp4_awq(src, dst, layers, seed=0, dtype=torch.bfloat16):
     return scales
 
 
+_QWEN3_06B = """
+import sys
+import torch
+from comfy.cli_args import args
+args.cpu = not torch.cuda.is_available()
+import comfy.ops, comfy.text_encoders.llama, safetensors.torch
+with torch.device("meta"):
+    model = comfy.text_encoders.llama.Qwen3_06B({}, torch.bfloat16, "meta", comfy.ops.manual_cast)
+gen, sd = torch.Generator().manual_seed(0), {}
+for name, ref in model.state_dict().items():
+    if ref.dim() >= 2:
+        sd[name] = ((torch.rand(ref.shape, generator=gen) * 2 - 1) * ref.shape[-1] ** -0.5).to(torch.bfloat16)
+    else:
+        sd[name] = torch.ones(ref.shape, dtype=torch.bfloat16)
+safetensors.torch.save_file(sd, sys.argv[1])
+"""
+QWEN3_06B_NVFP4_LAYERS = [f"model.layers.{b}.{name}" for b in range(2) for name in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+
+
+def write_qwen3_06b_nvfp4_awq(dst, python, comfyui):
+    """A random Qwen3-0.6B text encoder (upstream's smallest whose loader reads per-layer markers; 0.6B parameters,
+    bf16, made by upstream's own model class with `python` in its folder `comfyui`) with its first two blocks'
+    Linear layers (QWEN3_06B_NVFP4_LAYERS) in NVFP4 with AWQ scales, as Comfy-Org's H3 encoder stores its layers."""
+    plain = Path(dst).with_suffix(".plain.safetensors")
+    subprocess.run([str(python), "-c", _QWEN3_06B, str(plain)], cwd=comfyui, check=True, timeout=600)
+    write_nvfp4_awq(plain, dst, QWEN3_06B_NVFP4_LAYERS)
+    plain.unlink()
+
+
 def fp8_linear_names(sd) -> list[str]:
     """The Linear layers of a plain state dict: every 2-D float `.weight`."""
     return [k[:-len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2

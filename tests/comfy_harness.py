@@ -100,6 +100,28 @@ print(json.dumps({name: bool(eval(expr)) for name, expr in json.loads(sys.argv[1
 """
 
 
+#: The start of a GPU test's probe script, run in upstream's ComfyUI folder with the pack's root as argv[1]: comfy-aimdo
+#: loaded before its modules bind it, the GPU handed to it and the dynamic patcher made the default, as upstream's
+#: main.py does; `torch`, `comfy.model_management as mm` and `bigdit` imported.
+DYNAMIC_VRAM_PRELUDE = r"""
+import os, sys, types
+sys.path.insert(0, os.getcwd())
+import comfy_aimdo.control
+assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"
+import torch
+import comfy.memory_management, comfy.model_management as mm, comfy.model_patcher
+devices = mm.get_all_torch_devices()
+try:  # upstream's main.py, both protocols of comfy-aimdo
+    ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
+except TypeError:
+    ready = comfy_aimdo.control.init_devices(d.index for d in devices)
+assert ready, "comfy-aimdo did not take the GPU"
+comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+comfy.memory_management.aimdo_enabled = True
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
+"""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("BIGDIT_CACHE") or Path.home() / ".cache" / "bigdit")
 

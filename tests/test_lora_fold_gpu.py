@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_harness import PACK_ROOT, TESTS_DIR, cache_dir
+from comfy_harness import DYNAMIC_VRAM_PRELUDE, PACK_ROOT, TESTS_DIR, cache_dir
 from lora_calls import COUNT_LORA_CALLS
 
 COMFYUI = Path(os.environ.get("BIGDIT_COMFYUI") or cache_dir() / "comfyui-0.33.0")
@@ -62,28 +62,15 @@ PAGE_SAME = 1e-3
 # branch, tests/integration/test_lora_branch.py).
 BRANCH_ROUNDING = 2 ** -7
 
-PROBE = r"""
-import json, os, sys, tempfile, time, types
-pack_root, tests_dir = sys.argv[1:3]
-sys.path.insert(0, os.getcwd())
-import comfy_aimdo.control
-assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"  # before its modules bind it
-import torch
-import comfy.lora, comfy.memory_management, comfy.model_management as mm, comfy.model_patcher, comfy.sd, comfy.utils
+PROBE = DYNAMIC_VRAM_PRELUDE + r"""
+import json, tempfile, time
+tests_dir = sys.argv[2]
+import comfy.lora, comfy.sd, comfy.utils
 import folder_paths
-devices = mm.get_all_torch_devices()
-try:  # upstream's main.py, both protocols of comfy-aimdo
-    ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
-except TypeError:
-    ready = comfy_aimdo.control.init_devices(d.index for d in devices)
-assert ready, "comfy-aimdo did not take the GPU"
-comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-comfy.memory_management.aimdo_enabled = True
 sys.path.insert(0, tests_dir)
 import safetensors.torch
 from tiny_models import _tiny_wan
 from checkpoint_files import write_loha, write_lora
-pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.host import dynamic_vram
 from bigdit.host.loading import load_checkpoint
 from bigdit.quant.linear import QuantLinear

@@ -24,13 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_files import write_nvfp4_awq
-from comfy_harness import PACK_ROOT, TESTS_DIR, cache_dir
+from checkpoint_files import QWEN3_06B_NVFP4_LAYERS, write_qwen3_06b_nvfp4_awq
+from comfy_harness import DYNAMIC_VRAM_PRELUDE, PACK_ROOT, cache_dir
 
 COMFYUI = Path(os.environ.get("BIGDIT_COMFYUI") or cache_dir() / "comfyui-0.33.0")
-LAYERS = [f"model.layers.{b}.{name}" for b in range(2) for name in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+LAYERS = QWEN3_06B_NVFP4_LAYERS
 MAX_REL_L2 = 1e-3
 
 
@@ -47,38 +45,11 @@ def _missing() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
-PLAIN = r"""
-import sys
-import torch, comfy.ops, comfy.text_encoders.llama, safetensors.torch
-with torch.device("meta"):
-    model = comfy.text_encoders.llama.Qwen3_06B({}, torch.bfloat16, "meta", comfy.ops.manual_cast)
-gen, sd = torch.Generator().manual_seed(0), {}
-for name, ref in model.state_dict().items():
-    if ref.dim() >= 2:
-        sd[name] = ((torch.rand(ref.shape, generator=gen) * 2 - 1) * ref.shape[-1] ** -0.5).to(torch.bfloat16)
-    else:
-        sd[name] = torch.ones(ref.shape, dtype=torch.bfloat16)
-safetensors.torch.save_file(sd, sys.argv[1])
-"""
-
-PROBE = r"""
-import json, os, sys, time, types
-pack_root, folder, name = sys.argv[1], sys.argv[2], sys.argv[3]
-sys.path.insert(0, os.getcwd())
-import comfy_aimdo.control
-assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"  # before its modules bind it
-import torch
-import comfy.memory_management, comfy.model_management as mm, comfy.model_patcher, comfy.sd, folder_paths
+PROBE = DYNAMIC_VRAM_PRELUDE + r"""
+import json, time
+folder, name = sys.argv[2], sys.argv[3]
+import comfy.sd, folder_paths
 from comfy.quant_ops import QuantizedTensor
-devices = mm.get_all_torch_devices()
-try:  # upstream's main.py, both protocols of comfy-aimdo
-    ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
-except TypeError:
-    ready = comfy_aimdo.control.init_devices(d.index for d in devices)
-assert ready, "comfy-aimdo did not take the GPU"
-comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-comfy.memory_management.aimdo_enabled = True
-pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.host.loading import load_checkpoint
 folder_paths.add_model_folder_path("text_encoders", folder)
 PROMPTS = ("a cat on a red sofa", "a storm over the sea at night")
@@ -111,10 +82,8 @@ print(json.dumps({"report": report, "dynamic": clip.patcher.is_dynamic(), "host_
 
 
 def test_an_emulated_text_encoder_is_loaded_by_the_hosts_loader_under_dynamic_vram(tmp_path):
-    plain, awq = tmp_path / "qwen3_06b.safetensors", tmp_path / "qwen3_06b_nvfp4_awq.safetensors"
-    subprocess.run([sys.executable, "-c", PLAIN, str(plain)], cwd=COMFYUI, check=True, timeout=600)
-    write_nvfp4_awq(plain, awq, LAYERS)
-    plain.unlink()
+    awq = tmp_path / "qwen3_06b_nvfp4_awq.safetensors"
+    write_qwen3_06b_nvfp4_awq(awq, sys.executable, COMFYUI)
     result = subprocess.run([sys.executable, "-c", PROBE, str(PACK_ROOT), str(tmp_path), awq.name], cwd=COMFYUI,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-8000:]

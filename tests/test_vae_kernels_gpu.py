@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_harness import PACK_ROOT, TESTS_DIR, cache_dir
+from comfy_harness import DYNAMIC_VRAM_PRELUDE, PACK_ROOT, TESTS_DIR, cache_dir
 
 sys.path.insert(0, str(TESTS_DIR / "bench"))
 import e2e_models  # noqa: E402
@@ -49,25 +49,12 @@ def _missing() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
-PROBE = r"""
-import json, logging, math, os, sys, time, types
-pack_root, tests_dir, vae_path, shape = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-sys.path.insert(0, os.getcwd())
-import comfy_aimdo.control
-assert comfy_aimdo.control.init(), "comfy-aimdo's library did not load"  # before its modules bind it
-import torch
-import comfy.memory_management, comfy.model_management as mm, comfy.model_patcher, comfy.sd, comfy.utils
-devices = mm.get_all_torch_devices()
-try:  # upstream's main.py, both protocols of comfy-aimdo
-    ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
-except TypeError:
-    ready = comfy_aimdo.control.init_devices(d.index for d in devices)
-assert ready, "comfy-aimdo did not take the GPU"
-comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-comfy.memory_management.aimdo_enabled = True
+PROBE = DYNAMIC_VRAM_PRELUDE + r"""
+import json, logging, math, time
+tests_dir, vae_path, shape = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+import comfy.sd, comfy.utils
 sys.path.insert(0, os.path.join(tests_dir, "fixtures", "bigdit_testnodes"))
 import tiny_vae
-pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.host.vae import set_vae_kernels
 
 lines = []

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from bad_checkpoints import BAD_FILES, UNIT_ONLY, many_markers_file
-from checkpoint_files import (CONVERTER_MODES, edit_checkpoint, load, save, write_converted, write_dequantized,
-                              write_kitchen, write_markers, write_nvfp4_awq, write_quanto, write_quanto_reference)
+from checkpoint_files import (CONVERTER_MODES, QWEN3_06B_NVFP4_LAYERS, edit_checkpoint, load, save, write_converted,
+                              write_dequantized, write_kitchen, write_markers, write_nvfp4_awq,
+                              write_qwen3_06b_nvfp4_awq, write_quanto, write_quanto_reference)
 from comfy_harness import PACK_ROOT, ComfyServer, PromptError
 from graphs import rel_l2, run_loader, wan_t2v_graph
 import template_workflows
@@ -484,37 +485,15 @@ def test_quantized_clip_loader_nvfp4_awq_clip_l(comfy, clip_l):
     assert 0 < difference < 2e-2
 
 
-_QWEN3_06B = """
-import sys
-from comfy.cli_args import args
-args.cpu = True
-import torch, comfy.ops, comfy.text_encoders.llama, safetensors.torch
-with torch.device("meta"):
-    model = comfy.text_encoders.llama.Qwen3_06B({}, torch.bfloat16, "meta", comfy.ops.manual_cast)
-gen, sd = torch.Generator().manual_seed(0), {}
-for name, ref in model.state_dict().items():
-    if ref.dim() >= 2:
-        sd[name] = ((torch.rand(ref.shape, generator=gen) * 2 - 1) * ref.shape[-1] ** -0.5).to(torch.bfloat16)
-    else:
-        sd[name] = torch.ones(ref.shape, dtype=torch.bfloat16)
-safetensors.torch.save_file(sd, sys.argv[1])
-"""
-
-
 @pytest.fixture(scope="module")
 def qwen3_06b(comfy):
-    """A random Qwen3-0.6B text encoder (upstream's smallest whose loader reads per-layer markers; 0.6B
-    parameters, bf16) with its first two blocks' Linear layers in NVFP4 with AWQ scales: (file, NVFP4 layers)."""
+    """checkpoint_files' random Qwen3-0.6B with 14 NVFP4-AWQ layers, in the server's text_encoders folder:
+    (file, NVFP4 layers)."""
     folder = comfy.models_dir / "text_encoders"
     folder.mkdir(exist_ok=True)
-    plain, awq = folder / "qwen3_06b_random.safetensors", folder / "qwen3_06b_nvfp4_awq.safetensors"
-    subprocess.run([str(comfy.python), "-c", _QWEN3_06B, str(plain)], cwd=comfy.comfyui, check=True)
-    layers = [f"model.layers.{b}.{name}" for b in range(2) for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    write_nvfp4_awq(plain, awq, layers)
-    plain.unlink()
-    return awq, layers
+    awq = folder / "qwen3_06b_nvfp4_awq.safetensors"
+    write_qwen3_06b_nvfp4_awq(awq, comfy.python, comfy.comfyui)
+    return awq, QWEN3_06B_NVFP4_LAYERS
 
 
 @pytest.mark.host_feature("nvfp4_pre_quant_scale")
