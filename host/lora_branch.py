@@ -5,9 +5,10 @@ ComfyUI hands a LoRA to a model as weight patches (`patcher.patches[key]`, entri
 adds to the dequantized weight. Where every entry of a layer's weight and bias is one the
 branch computes exactly, the layer's quantized tensors stay as they are and, after its own
 GEMM, the layer adds for each LoRA `strength * alpha / rank * up(mid(down(x)))` (F.linear in
-the activations' dtype; the last product fused with the scale and the sum by addmm) and for
-each bias diff `strength * diff`: calculate_weight's patched weight applied to x, up to the
-rounding of the branch in bf16. Nothing is folded, requantized or copied in RAM; ConvRot's
+the activations' dtype; the last product fused with the scale and the sum by addmm, or, for a
+lone LoRA on an INT8 layer run by the Triton GEMM, accumulated in that GEMM's epilogue:
+quant/int8_lora.py) and for each bias diff `strength * diff`: calculate_weight's patched weight
+applied to x, up to the rounding of the branch in bf16. Nothing is folded, requantized or copied in RAM; ConvRot's
 rotation and packed 4-bit layers are untouched (the branch works on the layer's input).
 
 Exactly expressible (`branch_part`): a LoRA adapter (comfy.weight_adapter.LoRAAdapter, on
@@ -79,11 +80,12 @@ class LowRank:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.down, self.mid, self.up) if t is not None]
 
-    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.linear(x, _like(self.down, x))
-        if self.mid is not None:
-            hidden = F.linear(hidden, _like(self.mid, x))
-        out.addmm_(hidden, _like(self.up, x).t(), alpha=self.scale)
+        return hidden if self.mid is None else F.linear(hidden, _like(self.mid, x))
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out.addmm_(self.hidden(x), _like(self.up, x).t(), alpha=self.scale)
 
 
 @dataclass(eq=False)
@@ -120,6 +122,14 @@ class LoraBranch:
         for part in self.parts:
             part.add_to(x2d, out2d)
         return out
+
+    def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """A lone LoRA's part as (h, up, alpha) for a method that adds it inside its GEMM (QuantLinear's
+        output_branches); None for any other branch, which adds its parts itself."""
+        if len(self.parts) != 1 or not isinstance(self.parts[0], LowRank):
+            return None
+        part, x2d = self.parts[0], x.reshape(-1, x.shape[-1])
+        return part.hidden(x2d), _like(part.up, x2d), part.scale
 
     def covers(self, function) -> bool:
         """Whether `function` is ComfyUI's per-call patch (LowVramPatch) of patches this branch computes."""

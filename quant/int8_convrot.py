@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_at_least
-from . import compiled_ops, int8_triton, tuning, witness
+from . import compiled_ops, int8_lora, int8_triton, tuning, witness
 from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
 from .layer import Layer
 from .kernel_select import KernelChooser, rows_bucket
@@ -116,7 +116,12 @@ class Int8ConvRotMethod(LinearMethod):
         params = self._params(t["weight_scale"], layer.compute_dtype, t["weight"].shape)
         return TensorWiseINT8Layout.dequantize(t["weight"], params)
 
-    def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+    fuses_low_rank = True  # apply(low_rank=...): the Triton GEMM adds a LoRA's up projection in its epilogue
+
+    def apply(self, layer, x: torch.Tensor, input_act: str | None = None,
+              low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """The layer's output; with `low_rank` (h [rows, R], up [N, R], alpha: a LoRA branch's part) plus
+        alpha * h @ up^T, inside the Triton GEMM where that is the kernel chosen (int8_lora), else by an addmm."""
         t = layer.tensors_for(x)
         weight, scale, bias = t["weight"], t["weight_scale"], t.get("bias")
         lead = x.shape[:-1]
@@ -161,6 +166,14 @@ class Int8ConvRotMethod(LinearMethod):
         shape = (rows_bucket(rows), x2d.shape[1], n_out, out_dtype, input_act, tuple(candidates))
         choice = _chooser.choose(x.device, shape, candidates, measured=("kitchen", "kitchen_split", "triton"),
                                  default="triton" if x.is_cuda and cuda_at_least(x.device, TRITON_FROM) else "kitchen")
+        if low_rank is not None:
+            if choice == "triton" and int8_lora.fusable(x2d, *low_rank[:2]):
+                out = int8_lora.linear_low_rank(x2d, weight, scale, bias, out_dtype, self.convrot, self.group_size,
+                                                input_act, *low_rank)
+                if out is not None:
+                    return out.reshape(*lead, n_out)
+            h, up, alpha = low_rank
+            return candidates[choice]().addmm_(h, up.t(), alpha=alpha).reshape(*lead, n_out)
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 

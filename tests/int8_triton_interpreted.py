@@ -291,8 +291,61 @@ def shipped_gemm(config, tma):
     assert ((out.double() - ref).abs() / size).max().item() <= 2 ** -7, config
 
 
+def gemm_low_rank():
+    """int8_lora's GEMM: the scaled INT8 product, plus alpha * h @ up^T accumulated in fp32 (ranks under, at and over
+    one BLOCK_R step, masked), plus the bias, against float64 with one rounding to the output dtype; both kernels.
+    The operands in float16: the interpreter's dot reads bfloat16 operands as raw bits (the GPU test takes those)."""
+    from bigdit.quant import int8_lora
+    torch.manual_seed(4)
+    m, n, k = 37, 48, 256
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_scale, w_scale = torch.rand(m, 1) * 1e-2, torch.rand(n, 1) * 1e-2
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    product = (a.double() @ w.double().T) * (a_scale.double() * w_scale.double().reshape(1, -1))
+    for rank in (5, 64, 130):
+        for dtype in (torch.bfloat16, torch.float16):  # the output's
+            h, up = torch.randn(m, rank).half(), (torch.randn(n, rank) * 0.1).half()
+            low = 0.7 * (h.double() @ up.double().T)
+            ref = product + low + bias.double()
+            size = product.abs() + low.abs() + bias.double().abs()
+            for tma in (False, True):
+                out = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.7, dtype, tma=tma)
+                rel = ((out.double() - ref).abs() / size).max().item()
+                assert out.dtype == dtype and rel <= (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10), (
+                    rank, dtype, tma, rel)
+
+
+def method_low_rank():
+    """Int8ConvRotMethod.apply with a LoRA's part: the fused GEMM (forced Triton, the interpreter standing in for
+    CUDA) against the same layer's output plus the addmm the unfused path runs; SwiGLU's activated input too."""
+    import os
+    from bigdit.quant import int8_lora, witness
+    from bigdit.quant.int8_convrot import Int8ConvRotMethod
+    from bigdit.quant.linear import quantized_layer
+    int8_lora.fusable = lambda x, h, up: True  # the interpreter's CPU tensors in place of CUDA ones
+    os.environ["BIGDIT_INT8_KERNEL"] = "triton"  # on CPU the measured default is kitchen
+    torch.manual_seed(5)
+    for k, n, rank, dtype in ((512, 96, 16, torch.float16), (256, 48, 70, torch.float16)):  # see gemm_low_rank
+        method = Int8ConvRotMethod(256)
+        weight = torch.randn(n, k) * k ** -0.5
+        layer = quantized_layer(method, weight, k, n, torch.randn(n).to(dtype), dtype, torch.device("cpu"),
+                                torch.device("cpu"))
+        x = torch.randn(2, 9, k).to(dtype)
+        h, up = torch.randn(18, rank).to(dtype), (torch.randn(n, rank) * 0.05).to(dtype)
+        plain = compiled_ops.int8_linear_triton(x.reshape(18, k), layer.weight, layer.weight_scale, layer.bias,
+                                                dtype, convrot=True, convrot_groupsize=256, input_act=None)
+        before = witness.TALLY.calls[it.TALLY, "triton+lora"]
+        fused = method.apply(layer, x, low_rank=(h, up, 0.5))
+        assert witness.TALLY.calls[it.TALLY, "triton+lora"] == before + 1, (k, n, int8_lora._failed, witness.TALLY.calls)
+        unfused = plain.float() + 0.5 * (h.float() @ up.float().T)
+        assert fused.shape == (2, 9, n) and fused.dtype == dtype
+        rel = ((fused.reshape(18, n).float() - unfused).norm() / unfused.norm()).item()
+        assert rel <= 2 ** -7, (k, n, rank, dtype, rel)
+
+
 CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
-                                  method_and_compile, shipped_configs)}
+                                  method_and_compile, shipped_configs, gemm_low_rank, method_low_rank)}
 
 if __name__ == "__main__":
     assert it._INTERPRETED, "run with TRITON_INTERPRET=1"

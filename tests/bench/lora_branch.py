@@ -4,8 +4,9 @@ importable: --comfyui or BIGDIT_COMFYUI): what the branch (host/lora_branch.py) 
 For each of H3's four Linear shapes at 32,700 rows (INT8 ConvRot, group 256, as the official file; fc2 takes SwiGLU
 of fc1's 28672-wide output, as the model runs it), with the turbo LoRA's ranks (128; 384 on the fused qkv): the layer
 as the pack runs it (Int8ConvRotMethod, its measured kernel), the same layer with the branch through its
-output_branches, and for comparison the same product as upstream's bypass `h` computes it (two F.linear, a scale,
-then the sum with the layer's output). Each: ms (CUDA events, warmed up, median of three runs of ten calls); the
+output_branches (its up projection in the Triton GEMM's epilogue, quant/int8_lora.py), the same without that
+fusion (the branch's addmm after the GEMM: `unfused`), and for comparison the same product as upstream's bypass
+`h` computes it (two F.linear, a scale, then the sum with the layer's output). Each: ms (CUDA events, warmed up, median of three runs of ten calls); the
 branch's cost in ms and in % of the layer; the sum over one block (its four layers). With --step-s (the s/step
 measured at that length, e.g. from whole_job.py) and --blocks, the branch's share of a step; the target is at most 3%.
 
@@ -71,6 +72,13 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False):
         layer.lora_branch = branch
         return layer(x, input_act=act)
 
+    def unfused():  # the branch's addmm after the GEMM, as where the method cannot fuse it
+        layer.lora_branch, layer.method.fuses_low_rank = branch, False
+        try:
+            return layer(x, input_act=act)
+        finally:
+            del layer.method.fuses_low_rank
+
     def bypass_h():  # upstream's bypass: g(f(x) + h(x)), h = up(down(x)) * scale
         layer.lora_branch = None
         xa = apply_input_act(x, act) if act else x
@@ -79,14 +87,15 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False):
     row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act, "rank": rank}
     with torch.no_grad():
         outs = {}
-        for cand, fn in (("layer", plain), ("branch", with_branch), ("bypass_h", bypass_h)):
+        for cand, fn in (("layer", plain), ("branch", with_branch), ("unfused", unfused), ("bypass_h", bypass_h)):
             outs[cand] = fn().float()  # the first call measures the method's kernels
             row[cand] = {"ms": cuda_time_ms(fn)}
             if profiled:
                 row[cand]["kernels"] = kernel_breakdown(fn)
         delta = outs["bypass_h"] - outs["layer"]
         row["branch_vs_bypass_rel"] = ((outs["branch"] - outs["bypass_h"]).norm() / delta.norm()).item()
-    for cand in ("branch", "bypass_h"):
+        row["fused_vs_unfused_rel"] = ((outs["branch"] - outs["unfused"]).norm() / delta.norm()).item()
+    for cand in ("branch", "unfused", "bypass_h"):
         row[cand]["cost_ms"] = row[cand]["ms"] - row["layer"]["ms"]
         row[cand]["cost_fraction"] = row[cand]["cost_ms"] / row["layer"]["ms"]
     del layer, x, outs
@@ -114,14 +123,16 @@ def main():
     for r in results:
         print(f"{r['shape']:9} rank {r['rank']:3}: layer {r['layer']['ms']:7.3f}  with the branch "
               f"{r['branch']['ms']:7.3f} (+{r['branch']['cost_ms']:.3f}, {100 * r['branch']['cost_fraction']:.1f}%)"
+              f"  unfused {r['unfused']['ms']:7.3f} (+{r['unfused']['cost_ms']:.3f})"
               f"  as bypass h {r['bypass_h']['ms']:7.3f} (+{r['bypass_h']['cost_ms']:.3f})"
-              f"  branch vs h: {r['branch_vs_bypass_rel']:.1e}", flush=True)
-        for cand in ("layer", "branch") if args.profile else ():
+              f"  branch vs h: {r['branch_vs_bypass_rel']:.1e}, vs unfused {r['fused_vs_unfused_rel']:.1e}",
+              flush=True)
+        for cand in ("layer", "branch", "unfused") if args.profile else ():
             print(f"    {cand:6} " + "; ".join(f"{k['kernel'][:48]} {k['ms']:.3f}" for k in r[cand]["kernels"]))
-    block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "bypass_h")}
+    block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "unfused", "bypass_h")}
     summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results)}
     print(f"one block: the four layers {summary['block_layers_ms']:.2f} ms; the branch adds {block['branch']:.2f} ms "
-          f"(as bypass h {block['bypass_h']:.2f} ms)")
+          f"(unfused {block['unfused']:.2f} ms, as bypass h {block['bypass_h']:.2f} ms)")
     if args.step_s and args.blocks:
         share = block["branch"] * args.blocks / 1000 / args.step_s
         summary["step_share"] = share

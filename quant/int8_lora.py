@@ -1,0 +1,175 @@
+"""The pack's INT8 linear with a LoRA's up projection in its GEMM's epilogue: out = W_q x + alpha * h @ up^T.
+
+A LoRA beside a quantized layer (a QuantLinear output branch that offers its part as `low_rank(x)`: the hidden
+h = down(x) [M, R] and `up` [N, R], in the activations' dtype, with its scale `alpha`) otherwise adds its product
+with a separate addmm, which reads and writes the layer's whole output once more: at 32,700 rows of H3's qkv
+(21504 wide) 2.8 GB, the larger part of the branch's cost. Here each output tile, once the INT8 product is scaled,
+accumulates h's rows times up's columns on the tensor cores in fp32 (R in steps of BLOCK_R, masked at its end)
+before the bias and the one store. The product is the addmm's (fp32 accumulation of bf16 operands, one alpha),
+summed into the tile before its rounding to the output dtype instead of after.
+
+The INT8 product is int8_triton's: its activation kernel, its tiles and their order, and its configs for the
+shape (the tuning store, the shipped table, the rule; int8_triton.config_for); a config whose pipeline leaves no
+room for the epilogue's operands runs with a stage fewer, then with the smallest tiles. Any other failure turns
+the fused path off for the process with one warning: the layer then runs its GEMM and the branch's addmm.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..pack_logging import pack_logger
+from . import int8_triton, witness
+from .kernel_select import rows_bucket
+
+log = pack_logger(__name__)
+BLOCK_R = 64
+_failed: str | None = None
+
+if int8_triton.triton is not None:
+    import triton
+    import triton.language as tl
+    from triton.runtime.errors import OutOfResources
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .int8_triton import _tile
+
+    @triton.jit
+    def _low_rank_epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
+                           M, N, R, stride_out, stride_h, stride_u, PER_CHANNEL: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
+        """acc * (row scale * weight scale) + alpha * h @ up^T + bias, into the output dtype."""
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_scale = tl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
+        if PER_CHANNEL:
+            scales = a_scale[:, None] * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        else:
+            scales = a_scale[:, None] * tl.load(w_scale_ptr)
+        c = acc.to(tl.float32) * scales
+        ranks = tl.arange(0, BLOCK_R)
+        low = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            r_ok = (r0 + ranks) < R
+            h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + (r0 + ranks)[None, :],
+                        mask=(rows < M)[:, None] & r_ok[None, :], other=0.0)
+            u = tl.load(u_ptr + cols.to(tl.int64)[:, None] * stride_u + (r0 + ranks)[None, :],
+                        mask=(cols < N)[:, None] & r_ok[None, :], other=0.0)
+            low = tl.dot(h, u.T, low)
+        c += alpha * low
+        if HAS_BIAS:
+            c += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out, c.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @triton.jit
+    def _gemm_low_rank_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
+                              M, N, R, stride_a, stride_w, stride_out, stride_h, stride_u, K: tl.constexpr,
+                              PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                              BLOCK_R: tl.constexpr):
+        """int8_triton's pointer-load GEMM, with the low-rank epilogue."""
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + ks[None, :]
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=ks[None, :] < K - k0, other=0)
+            w = tl.load(w_ptrs, mask=ks[None, :] < K - k0, other=0)
+            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        _low_rank_epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
+                           M, N, R, stride_out, stride_h, stride_u, PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N,
+                           BLOCK_R)
+
+    @triton.jit
+    def _gemm_low_rank_tma_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr,
+                                  alpha, M, N, R, stride_out, stride_h, stride_u, K: tl.constexpr,
+                                  PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  BLOCK_R: tl.constexpr):
+        """int8_triton's TMA GEMM, with the low-rank epilogue."""
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+        _low_rank_epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
+                           M, N, R, stride_out, stride_h, stride_u, PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N,
+                           BLOCK_R)
+
+
+def gemm_low_rank(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None, h: torch.Tensor, up: torch.Tensor, alpha: float,
+                  out_dtype: torch.dtype, tma: bool) -> torch.Tensor:
+    """int8_triton.gemm's product plus alpha * h [M, R] @ up [N, R]^T, in out_dtype."""
+    m, k = a.shape
+    n, r = weight.shape[0], h.shape[1]
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    w_scale = weight_scale.reshape(-1).float()
+    common = dict(out_ptr=out, a_scale_ptr=a_scale, w_scale_ptr=w_scale,
+                  bias_ptr=bias if bias is not None else w_scale, h_ptr=h, u_ptr=up, alpha=float(alpha),
+                  M=m, N=n, R=r, stride_out=out.stride(0), stride_h=h.stride(0), stride_u=up.stride(0), K=k,
+                  PER_CHANNEL=w_scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R)
+    kernel = "gemm_tma" if tma else "gemm"
+    shape = {"M_BUCKET": rows_bucket(m), "N": n, "K": k}
+
+    def launch(config: dict) -> None:
+        meta, run = int8_triton._split(config)
+        tiles = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        if tma:
+            _gemm_low_rank_tma_kernel[tiles](
+                a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),
+                w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]]),
+                **common, **meta, **run)
+        else:
+            _gemm_low_rank_kernel[tiles](a_ptr=a, w_ptr=weight, stride_a=a.stride(0), stride_w=weight.stride(0),
+                                         **common, **meta, **run)
+
+    config = int8_triton.config_for(kernel, shape, a.device)  # the GEMM's own config for the shape
+    tried = [config, {**config, "num_stages": max(2, config["num_stages"] - 1)}, int8_triton.gemm_small(shape)]
+    for attempt in dict.fromkeys(tuple(sorted(c.items())) for c in tried):
+        try:
+            launch(dict(attempt))
+            return out
+        except OutOfResources as exc:  # the epilogue's operands on top of the pipeline: a smaller one
+            last = exc
+    raise last
+
+
+def fusable(x: torch.Tensor, h: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether this call can take the fused path: eager, on CUDA, Triton working, operands in the activations'
+    dtype with unit column stride."""
+    return (_failed is None and int8_triton.triton is not None and x.is_cuda and not torch.compiler.is_compiling()
+            and h.dtype == up.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and h.stride(-1) == 1 and up.stride(-1) == 1)
+
+
+def linear_low_rank(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype, convrot: bool, group_size: int, input_act: str | None,
+                    h: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor | None:
+    """int8_triton.int8_linear's result plus alpha * h @ up^T, computed in one GEMM; None where it failed (the
+    caller then runs the GEMM and the addmm), counted in the run witness as int8_triton's calls are."""
+    global _failed
+    x2d = x.reshape(-1, x.shape[-1])
+    try:
+        q, scale = int8_triton.quantize_rows(x2d, convrot, group_size, input_act)
+        out = gemm_low_rank(q, scale, weight, weight_scale, bias, h, up, alpha, out_dtype,
+                            tma=int8_triton._tma(x.device))
+    except Exception as exc:  # a Triton that cannot compile this kernel for this GPU, or no memory left
+        why, again = f"{type(exc).__name__}: {exc}", int8_triton.transient(exc)
+        if not again:
+            _failed = why
+        witness.kernel_failed(int8_triton.TALLY, "triton+lora", why, retried=again)
+        log.warning("INT8: the GEMM with the LoRA in its epilogue failed (%s); the GEMM and the LoRA's addmm "
+                    "compute %s", why, "this call" if again else "this process's calls")
+        return None
+    witness.count_kernel(int8_triton.TALLY, "triton+lora")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
