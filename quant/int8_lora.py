@@ -22,7 +22,7 @@ from . import int8_triton, witness
 from .kernel_select import rows_bucket
 
 log = pack_logger(__name__)
-BLOCK_R = 64
+BLOCK_R = 32  # ranks a step: 24 KiB of operands beside a 128x256 tile
 _failed: str | None = None
 
 if int8_triton.triton is not None:
@@ -47,16 +47,19 @@ if int8_triton.triton is not None:
         else:
             scales = a_scale[:, None] * tl.load(w_scale_ptr)
         c = acc.to(tl.float32) * scales
-        ranks = tl.arange(0, BLOCK_R)
-        low = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = (r0 + ranks) < R
-            h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + (r0 + ranks)[None, :],
-                        mask=(rows < M)[:, None] & r_ok[None, :], other=0.0)
-            u = tl.load(u_ptr + cols.to(tl.int64)[:, None] * stride_u + (r0 + ranks)[None, :],
-                        mask=(cols < N)[:, None] & r_ok[None, :], other=0.0)
-            low = tl.dot(h, u.T, low)
-        c += alpha * low
+        if alpha != 0.0:
+            # the products accumulate into the tile itself (a second fp32 tile would not fit the registers
+            # beside it), the tile divided by alpha first and multiplied back after
+            c = c * (1.0 / alpha)
+            ranks = tl.arange(0, BLOCK_R)
+            for r0 in range(0, R, BLOCK_R):
+                r_ok = (r0 + ranks) < R
+                h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + (r0 + ranks)[None, :],
+                            mask=(rows < M)[:, None] & r_ok[None, :], other=0.0)
+                u = tl.load(u_ptr + cols.to(tl.int64)[:, None] * stride_u + (r0 + ranks)[None, :],
+                            mask=(cols < N)[:, None] & r_ok[None, :], other=0.0)
+                c = tl.dot(h, u.T, c)
+            c = c * alpha
         if HAS_BIAS:
             c += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]

@@ -292,8 +292,8 @@ def shipped_gemm(config, tma):
 
 
 def gemm_low_rank():
-    """int8_lora's GEMM: the scaled INT8 product, plus alpha * h @ up^T accumulated in fp32 (ranks under, at and over
-    one BLOCK_R step, masked), plus the bias, against float64 with one rounding to the output dtype; both kernels.
+    """int8_lora's GEMM: the scaled INT8 product, plus alpha * h @ up^T accumulated in fp32 (ranks under one
+    BLOCK_R step, a multiple of it and past one, masked; alpha 0: the product alone), plus the bias, against float64 with one rounding to the output dtype; both kernels.
     The operands in float16: the interpreter's dot reads bfloat16 operands as raw bits (the GPU test takes those)."""
     from bigdit.quant import int8_lora
     torch.manual_seed(4)
@@ -314,6 +314,8 @@ def gemm_low_rank():
                 rel = ((out.double() - ref).abs() / size).max().item()
                 assert out.dtype == dtype and rel <= (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10), (
                     rank, dtype, tma, rel)
+                zero = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.0, dtype, tma=tma)
+                assert torch.equal(zero, it.gemm(a, a_scale, w, w_scale, bias, dtype, tma=tma)), (rank, dtype, tma)
 
 
 def method_low_rank():
