@@ -61,15 +61,18 @@ def test_off_cuda_the_activation_is_kitchens():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("width,dtype", [(14336, torch.bfloat16), (300, torch.bfloat16), (5120, torch.float16)])
 def test_kernel_matches_kitchens_swiglu_on_cuda(width, dtype):
-    """One ulp of the dtype where silu's exp differs, on a few values at most; elsewhere bit for bit."""
+    """Within two ulps of the dtype where silu's exp differs, on a few values at most; elsewhere bit for bit."""
     from bigdit.quant import swiglu
     from bigdit.quant.kitchen_api import apply_input_act
     x = (torch.randn(257, 2 * width + 64, device="cuda", dtype=dtype) * 3)[:, :2 * width]
     out, ref = swiglu.activated(x.reshape(1, 257, -1), "swiglu").reshape(257, width), apply_input_act(x, "swiglu")
+    # a few fp32 ulps of exp move silu across a rounding midpoint of the dtype on about that many ulps over its
+    # spacing (2^-16 of bf16's values, 2^-13 of fp16's), and the product then by up to two ulps; fp16's subnormals
+    # below 2^-14 have an absolute ulp of 2^-24
     differs = out != ref
-    assert differs.float().mean() < 1e-3, differs.float().mean()
-    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
-    assert torch.allclose(out.float(), ref.float(), rtol=ulp, atol=1e-30)
+    assert differs.float().mean() < (1e-3 if dtype == torch.bfloat16 else 1e-2), differs.float().mean()
+    ulp, tiny = (2 ** -7, 1e-38) if dtype == torch.bfloat16 else (2 ** -10, 2 ** -23)
+    assert torch.allclose(out.float(), ref.float(), rtol=2 * ulp, atol=tiny)
 
 
 @pytest.mark.gpu
