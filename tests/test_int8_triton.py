@@ -38,7 +38,10 @@ def test_kernels_in_the_triton_interpreter(check):
     env = {k: v for k, v in os.environ.items() if k != "BIGDIT_INT8_KERNEL"}
     result = subprocess.run([sys.executable, str(TESTS / "int8_triton_interpreted.py"), check], capture_output=True,
                             text=True, env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith(f"ok {check}"), result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    if result.returncode == 0 and last.startswith(f"skip {check}: "):
+        pytest.skip(last)
+    assert result.returncode == 0 and last == f"ok {check}", result.stderr[-3000:]
 
 
 def test_kitchens_hadamard_256_is_the_kronecker_square_of_its_16():
