@@ -462,8 +462,9 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         for name, stage in profile["stages"].items():
             assert stage["seconds"] == stages[name] and stage["bytes_read"] == rec["disk_read_by_stage"][name]
             assert stage["floor_s"] == max(stage["read_s"], stage["memory_s"]) >= 0  # no compute bound on a CPU
-            if stage["floor_kind"] == "read":  # a lower bound: no stage reads faster than the disk
-                assert 0 < stage["floor_s"] <= stage["seconds"], (config, job, name, stage)
+            if stage["floor_kind"] == "read":  # a lower bound: no stage reads faster than the disk, but its bytes
+                # may include what was read up to two samples' time around it (a 20 ms stage with its imports)
+                assert 0 < stage["floor_s"] <= stage["seconds"] + 2 * whole_job.SAMPLE_S, (config, job, name, stage)
         # the FLOPs of the tiny configuration's own counts (checked against torch's count above); no peak on a CPU
         step = job_profile.total(job_profile.dit_call_flops(dit, rec["model_input"]["rows"]))
         assert profile["stages"]["sampling"]["flops"] == 2 * step and profile["stages"]["sampling"]["compute_s"] is None

@@ -151,6 +151,11 @@ SECOND_JOB = {"prompt": "A red fox trots across a snowy meadow at dawn, its brea
               "seed": 424242424242, "tiny_conditioning_seed": 1}
 BETWEEN_JOBS = ("keep", "free")
 
+#: seconds between two samples of the server's memory, I/O and the device (a stage's bytes are counted from the samples
+#: at or before its start and end, so a stage can be given what was read up to one interval before it started)
+SAMPLE_S = 0.02
+
+
 STAGES = ("queue", "encoder", "model_load", "sampling", "vae_decode", "save", "graph", "capture")
 STAGE_OF = {
     **dict.fromkeys(("CLIPLoader", "QuantizedCLIPLoader", "MiniMaxH3ImageToVideo", "BigditRandomConditioning",
@@ -358,7 +363,7 @@ class Monitor(threading.Thread):
     used, RSS, unreclaimable, bytes read from the disk, bytes written), the last two cumulative; one more sample
     when stopped."""
 
-    def __init__(self, pid: int, interval: float = 0.02):
+    def __init__(self, pid: int, interval: float = SAMPLE_S):
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
         self.samples: list[tuple] = []
