@@ -1,6 +1,6 @@
 """SetVAEKernels (nodes/vae_kernels.py): a VAE's decode on the pack's kernels, on a copy of the VAE.
 
-The copy's patcher is a clone; the input VAE, its patcher and its model stay as they are. Three parts, each
+The copy's patcher is a clone; the input VAE, its patcher and its model stay as they are. Four parts, each
 of which can be left to ComfyUI (the inputs' "host" value):
 - linears: the layers the VAE's file stores quantized (ComfyUI's comfy-kitchen layers: MiniMax-H3's ViT
   decoder's INT8 ConvRot linears) become the pack's layers of their own format holding the very same tensors
@@ -15,10 +15,17 @@ of which can be left to ComfyUI (the inputs' "host" value):
   every tile computes from those copies, which go when the decode ends; where the card cannot hold them,
   ComfyUI's paging stays and the report says why. Without dynamic VRAM ComfyUI's own load puts the VAE on the
   card whole where the decode's estimate lets it, and the layers compute there.
-The VAE's own decode runs, with its tiling: only the layers and the attention function differ.
+- tiles: a VAE that decodes in spatial tiles of one size (upstream's MiniMax-H3 video VAE: 15 tiles of
+  1,797 tokens per temporal chunk) runs its decoder once per tile, each pass too small to fill the GPU and
+  launching every kernel again. During each decode the pack decodes a call's tiles as one batch (as many as
+  the card's free memory holds, measured on the first tile) and hands them, in order, to the VAE's own tiled
+  decode, which blends and places them as it always does.
+The VAE's own decode runs, with its tiling and blending: only the layers, the attention function and the
+decoder's batch differ.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -27,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 import comfy.model_management
+import torch
 from torch import nn
 
 from ..attention import Router, summary
@@ -47,6 +55,9 @@ TITLE = "SetVAEKernels"
 HOST = "host"  # an input's value that leaves that part to ComfyUI
 LINEARS = ("pack", HOST)
 WEIGHTS = ("resident", HOST)
+TILES = ("batched", HOST)
+_TILE_API = ("tiled_decode", "_decode_pixels", "split_tiles", "vae_ratio")  # upstream's MiniMax-H3 video VAE
+_BATCH_MARGIN = 1.25  # a batch's measured peak per tile times this must fit the card's free memory
 ATTENTION_GLOBAL = "optimized_attention"  # ComfyUI's attention function, as upstream's model modules import it
 _SOURCE = "_bigdit_vae_source"  # on a copy this node made: the VAE it was made from
 
@@ -116,6 +127,102 @@ def resident_weights(patcher, layers: dict[str, QuantLinear], activation_bytes: 
         comfy.model_management.soft_empty_cache()  # the copies' memory back to the card, for the host's pages
 
 
+def tiles_batchable(model) -> bool:
+    """Whether `model` decodes in spatial tiles the way `batched_tiles` feeds them (upstream's MiniMax-H3 video
+    VAE: `tiled_decode` asks `_decode_pixels` for each tile of `split_tiles`' plan, rows then columns)."""
+    return all(callable(getattr(model, name, None)) for name in _TILE_API[:3]) and hasattr(model, _TILE_API[3])
+
+
+@dataclass
+class TileCount:
+    """The tiles of one decode and the decoder passes that made them."""
+    tiles: int = 0
+    passes: int = 0
+    alone: int = 0  # tiles the plan did not foresee, decoded one by one
+
+    def render(self) -> str:
+        text = f"tiles {self.tiles} in {self.passes} pass{'es' if self.passes != 1 else ''}"
+        return text + (f" ({self.alone} decoded alone)" if self.alone else "")
+
+
+def _room(device) -> int:
+    """Bytes a decoder batch may take on `device`: ComfyUI's free memory (torch's cached blocks included) less
+    its reserve."""
+    return comfy.model_management.get_free_memory(device) - host_reserve()
+
+
+def _decode_batches(decode, tiles: list, count: TileCount) -> list:
+    """`decode` on `tiles` (same-shaped latents), the first alone and the rest in batches as large as the first
+    pass's measured peak allows on a CUDA device (all at once elsewhere), a batch the card cannot hold after all
+    halved; each tile's pixels, in order."""
+    out, size, start = [], 1, 0
+    cuda = tiles[0].device.type == "cuda"
+    if not cuda:
+        size = len(tiles)
+    while start < len(tiles):
+        group = tiles[start:start + size]
+        if cuda and start == 0:
+            torch.cuda.reset_peak_memory_stats(tiles[0].device)
+            base = torch.cuda.memory_allocated(tiles[0].device)
+        try:
+            pixels = decode(torch.cat(group) if len(group) > 1 else group[0])
+        except torch.OutOfMemoryError:
+            if len(group) == 1:
+                raise
+            comfy.model_management.soft_empty_cache()
+            size = max(1, len(group) // 2)
+            continue
+        out += pixels.split(tiles[0].shape[0]) if len(group) > 1 else [pixels]
+        count.passes += 1
+        if cuda and start == 0:
+            per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base)
+            size = max(1, int(_room(tiles[0].device) // (per_tile * _BATCH_MARGIN)))
+        start += len(group)
+    count.tiles += len(tiles)
+    return out
+
+
+@contextlib.contextmanager
+def batched_tiles(model, count: TileCount):
+    """While active, `model`'s own tiled decode gets each tile's pixels from batched decoder passes: the tiles
+    its plan (`split_tiles`) gives for the call's latent are decoded first, in batches, then its `tiled_decode`
+    runs as it is and receives them in its order; a tile it asks for that the plan did not give is decoded
+    alone."""
+    own_tiled = model.tiled_decode
+    own_pixels = model._decode_pixels
+    shadowed = "_decode_pixels" in vars(model)
+
+    def tiled_decode(z, *args, **kwargs):
+        ratio = model.vae_ratio
+        rows = model.split_tiles(z.shape[-2] * ratio)
+        columns = model.split_tiles(z.shape[-1] * ratio)
+        tiles = [z[..., y // ratio:y // ratio + h // ratio, x // ratio:x // ratio + w // ratio]
+                 for y, h in zip(rows[0], rows[1]) for x, w in zip(columns[0], columns[1])]
+        ready = collections.deque(zip(tiles, _decode_batches(own_pixels, tiles, count)))
+
+        def from_batch(tile):
+            if ready and ready[0][0].shape == tile.shape and ready[0][0].data_ptr() == tile.data_ptr():
+                return ready.popleft()[1]
+            count.alone += 1
+            count.passes += 1
+            return own_pixels(tile)
+        model._decode_pixels = from_batch
+        try:
+            return own_tiled(z, *args, **kwargs)
+        finally:
+            if shadowed:
+                model._decode_pixels = own_pixels
+            else:
+                del model._decode_pixels
+            ready.clear()
+
+    model.tiled_decode = tiled_decode
+    try:
+        yield
+    finally:
+        del model.tiled_decode
+
+
 @dataclass
 class VAEKernels:
     """One node's settings on its VAE copy: its `decode` and `decode_tiled` run the VAE's own through `run`."""
@@ -123,6 +230,7 @@ class VAEKernels:
     modules: tuple
     router: Router | None
     resident: bool
+    tiles: object  # the VAE's model, whose tiles are batched; None: the VAE's own passes
     text: str
     node_id: object = None
     witness: RunWitness = field(init=False)
@@ -136,10 +244,14 @@ class VAEKernels:
             else contextlib.nullcontext("weights placed by ComfyUI")
         attention = attention_through(self.modules, self.router) if self.router is not None \
             else contextlib.nullcontext()
+        count = TileCount()
+        tiles = batched_tiles(self.tiles, count) if self.tiles is not None else contextlib.nullcontext()
         start = time.perf_counter()
-        with weights as placed, attention:
+        with weights as placed, attention, tiles:
             out = method(vae, samples, *args, **kwargs)
         parts = [f"{time.perf_counter() - start:.2f} s", placed]
+        if self.tiles is not None:
+            parts.append(count.render())
         if self.layers:
             parts.append(self.witness.take().render())
         if self.router is not None:
@@ -187,7 +299,15 @@ def _weights_line(patcher, resident: bool) -> str:
     return "weights: placed by ComfyUI (its load keeps the VAE on the card where it fits)"
 
 
-def set_vae_kernels(vae, attention: str, linears: str, weights: str, node_id=None) -> tuple[object, str, str]:
+def _tiles_line(batched: bool, tiles: str, device) -> str:
+    if batched:
+        return "tiles: decoded in batches, " + ("as many as the card's free memory holds" if device.type == "cuda"
+                                                else f"all of a call's at once on {device.type}")
+    return "tiles: ComfyUI's, one pass each" + ("" if tiles == HOST else " (the VAE has no tiles the pack batches)")
+
+
+def set_vae_kernels(vae, attention: str, linears: str, weights: str, node_id=None,
+                    tiles: str = "batched") -> tuple[object, str, str]:
     """(the VAE the node returns, its short text, its full report); see the module's docstring. An earlier
     SetVAEKernels copy is replaced, not stacked: this one starts from the VAE it was made from."""
     vae = getattr(vae, _SOURCE, vae)
@@ -199,10 +319,12 @@ def set_vae_kernels(vae, attention: str, linears: str, weights: str, node_id=Non
     if linears == "pack" and _stored_quantized(root, overrides):
         replacements, report = adopt_stored(root, overrides, ComfyModelHost(), TITLE)
     modules = attention_modules(model) if attention != HOST else ()
+    batched = tiles != HOST and tiles_batchable(model)
     name = type(model).__name__
-    if not replacements and not modules:
+    if not replacements and not modules and not batched:
         why = ("linears left to ComfyUI" if linears == HOST else "no layer stored quantized",
-               "attention left to ComfyUI" if attention == HOST else "no ComfyUI attention function the pack routes")
+               "attention left to ComfyUI" if attention == HOST else "no ComfyUI attention function the pack routes",
+               "tiles left to ComfyUI" if tiles == HOST else "no tiles the pack batches")
         text = f"passed through unchanged ({name}: {'; '.join(why)})"
         log.info("%s: %s", TITLE, text)
         return vae, text, text
@@ -213,8 +335,10 @@ def set_vae_kernels(vae, attention: str, linears: str, weights: str, node_id=Non
     prepare_dynamic_vram(new.patcher, replacements)
     router = Router(attention) if modules else None
     text = "\n".join((_linears_line(replacements, report, linears), _attention_line(router, attention, name),
-                      _weights_line(new.patcher, weights == "resident" and bool(replacements))))
-    kernels = VAEKernels(replacements, modules, router, weights == "resident", text, node_id)
+                      _weights_line(new.patcher, weights == "resident" and bool(replacements)),
+                      _tiles_line(batched, tiles, new.patcher.load_device)))
+    kernels = VAEKernels(replacements, modules, router, weights == "resident", model if batched else None, text,
+                         node_id)
     new.decode = functools.partial(kernels.run, type(vae).decode, new)
     new.decode_tiled = functools.partial(kernels.run, type(vae).decode_tiled, new)
     setattr(new, _SOURCE, vae)

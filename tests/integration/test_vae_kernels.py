@@ -4,8 +4,8 @@ MiniMax-H3 (upstream 0.33.0): a tiny video VAE built by upstream's own class (te
 a 1-block ViT decoder of 4 heads of 64, its block linears INT8 ConvRot as in Comfy-Org's file), loaded by
 BigditTinyVAELoader through comfy.sd.VAE, decodes one latent through the host's VAEDecode and through
 SetVAEKernels then VAEDecode in one prompt: the pack's INT8 layers, holding the file's tensors, and its attention
-router run inside upstream's tiled decode (2 x 2 tiles of 256 pixels), and the frames match the host's within
-40 dB PSNR (measured on CPU: 131 dB, float rounding only: both sides run comfy-kitchen's eager INT8 linear there).
+router run inside upstream's tiled decode (2 x 2 tiles of 256 pixels, decoded in one batched pass and blended by
+upstream's own code), and the frames match the host's within 40 dB PSNR (measured on CPU: 131 dB, float rounding only: both sides run comfy-kitchen's eager INT8 linear there).
 A third decode by the host's VAE after ours gives its first frames exactly: the input VAE and its model are as
 they were.
 
@@ -88,21 +88,41 @@ def test_h3_decode_on_the_packs_kernels_matches_the_hosts(comfy, tiny_h3_vae):
     text = history["outputs"]["kernels"]["text"][0]
     assert text.splitlines() == ["linears: 4 on the pack's kernels (int8_convrot x4, holding the file's tensors)",
                                  "attention: backend auto, dense auto",
-                                 "weights: on the CPU (ComfyUI's VAE device)"], text
-    # the 4 layers ran in each of the 4 tiles, and the decoder's one attention per tile went through the router
+                                 "weights: on the CPU (ComfyUI's VAE device)",
+                                 "tiles: decoded in batches, all of a call's at once on cpu"], text
+    # the 4 tiles in one batched pass: the 4 layers ran, and the decoder's one attention went through the router
     (line,) = re.findall(r"\[BigDiT\] SetVAEKernels: decode of \[1, 24, 7, 20, 20\]: .*", log)
-    assert "weights on cpu; ran 4/4 quantized layers; attention ran auto:sdpa x4; fallbacks none" in line, line
+    assert "weights on cpu; tiles 4 in 1 pass; ran 4/4 quantized layers; attention ran auto:sdpa x1; fallbacks none" \
+        in line, line
 
 
 @pytest.mark.host_feature("minimax_h3")
 def test_h3_decode_with_everything_left_to_the_host_passes_through(comfy, tiny_h3_vae):
     latent = write_latent(comfy, "h3.latent", H3_LATENT)
-    host_only = {"attention": "host", "linears": "host", "weights": "host"}
+    host_only = {"attention": "host", "linears": "host", "weights": "host", "tiles": "host"}
     history = comfy.run(decodes({"class_type": "BigditTinyVAELoader", "inputs": {"vae_name": tiny_h3_vae}}, latent,
                                 host_only))
     assert torch.equal(frames(comfy, history, "ours"), frames(comfy, history, "host"))
     assert history["outputs"]["kernels"]["text"][0] == (
-        "passed through unchanged (MiniMaxH3VideoVAE: linears left to ComfyUI; attention left to ComfyUI)")
+        "passed through unchanged (MiniMaxH3VideoVAE: linears left to ComfyUI; attention left to ComfyUI; tiles left "
+        "to ComfyUI)")
+
+
+@pytest.mark.host_feature("minimax_h3")
+def test_h3_tiles_batched_on_the_hosts_layers_match_its_decode(comfy, tiny_h3_vae):
+    """Only the tiles batched: ComfyUI's own layers and attention decode the 4 tiles in one pass, and its own
+    tiled decode blends them into the same frames."""
+    latent = write_latent(comfy, "h3.latent", H3_LATENT)
+    tiles_only = {"attention": "host", "linears": "host", "weights": "host", "tiles": "batched"}
+    start = len(comfy.log_text())
+    history = comfy.run(decodes({"class_type": "BigditTinyVAELoader", "inputs": {"vae_name": tiny_h3_vae}}, latent,
+                                tiles_only))
+    ours, host = frames(comfy, history, "ours"), frames(comfy, history, "host")
+    assert ours.shape == host.shape == (22, 320, 320, 3)
+    assert psnr(ours, host) >= MIN_PSNR_DB, psnr(ours, host)
+    assert torch.equal(frames(comfy, history, "host_after"), host)
+    (line,) = re.findall(r"\[BigDiT\] SetVAEKernels: decode of \[1, 24, 7, 20, 20\]: .*", comfy.log_text()[start:])
+    assert line.endswith("; weights placed by ComfyUI; tiles 4 in 1 pass"), line
 
 
 def test_wans_vae_passes_through_unchanged(comfy, tiny_vae):
@@ -110,4 +130,5 @@ def test_wans_vae_passes_through_unchanged(comfy, tiny_vae):
     history = comfy.run(decodes({"class_type": "VAELoader", "inputs": {"vae_name": tiny_vae}}, latent))
     assert torch.equal(frames(comfy, history, "ours"), frames(comfy, history, "host"))
     assert history["outputs"]["kernels"]["text"][0] == (
-        "passed through unchanged (WanVAE: no layer stored quantized; no ComfyUI attention function the pack routes)")
+        "passed through unchanged (WanVAE: no layer stored quantized; no ComfyUI attention function the pack routes; "
+        "no tiles the pack batches)")

@@ -2,6 +2,7 @@
 # On the GPU machine, from the repository root, with the host's bundle carried (tests/bench/device/prepare.py made it):
 #   bash tests/bench/device/run_e2e.sh [--host 0.3.75|0.33.0] [comfy_e2e.py options]
 #   bash tests/bench/device/run_e2e.sh --host 0.33.0 --job [whole_job.py options]   # the whole-job benchmark
+#   bash tests/bench/device/run_e2e.sh --host 0.33.0 --vae [vae_decode.py options]   # the video VAE's decode, profiled
 #   bash tests/bench/device/run_e2e.sh --unpack-only   # the carried bundles (and SageAttention 2) only, e.g. for pytest -m gpu
 # --host picks the ComfyUI: 0.3.75 (the default) from .e2e/, upstream 0.33.0 from .e2e-033/. Unpacks every carried
 # .e2e*/bundle.tar.xz into $E2E_ROOT/e2e* (/tmp by default; skipped when the same bundle is already there, as on
@@ -15,16 +16,17 @@
 # machine allows (--ram-cgroup), its budget counted from this script's start (E2E_STARTED).
 set -euo pipefail
 : "${OUT:?OUT must name the folder for the results}"
-host=0.3.75 job= unpack_only=
+host=0.3.75 job= vae= unpack_only=
 while [ $# -gt 0 ]; do
   case "$1" in
     --host) host=${2:?--host needs a version}; shift 2 ;;
     --job) job=1; shift ;;
+    --vae) vae=1; shift ;;
     --unpack-only) unpack_only=1; shift ;;
     *) break ;;
   esac
 done
-if [ -n "$job" ] && [ "$host" != 0.33.0 ]; then echo "run_e2e.sh: --job needs --host 0.33.0" >&2; exit 2; fi
+if [ -n "$job$vae" ] && [ "$host" != 0.33.0 ]; then echo "run_e2e.sh: --job and --vae need --host 0.33.0" >&2; exit 2; fi
 case "$host" in
   0.3.75) own=.e2e ;;
   0.33.0) own=.e2e-033 ;;
@@ -93,6 +95,11 @@ if [ -n "$job" ]; then
   cp -r "$root/e2e-job/comfyui/." "$root/${own#.}/comfyui/"
   "$PY" tests/bench/whole_job.py --comfyui "$root/${own#.}/comfyui" --work "$E2E_WORK" --out-dir "$OUT" \
     --ram-cgroup "$@" 2>&1 | tee "$OUT/whole-job-stdout.log"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ -n "$vae" ]; then
+  "$PY" tests/bench/vae_decode.py --comfyui "$root/${own#.}/comfyui" --work "$E2E_WORK" --out-dir "$OUT" "$@" 2>&1 \
+    | tee "$OUT/vae-decode-stdout.log"
   exit "${PIPESTATUS[0]}"
 fi
 "$PY" tests/bench/comfy_e2e.py --comfyui "$root/${own#.}/comfyui" --work "$E2E_WORK" --out-dir "$OUT" "$@" 2>&1 \
