@@ -68,6 +68,7 @@ logger = logging.getLogger("bigdit.host.vae")
 logger.addHandler(Keep())
 logger.setLevel(logging.INFO)
 
+torch.set_grad_enabled(False)  # as under ComfyUI's executor (inference mode)
 sd, metadata = comfy.utils.load_torch_file(vae_path, return_metadata=True)
 with tiny_vae.tiny_classes(json.loads(metadata["bigdit_tiny_vae"])):
     vae = comfy.sd.VAE(sd=sd, metadata=metadata)

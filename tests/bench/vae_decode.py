@@ -125,7 +125,7 @@ def profiled(vae, decode, z):
             "by_kind": by_kind, "top": [{"kernel": name, "n": n, "s": s} for name, (n, s) in top]}
 
 
-torch.inference_mode().__enter__()  # as ComfyUI's executor runs a node
+torch.set_grad_enabled(False)  # as under ComfyUI's executor (inference mode): its VAE parameters need grad
 res = {"video_latent": args["video"], "runs": {}}
 video = load(video_path)
 z = torch.randn(args["video"], generator=torch.Generator().manual_seed(0))
