@@ -17,9 +17,10 @@ of which can be left to ComfyUI (the inputs' "host" value):
   card whole where the decode's estimate lets it, and the layers compute there.
 - tiles: a VAE that decodes in spatial tiles of one size (upstream's MiniMax-H3 video VAE: 15 tiles of
   1,797 tokens per temporal chunk) runs its decoder once per tile, each pass too small to fill the GPU and
-  launching every kernel again. During each decode the pack decodes a call's tiles as one batch (as many as
-  the card's free memory holds, measured on the first tile) and hands them, in order, to the VAE's own tiled
-  decode, which blends and places them as it always does.
+  launching every kernel again. During each decode the pack decodes a call's tiles in batches (the first
+  alone, its peak memory measured; ComfyUI asked to free room for the rest, as for the weights; then as many
+  at once as the card's free memory holds) and hands them, in order, to the VAE's own tiled decode, which
+  blends and places them as it always does.
 The VAE's own decode runs, with its tiling and blending: only the layers, the attention function and the
 decoder's batch differ.
 """
@@ -174,9 +175,11 @@ def _decode_batches(decode, tiles: list, count: TileCount) -> list:
             continue
         out += pixels.split(tiles[0].shape[0]) if len(group) > 1 else [pixels]
         count.passes += 1
-        if cuda and start == 0:
-            per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base)
-            size = max(1, int(_room(tiles[0].device) // (per_tile * _BATCH_MARGIN)))
+        if cuda and start == 0 and len(tiles) > 1:
+            per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base) * _BATCH_MARGIN
+            # ComfyUI is asked for the rest's room, as for resident weights (the sampled model's pages go first)
+            comfy.model_management.free_memory(per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
+            size = max(1, int(_room(tiles[0].device) // per_tile))
         start += len(group)
     count.tiles += len(tiles)
     return out
