@@ -10,14 +10,21 @@ A third decode by the host's VAE after ours gives its first frames exactly: the 
 they were.
 
 Wan 2.1 (both hosts): its VAE has nothing the pack runs, and passes through unchanged.
+
+The batches of host/vae.py's `_decode_batches` (both hosts, in the host's python, on CPU): each tile's pixels come back in order
+as that tile decoded alone gives them, and a batch the card cannot hold (a decoder raising torch.OutOfMemoryError
+past a batch size) is halved until it fits, a single tile that does not fit failing as the decode would.
 """
+import json
 import math
 import re
+import subprocess
 
 import pytest
 import safetensors.torch
 import torch
 
+from comfy_harness import PACK_ROOT
 from tiny_models import make_tiny_h3_vae
 
 pytestmark = pytest.mark.integration
@@ -132,3 +139,53 @@ def test_wans_vae_passes_through_unchanged(comfy, tiny_vae):
     assert history["outputs"]["kernels"]["text"][0] == (
         "passed through unchanged (WanVAE: no layer stored quantized; no ComfyUI attention function the pack routes; "
         "no tiles the pack batches)")
+
+
+BATCHES_PROBE = r"""
+import json, os, sys, types
+sys.path.insert(0, os.getcwd())
+from comfy.cli_args import args
+args.cpu = True
+import torch
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
+from bigdit.host.vae import TileCount, _decode_batches
+
+
+def decoder(limit=None, calls=None):  # each tile's pixels a function of that tile alone
+    def decode(z):
+        calls is None or calls.append(z.shape[0])
+        if limit is not None and z.shape[0] > limit:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return torch.tanh(z.repeat_interleave(4, dim=-1)) * 2
+    return decode
+
+
+z = torch.randn(1, 3, 2, 6, 28, generator=torch.Generator().manual_seed(0))
+tiles = [z[..., 4 * i:4 * i + 4] for i in range(7)]
+res = {}
+for name, limit in (("all", None), ("limit 2", 2)):
+    count, calls = TileCount(), []
+    out = _decode_batches(decoder(limit, calls), tiles, count)
+    res[name] = {"calls": calls, "in_order": len(out) == 7 and all(torch.equal(o, decoder()(t)) for o, t in zip(out, tiles)),
+                 "count": [count.tiles, count.passes, count.alone], "line": count.render()}
+try:
+    _decode_batches(decoder(0), tiles[:1], TileCount())
+    res["one too big"] = "decoded"
+except torch.OutOfMemoryError:
+    res["one too big"] = "out of memory"
+print(json.dumps(res))
+"""
+
+
+def test_tile_batches_keep_their_order_and_halve_where_the_card_cannot_hold_them(comfy):
+    result = subprocess.run([str(comfy.host.python), "-c", BATCHES_PROBE, str(PACK_ROOT)], cwd=comfy.host.comfyui,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    res = json.loads(result.stdout.strip().splitlines()[-1])
+    # on the CPU, a call's tiles go through at once
+    assert res["all"] == {"calls": [7], "in_order": True, "count": [7, 1, 0], "line": "tiles 7 in 1 pass"}, res
+    # 7 fail, 3 fail, then batches of at most 1 after a halving to 1 (3 // 2): every tile alone
+    limited = res["limit 2"]
+    assert limited["calls"] == [7, 3, 1, 1, 1, 1, 1, 1, 1] and limited["in_order"], res
+    assert limited["count"] == [7, 7, 0] and limited["line"] == "tiles 7 in 7 passes", res
+    assert res["one too big"] == "out of memory", res
