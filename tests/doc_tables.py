@@ -103,7 +103,7 @@ def headline() -> str:
 # The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
 # its configurations (the reference, template_sage, first); each setting's runs came from one GPU machine.
 JOB_RUNS = (  # (setting, RAM GiB, files)
-    ("turbo", 64, ("whole-job-turbo-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
+    ("turbo", 64, ("whole-job-turbo-batched-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
     ("turbo", 32, ("whole-job-turbo-32g-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
     ("default", 64, ("whole-job-default-template-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",
                  "whole-job-default-pack-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json")),

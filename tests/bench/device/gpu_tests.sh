@@ -29,5 +29,5 @@ kitchen=$(python3 -c 'import importlib.metadata as m; print(m.version("comfy-kit
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | sed 's/-80gb-hbm3//')
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo tree)}  # the copy there may have no .git
 log="$OUT/gpu-tests-$gpu-$(date +%F)-$commit-kitchen$kitchen.log"
-python3 -m pytest -m gpu tests -q -p no:cacheprovider "$@" 2>&1 | tee "$log" | tail -40
+python3 -m pytest -m gpu tests -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$log" | tail -40
 exit "${PIPESTATUS[0]}"
