@@ -37,7 +37,7 @@ LOADER = {"quantization": "int8_convrot", "offload": "auto", "group_size": "256"
           "int8": "auto"}
 ATTENTION = {"dense_backend": "auto", "sol_tau": 1.0, "dense_steps": 0, "dense_layers": ""}
 TEXT_ENCODER = {"rename_prefixes": "", "nvfp4": "auto", "int8": "auto"}
-VAE_KERNELS = {"attention": "auto", "linears": "pack", "weights": "resident"}
+VAE_KERNELS = {"attention": "auto", "linears": "pack", "weights": "resident", "tiles": "batched"}
 VAE_KERNELS_SIZE = [300, 130]
 
 
