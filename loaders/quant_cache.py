@@ -70,6 +70,7 @@ NOT_KEYED = {
     ENV_FOLDER: "the cache's own folder",
     ENV_LIMIT: "the cache's own size limit",
     "BIGDIT_SOL_MIN_TOKENS": "Sol attention's threshold, read while sampling",
+    "BIGDIT_READ_AHEAD": "whether a queued prompt's files are read into the page cache, before any load",
 }
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-[0-9a-f]{20}" + re.escape(SUFFIX))

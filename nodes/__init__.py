@@ -1,6 +1,7 @@
 """The pack's nodes, V3 `io.ComfyNode` classes, one module per group; each module lists its nodes in NODES. Both
 hosts take V3 classes through NODE_CLASS_MAPPINGS (they tell them from V1 ones by their base class). What the
 nodes do beyond declaring themselves is in host/."""
+from ..host.read_ahead import install as install_read_ahead
 from . import attention_backend, loader_nodes, offload, quantize_int8, save_quantized, vae_kernels
 
 NODE_CLASS_MAPPINGS = {}
@@ -10,3 +11,4 @@ for _module in (quantize_int8, attention_backend, offload, loader_nodes, save_qu
         _schema = _cls.GET_SCHEMA()
         NODE_CLASS_MAPPINGS[_schema.node_id] = _cls
         NODE_DISPLAY_NAME_MAPPINGS[_schema.node_id] = _schema.display_name
+install_read_ahead(set(NODE_CLASS_MAPPINGS))

@@ -95,6 +95,7 @@ import threading
 import time
 import urllib.error
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,11 +119,13 @@ class Config:
     """A configuration: job_prompts/<prompt>_<setting>.json with `nodes` changed, on a server with `comfy_args`.
     `nodes`: {class_type: {input: value}} sets inputs of every node of that class; {class_type: (new class_type,
     {input: value})} replaces the node, keeping its links and the inputs the new class has too. An input the
-    server's /object_info does not list for the class is left out, and the record says so."""
+    server's /object_info does not list for the class is left out, and the record says so. `env`: set in the
+    server's environment."""
     name: str
     prompt: str
     nodes: dict = field(default_factory=dict)
     comfy_args: tuple = ()
+    env: tuple = ()  # (name, value) pairs
 
 
 CONFIGS = {c.name: c for c in (
@@ -135,10 +138,13 @@ CONFIGS = {c.name: c for c in (
         "SetAttentionBackend": {"backend": "sage"},
     }),
 )}
+# pack_fast without the pack's read-ahead of the prompt's files (host/read_ahead.py): what it gains, in one run
+CONFIGS["pack_fast_no_read_ahead"] = dataclasses.replace(CONFIGS["pack_fast"], name="pack_fast_no_read_ahead",
+                                                         env=(("BIGDIT_READ_AHEAD", "0"),))
 # the most important comparison first: a call's budget drops the last ones
 ORDER = ("template_sage", "pack_fast", "pack", "template")
 REFERENCES = ("template_sage", "template")
-PACK_CONFIGS = ("pack_fast", "pack")
+PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_no_read_ahead")
 # what a server is assumed to take before one has run at that setting: from its start (the page-cache drop
 # included) to the end of its first job, and its second job with the server's stop
 PRIOR_S = {"turbo": {"job1": 160.0, "job2": 70.0}, "default": {"job1": 170.0, "job2": 90.0},
@@ -761,7 +767,7 @@ class Job:
         base = {"config": config.name, "setting": setting, "ram_gib": ram_gib, "cap_gib": opts.cap_gib,
                 "prompt": config.prompt, "nodes": {k: list(v) if isinstance(v, tuple) else v
                                                    for k, v in config.nodes.items()},
-                "comfy_args": list(config.comfy_args)}
+                "comfy_args": list(config.comfy_args), "env": dict(config.env)}
         recs = [{**base, "job": job, "status": None} for job in (1, 2)]
         why = self.over_budget(self.estimate(setting, "job1"))
         if why:
@@ -773,7 +779,7 @@ class Job:
         limit, why = (MemoryLimit.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(self.payload['results'])}")
                       if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
         ram = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
-        env = {"BIGDIT_BENCH_PROFILE": "0"}
+        env = {"BIGDIT_BENCH_PROFILE": "0", **dict(config.env)}
         cache = None
         if config.prompt == "pack":  # the quantize-once cache as users have it, in a folder of this server's own
             cache = self.work / "quant_cache" / tag

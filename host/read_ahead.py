@@ -1,0 +1,100 @@
+"""Reading ahead the model files a queued prompt names (loaders/read_ahead.py), for prompts with the pack's nodes.
+
+ComfyUI calls each on-prompt handler with a prompt's JSON as it is queued (`PromptServer.add_on_prompt_handler`);
+ours reads nothing for a prompt without a node of the pack, never changes the prompt, and a failure of its own is
+logged, never the prompt's. The files: the values of the prompt's file inputs (FILE_INPUTS: an input's name ->
+ComfyUI's models folder; the host's loaders and the pack's use these names), in the order a job reads them: text
+encoders, diffusion models, LoRAs, VAEs. A file read ahead once is not read again by this server. The RAM room:
+the least of what is really free (loaders/host_memory.py) and psutil's `available`, what ComfyUI itself reads.
+BIGDIT_READ_AHEAD=0 in the server's environment turns it off.
+"""
+from __future__ import annotations
+
+import os
+
+import folder_paths
+
+from ..loaders.host_memory import free_ram
+from ..loaders.read_ahead import AheadFile, Reader, plan
+from ..pack_logging import pack_logger
+from ..units import format_gib
+
+log = pack_logger(__name__)
+
+FILE_INPUTS = {"clip_name": "text_encoders", **{f"clip_name{i}": "text_encoders" for i in range(1, 5)},
+               "ckpt_name": "checkpoints", "unet_name": "diffusion_models", "lora_name": "loras", "vae_name": "vae"}
+ORDER = ("text_encoders", "checkpoints", "diffusion_models", "loras", "vae")
+HELD = frozenset({"text_encoders"})  # ComfyUI keeps a text encoder's weights in its own memory once loaded
+SWITCH = "BIGDIT_READ_AHEAD"
+
+try:
+    import psutil
+except ImportError:  # the host's requirements have it; without it, free_ram alone
+    psutil = None
+
+
+def prompt_files(prompt: dict) -> list[AheadFile]:
+    """The model files `prompt` (API format) names that exist, each once, in ORDER."""
+    found: dict[str, tuple[int, AheadFile]] = {}
+    for node in prompt.values():
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        for name, value in (inputs.items() if isinstance(inputs, dict) else ()):
+            folder = FILE_INPUTS.get(name)
+            if folder is None or not isinstance(value, str):
+                continue
+            path = folder_paths.get_full_path(folder, value)
+            if path and path not in found and os.path.isfile(path):
+                found[path] = (ORDER.index(folder), AheadFile(path, os.path.getsize(path), folder in HELD))
+    return [f for _, f in sorted(found.values(), key=lambda entry: entry[0])]
+
+
+def ram_room() -> int | None:
+    known = [free_ram()] + ([psutil.virtual_memory().available] if psutil is not None else [])
+    known = [k for k in known if k is not None]
+    return min(known) if known else None
+
+
+class PromptReadAhead:
+    """The on-prompt handler: reads ahead the files of a prompt with a node in `pack_nodes`."""
+
+    def __init__(self, pack_nodes: set[str]):
+        self.pack_nodes = frozenset(pack_nodes)
+        self.reader = Reader(log)
+
+    def __call__(self, json_data):
+        try:
+            prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+            if isinstance(prompt, dict) and any(isinstance(n, dict) and n.get("class_type") in self.pack_nodes
+                                                for n in prompt.values()):
+                self.read_ahead(prompt)
+        except Exception:  # noqa: BLE001 - the prompt runs whatever happens here
+            log.exception("read-ahead failed; the prompt runs without it")
+        return json_data
+
+    def read_ahead(self, prompt: dict) -> None:
+        files = [f for f in prompt_files(prompt) if not self.reader.seen(f)]
+        if not files:
+            return
+        chosen, why = plan(files, ram_room())
+        if why:
+            log.info("read-ahead: none (%s)", why)
+            return
+        queued = self.reader.submit(chosen, "a queued prompt")
+        log.info("read-ahead: %d files, %s, queued: %s", len(queued), format_gib(sum(f.size for f in queued)),
+                 ", ".join(os.path.basename(f.path) for f in queued))
+
+
+def install(pack_nodes: set[str]) -> bool:
+    """Register the handler with the running server; False where there is none or the switch is off."""
+    if os.environ.get(SWITCH, "1") == "0":
+        log.info("read-ahead off (%s=0)", SWITCH)
+        return False
+    try:
+        from server import PromptServer
+    except ImportError:
+        return False
+    instance = getattr(PromptServer, "instance", None)
+    if instance is None or not callable(getattr(instance, "add_on_prompt_handler", None)):
+        return False
+    instance.add_on_prompt_handler(PromptReadAhead(pack_nodes))
+    return True

@@ -1,0 +1,107 @@
+"""Reading a job's model files into the page cache before its loaders ask for them.
+
+A cold job reads its files one stage after another (the text encoder, then the diffusion model in its first
+sampler step, then the VAE), each by one reader and each while the disk would otherwise wait on compute in
+between. A `Reader` reads the files a queued job names, in the order the job needs them, several stripes of a file
+at once, on a background thread: the loaders then find the pages in the page cache.
+
+Only where the RAM holds them all: `plan` reads nothing unless the files, a second copy of each file the host keeps
+in its own memory once loaded (a text encoder), and HEADROOM fit in the room the system reports; a file whose pages
+would push out what the job needs next is a loss, never a gain.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..units import GIB, format_gib
+
+HEADROOM = 4 * GIB  # besides the files: the process, its activations, the host's pinned buffers
+STRIPES = 4  # readers per file: this machine's disks read 1.2-1.3x faster with four than with one
+CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AheadFile:
+    path: str
+    size: int
+    held: bool = False  # the host keeps its own copy in RAM once loaded (a text encoder): its room counts twice
+
+
+def plan(files: list[AheadFile], room: int | None) -> tuple[list[AheadFile], str]:
+    """(the files to read ahead, in order, and why none where none): all of them where they fit in `room` bytes of
+    RAM (see the module's docstring), else none."""
+    if not files:
+        return [], "no model file named"
+    if room is None:
+        return [], "the system does not say how much RAM is free"
+    need = sum(f.size for f in files) + sum(f.size for f in files if f.held) + HEADROOM
+    if need > room:
+        return [], f"the files need {format_gib(need)} of RAM with their copies and headroom, {format_gib(room)} free"
+    return list(files), ""
+
+
+def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK) -> int:
+    """Read `path` whole, `stripes` contiguous parts at once; its bytes."""
+    size = os.path.getsize(path)
+    part = -(-size // stripes)
+
+    def read_part(start: int) -> int:
+        done, buffer = 0, bytearray(chunk)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            while done < part:
+                n = f.readinto(memoryview(buffer)[:min(chunk, part - done)])
+                if not n:
+                    break
+                done += n
+        return done
+
+    with ThreadPoolExecutor(stripes) as pool:
+        return sum(pool.map(read_part, range(0, size, part or 1)))
+
+
+class Reader:
+    """Reads submitted files one after another on a daemon thread, each once per process; `log` gets one line per
+    submission's end."""
+
+    def __init__(self, log: logging.Logger, stripes: int = STRIPES):
+        self.log, self.stripes = log, stripes
+        self._queue: queue.Queue = queue.Queue()
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def seen(self, f: AheadFile) -> bool:
+        """Whether `f` was queued before."""
+        return f.path in self._seen
+
+    def submit(self, files: list[AheadFile], label: str) -> list[AheadFile]:
+        """Queue the files not read or queued before; returns them."""
+        with self._lock:
+            new = [f for f in files if f.path not in self._seen]
+            self._seen.update(f.path for f in new)
+            if new:
+                self._queue.put((new, label))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="bigdit-read-ahead", daemon=True)
+                    self._thread.start()
+        return new
+
+    def _run(self) -> None:
+        while True:
+            files, label = self._queue.get()
+            start, total = time.perf_counter(), 0
+            for f in files:
+                try:
+                    total += read_file(f.path, self.stripes)
+                except OSError as e:  # a file gone or unreadable: its loader says so; the rest are still read
+                    self.log.warning("read-ahead of %s stopped: %s", f.path, e)
+            seconds = time.perf_counter() - start
+            self.log.info("read-ahead for %s: %d files, %s in %.1f s (%.2f GiB/s)", label, len(files),
+                          format_gib(total), seconds, total / GIB / max(seconds, 1e-9))

@@ -1,0 +1,66 @@
+"""loaders/read_ahead.py: what is read ahead (all a job's files where the RAM holds them with the copies the host
+keeps, else none) and the reading itself (every byte of a file, in stripes; each file once; one log line)."""
+import logging
+import time
+
+import pytest
+
+from bigdit.loaders.read_ahead import HEADROOM, AheadFile, Reader, plan, read_file
+from bigdit.units import GIB
+
+
+def files():
+    return [AheadFile("encoder", 14 * GIB, held=True), AheadFile("dit", 20 * GIB), AheadFile("vae", 3 * GIB)]
+
+
+def test_all_files_where_they_fit_with_the_held_copy_and_headroom():
+    need = (14 + 20 + 3 + 14) * GIB + HEADROOM
+    assert plan(files(), need) == (files(), "")
+    chosen, why = plan(files(), need - 1)
+    assert chosen == [] and why.startswith("the files need 55.00 GiB of RAM"), why
+
+
+def test_nothing_where_the_room_is_unknown_or_nothing_is_named():
+    assert plan(files(), None) == ([], "the system does not say how much RAM is free")
+    assert plan([], 100 * GIB) == ([], "no model file named")
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 * 1024 * 1024 + 3, 16 * 1024 * 1024])
+@pytest.mark.parametrize("stripes", [1, 4])
+def test_read_file_reads_every_byte(tmp_path, size, stripes):
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    assert read_file(str(path), stripes=stripes, chunk=1024 * 1024) == size
+
+
+def test_the_reader_reads_each_file_once_and_says_so(tmp_path, caplog):
+    paths = []
+    for i, size in enumerate((3_000_000, 1_000_001)):
+        paths.append(tmp_path / f"{i}.bin")
+        paths[-1].write_bytes(b"\1" * size)
+    ahead = [AheadFile(str(p), p.stat().st_size) for p in paths]
+    log = logging.getLogger("test_read_ahead")
+    reader = Reader(log, stripes=2)
+    with caplog.at_level(logging.INFO, logger="test_read_ahead"):
+        assert reader.submit(ahead, "job 1") == ahead
+        assert reader.submit(ahead[:1], "job 2") == [] and reader.seen(ahead[0])
+        deadline = time.monotonic() + 30
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("read-ahead for job 1: 2 files, 0.00 GiB in "), record.getMessage()
+
+
+def test_a_missing_file_is_logged_and_the_rest_are_read(tmp_path, caplog):
+    good = tmp_path / "good.bin"
+    good.write_bytes(b"\2" * 4096)
+    log = logging.getLogger("test_read_ahead_missing")
+    reader = Reader(log)
+    with caplog.at_level(logging.INFO, logger="test_read_ahead_missing"):
+        reader.submit([AheadFile(str(tmp_path / "gone.bin"), 10), AheadFile(str(good), 4096)], "job")
+        deadline = time.monotonic() + 30
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith(f"read-ahead of {tmp_path / 'gone.bin'} stopped:"), messages
+    assert messages[1].startswith("read-ahead for job: 2 files, 0.00 GiB in "), messages
