@@ -6,7 +6,8 @@ logged, never the prompt's. The files: the values of the prompt's file inputs (F
 ComfyUI's models folder; the host's loaders and the pack's use these names), in the order a job reads them: text
 encoders, diffusion models, LoRAs, VAEs. A file read ahead once is not read again by this server. The RAM room:
 the least of what is really free (loaders/host_memory.py) and psutil's `available`, what ComfyUI itself reads.
-BIGDIT_READ_AHEAD=0 in the server's environment turns it off.
+Off unless BIGDIT_READ_AHEAD=1 is in the server's environment: what it gains in a job is still to be measured
+(tests/bench/whole_job.py's pack_fast_read_ahead against pack_fast).
 """
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ class PromptReadAhead:
 
 
 def install(pack_nodes: set[str]) -> bool:
-    """Register the handler with the running server; False where there is none or the switch is off."""
-    if os.environ.get(SWITCH, "1") == "0":
-        log.info("read-ahead off (%s=0)", SWITCH)
+    """Register the handler with the running server where the switch is on; False where it is off or there is
+    no server."""
+    if os.environ.get(SWITCH, "0") != "1":
         return False
     try:
         from server import PromptServer

@@ -1,9 +1,10 @@
 """Read-ahead of a queued prompt's model files (host/read_ahead.py), on both hosts over HTTP.
 
-A prompt with a node of the pack (SetVAEKernels on a tiny Wan VAE, decoded by VAEDecode) has the VAE file it
-names read ahead: the server's log says it was queued and read, its bytes whole. The same file named again is not
-read again; a prompt with no node of the pack (the same decode without SetVAEKernels) reads nothing ahead. Each
-test names a VAE file of its own (a copy of the tiny VAE), so what other tests of the session read does not count.
+On a server started with BIGDIT_READ_AHEAD=1, a prompt with a node of the pack (SetVAEKernels on a tiny Wan VAE,
+decoded by VAEDecode) has the VAE file it names read ahead: the server's log says it was queued and read, its bytes
+whole. The same file named again is not read again; a prompt with no node of the pack (the same decode without
+SetVAEKernels) reads nothing ahead. On the session's server (the switch unset: off by default) nothing is read
+ahead. Each test names a VAE file of its own (a copy of the tiny VAE).
 """
 import re
 import shutil
@@ -13,15 +14,25 @@ import pytest
 import safetensors.torch
 import torch
 
+from comfy_harness import ComfyServer
+
 pytestmark = pytest.mark.integration
 
 LATENT = (1, 16, 2, 8, 8)
 
 
-def vae_copy(comfy, tiny_vae, name) -> str:
-    folder = comfy.models_dir / "vae"
-    shutil.copyfile(folder / tiny_vae, folder / name)
+def vae_copy(comfy, tiny_vae, name, server=None) -> str:
+    shutil.copyfile(comfy.models_dir / "vae" / tiny_vae, (server or comfy).models_dir / "vae" / name)
     return name
+
+
+@pytest.fixture(scope="module")
+def reading(comfy, tmp_path_factory):
+    """A server of the same host with the read-ahead switched on."""
+    server = ComfyServer(tmp_path_factory.mktemp(f"read-ahead-{comfy.host.version}"), comfy.host,
+                         env={"BIGDIT_READ_AHEAD": "1"})
+    yield server
+    server.stop()
 
 
 def graph(vae_name, latent_name, with_pack: bool) -> dict:
@@ -55,24 +66,32 @@ def log_after(comfy, start: int, pattern: str, timeout: float = 30.0):
         time.sleep(0.1)
 
 
-def test_a_prompt_with_a_pack_node_has_its_files_read_ahead_once(comfy, tiny_vae):
-    name = vae_copy(comfy, tiny_vae, "read_ahead_vae.safetensors")
-    size = (comfy.models_dir / "vae" / name).stat().st_size
-    start = len(comfy.log_text())
-    comfy.run(graph(name, latent(comfy), with_pack=True))
-    queued = log_after(comfy, start, r"\[BigDiT\] read-ahead: (\d+) files, ([\d.]+) GiB, queued: (.*)")
-    assert queued and queued.group(1) == "1" and queued.group(3).strip() == name, comfy.log_text()[start:][-3000:]
-    read = log_after(comfy, start, r"\[BigDiT\] read-ahead for a queued prompt: 1 files, ([\d.]+) GiB in")
-    assert read and abs(float(read.group(1)) - size / 2 ** 30) < 0.01, comfy.log_text()[start:][-3000:]
-    again = len(comfy.log_text())
-    comfy.run(graph(name, latent(comfy), with_pack=True))
+def test_a_prompt_with_a_pack_node_has_its_files_read_ahead_once(comfy, tiny_vae, reading):
+    name = vae_copy(comfy, tiny_vae, "read_ahead_vae.safetensors", reading)
+    size = (reading.models_dir / "vae" / name).stat().st_size
+    start = len(reading.log_text())
+    reading.run(graph(name, latent(reading), with_pack=True))
+    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: (\d+) files, ([\d.]+) GiB, queued: (.*)")
+    assert queued and queued.group(1) == "1" and queued.group(3).strip() == name, reading.log_text()[start:][-3000:]
+    read = log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 1 files, ([\d.]+) GiB in")
+    assert read and abs(float(read.group(1)) - size / 2 ** 30) < 0.01, reading.log_text()[start:][-3000:]
+    again = len(reading.log_text())
+    reading.run(graph(name, latent(reading), with_pack=True))
     time.sleep(1.0)
-    assert "read-ahead" not in comfy.log_text()[again:]  # read once per server
+    assert "read-ahead" not in reading.log_text()[again:]  # read once per server
 
 
-def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae):
-    name = vae_copy(comfy, tiny_vae, "no_read_ahead_vae.safetensors")
+def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae, reading):
+    name = vae_copy(comfy, tiny_vae, "no_read_ahead_vae.safetensors", reading)
+    start = len(reading.log_text())
+    reading.run(graph(name, latent(reading), with_pack=False))
+    time.sleep(1.0)
+    assert "read-ahead" not in reading.log_text()[start:]
+
+
+def test_without_the_switch_nothing_is_read_ahead(comfy, tiny_vae):
+    name = vae_copy(comfy, tiny_vae, "switch_off_vae.safetensors")
     start = len(comfy.log_text())
-    comfy.run(graph(name, latent(comfy), with_pack=False))
+    comfy.run(graph(name, latent(comfy), with_pack=True))
     time.sleep(1.0)
     assert "read-ahead" not in comfy.log_text()[start:]
