@@ -153,12 +153,13 @@ def _room(device) -> int:
 
 
 def _decode_batches(decode, tiles: list, count: TileCount) -> list:
-    """`decode` on `tiles` (same-shaped latents), the first alone and the rest in batches as large as the first
-    pass's measured peak allows on a CUDA device (all at once elsewhere), a batch the card cannot hold after all
-    halved; each tile's pixels, in order."""
+    """`decode` on `tiles`, the first alone and the rest in batches as large as the first pass's measured peak
+    allows on a CUDA device (all at once elsewhere), a batch the card cannot hold after all halved; tiles of more
+    than one shape each alone. Each tile's pixels, in order."""
     out, size, start = [], 1, 0
     cuda = tiles[0].device.type == "cuda"
-    if not cuda:
+    uniform = all(t.shape == tiles[0].shape for t in tiles)  # else no batch: each tile alone
+    if not cuda and uniform:
         size = len(tiles)
     while start < len(tiles):
         group = tiles[start:start + size]
@@ -175,7 +176,7 @@ def _decode_batches(decode, tiles: list, count: TileCount) -> list:
             continue
         out += pixels.split(tiles[0].shape[0]) if len(group) > 1 else [pixels]
         count.passes += 1
-        if cuda and start == 0 and len(tiles) > 1:
+        if cuda and start == 0 and len(tiles) > 1 and uniform:
             per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base) * _BATCH_MARGIN
             # ComfyUI is asked for the rest's room, as for resident weights (the sampled model's pages go first)
             comfy.model_management.free_memory(per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
@@ -193,7 +194,7 @@ def batched_tiles(model, count: TileCount):
     alone."""
     own_tiled = model.tiled_decode
     own_pixels = model._decode_pixels
-    shadowed = "_decode_pixels" in vars(model)
+    shadowed = {name: name in vars(model) for name in ("tiled_decode", "_decode_pixels")}  # instance attributes
 
     def tiled_decode(z, *args, **kwargs):
         ratio = model.vae_ratio
@@ -213,17 +214,22 @@ def batched_tiles(model, count: TileCount):
         try:
             return own_tiled(z, *args, **kwargs)
         finally:
-            if shadowed:
-                model._decode_pixels = own_pixels
-            else:
-                del model._decode_pixels
+            _restore(model, "_decode_pixels", own_pixels, shadowed["_decode_pixels"])
             ready.clear()
 
     model.tiled_decode = tiled_decode
     try:
         yield
     finally:
-        del model.tiled_decode
+        _restore(model, "tiled_decode", own_tiled, shadowed["tiled_decode"])
+
+
+def _restore(model, name: str, own, shadowed: bool) -> None:
+    """Put back `model`'s instance attribute `name` as it was, or remove ours where there was none."""
+    if shadowed:
+        setattr(model, name, own)
+    else:
+        delattr(model, name)
 
 
 @dataclass

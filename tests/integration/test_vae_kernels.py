@@ -12,8 +12,9 @@ they were.
 Wan 2.1 (both hosts): its VAE has nothing the pack runs, and passes through unchanged.
 
 The batches of host/vae.py's `_decode_batches` (both hosts, in the host's python, on CPU): each tile's pixels come back in order
-as that tile decoded alone gives them, and a batch the card cannot hold (a decoder raising torch.OutOfMemoryError
-past a batch size) is halved until it fits, a single tile that does not fit failing as the decode would.
+as that tile decoded alone gives them, tiles of more than one shape go one by one, and a batch the card cannot hold
+(a decoder raising torch.OutOfMemoryError past a batch size) is halved until it fits, a single tile that does not
+fit failing as the decode would.
 """
 import json
 import math
@@ -168,6 +169,11 @@ for name, limit in (("all", None), ("limit 2", 2)):
     out = _decode_batches(decoder(limit, calls), tiles, count)
     res[name] = {"calls": calls, "in_order": len(out) == 7 and all(torch.equal(o, decoder()(t)) for o, t in zip(out, tiles)),
                  "count": [count.tiles, count.passes, count.alone], "line": count.render()}
+count, calls = TileCount(), []
+mixed = tiles[:3] + [z[..., 12:20]]  # a tile of another shape: no batch
+out = _decode_batches(decoder(None, calls), mixed, count)
+res["mixed"] = {"calls": calls, "in_order": all(torch.equal(o, decoder()(t)) for o, t in zip(out, mixed)),
+                "count": [count.tiles, count.passes, count.alone]}
 try:
     _decode_batches(decoder(0), tiles[:1], TileCount())
     res["one too big"] = "decoded"
@@ -188,4 +194,5 @@ def test_tile_batches_keep_their_order_and_halve_where_the_card_cannot_hold_them
     limited = res["limit 2"]
     assert limited["calls"] == [7, 3, 1, 1, 1, 1, 1, 1, 1] and limited["in_order"], res
     assert limited["count"] == [7, 7, 0] and limited["line"] == "tiles 7 in 7 passes", res
+    assert res["mixed"] == {"calls": [1, 1, 1, 1], "in_order": True, "count": [4, 4, 0]}, res
     assert res["one too big"] == "out of memory", res
