@@ -3,6 +3,7 @@
 arithmetic) on CPU, and one --tiny run end to end on upstream ComfyUI 0.33.0 (integration: a template and a pack
 configuration, each with its first and second job)."""
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -65,6 +66,18 @@ def test_pack_fast_read_ahead_is_pack_fast_with_the_switch_on():
     assert (ahead.prompt, ahead.nodes, ahead.comfy_args) == (fast.prompt, fast.nodes, fast.comfy_args)
     assert fast.env == () and dict(ahead.env) == {"BIGDIT_READ_AHEAD": "1"}
     assert "pack_fast_read_ahead" in whole_job.PACK_CONFIGS  # compared with the references in the summary
+
+
+def test_pack_fast_no_lora_sets_the_loras_strength_to_zero_and_nothing_else():
+    fast, bare = whole_job.CONFIGS["pack_fast"], whole_job.CONFIGS["pack_fast_no_lora"]
+    info = {**object_info(), "LoraLoaderModelOnly": {"input": {"required": {  # the host's node, as it serves it
+        "model": ["MODEL"], "lora_name": [[]], "strength_model": ["FLOAT", {"default": 1.0}]}}}}
+    graph, left_out = whole_job.job_graph(bare, "turbo", info, "QuantizedCLIPLoader", None)
+    reference, _ = whole_job.job_graph(dataclasses.replace(fast, name=bare.name), "turbo", info, "QuantizedCLIPLoader",
+                                       None)  # the same name: the saved files' prefixes hold it
+    assert graph["140:134"]["inputs"]["strength_model"] == 0.0 and left_out == []
+    graph["140:134"]["inputs"]["strength_model"] = reference["140:134"]["inputs"]["strength_model"]
+    assert graph == reference
 
 
 def test_pack_fast_changes_the_loader_and_backend_and_passes_int8_only_where_listed():
@@ -183,6 +196,15 @@ def test_summary_divides_the_reference_by_the_pack_job_by_job():
     assert summary["turbo_64g_job1"]["host_share"] == {"template_sage": 0.1, "pack_fast": 0.2}
     assert summary["turbo_64g_job2"]["speedup"]["pack_fast_vs_template_sage"]["whole"] == 2.0
     assert summary["turbo_64g_job2"]["speedup"]["pack_fast_vs_template_sage"]["stages"]["sampling"] == 3.0
+    assert "lora_step_share" not in summary["turbo_64g_job1"]  # no run without the LoRA to set it against
+
+
+def test_summary_gives_the_lora_branchs_share_of_a_step_within_one_run():
+    def rec(config, step_s):
+        return {"config": config, "setting": "turbo", "ram_gib": 64.0, "job": 2, "status": "ok", "wall_s": 10.0,
+                "stages": dict.fromkeys(whole_job.STAGES, 1.0), "host_share": 0.1, "sampling": {"step_s": step_s}}
+    summary = whole_job.summarize([rec("template_sage", 1.5), rec("pack_fast", 1.36), rec("pack_fast_no_lora", 1.30)])
+    assert summary["turbo_64g_job2"]["lora_step_share"] == (1.36 - 1.30) / 1.36
 
 
 class _Opts:

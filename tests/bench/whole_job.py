@@ -31,6 +31,9 @@ for the load (hit, miss, off, skipped) and the tuned-kernel store's lines where 
 - pack: the pack's version (LoadH3Quantized, QuantizedCLIPLoader, SetAttentionBackend auto), as shipped;
 - pack_fast: the pack's fastest: MixedCheckpointLoader on the INT8 file (its `int8` input, where /object_info
   lists it), QuantizedCLIPLoader, SetAttentionBackend sage.
+- pack_fast_read_ahead: pack_fast with the pack's read-ahead of the prompt's files on (BIGDIT_READ_AHEAD=1);
+- pack_fast_no_lora: pack_fast with the LoRA at strength 0 (no LoRA): set against pack_fast's step in the same run,
+  the LoRA branch's share of a step (`summary`'s `lora_step_share`); its latent is not the template's.
 Whether QuantizedCLIPLoader loads the encoder file's two unusual layer kinds (an INT8 token embedding, NVFP4 with
 `full_precision_matrix_mult`) is checked once, on a small CLIP-L with them, in the first server after its job
 (`encoder_check`); where it does not, the pack's configurations load the encoder with upstream's CLIPLoader and
@@ -60,8 +63,9 @@ writing the files (`machine`). tests/bench/job_profile.py counts and explains th
 
 The JSON (tests/bench/results/whole-job-<gpu>-comfyui-<version>-<date>.json, or --out/--out-dir) is rewritten
 after every configuration; `summary` holds, per setting, RAM size and job (`turbo_64g_job1`), each pack
-configuration against template_sage and template (the whole job and each stage: reference seconds / pack seconds)
-and each configuration's share of the job in host code (encoder and VAE decode), printed at the end. The order
+configuration against template_sage and template (the whole job and each stage: reference seconds / pack seconds),
+each configuration's share of the job in host code (encoder and VAE decode), printed at the end, and where both ran
+the LoRA branch's share of pack_fast's step. The order
 (ORDER) puts what matters most first, so that a budget drops the rest: template_sage, pack_fast, pack, template.
 --budget-s counts from $E2E_STARTED (epoch seconds) where it is set and keeps STOP_S free at its end: it starts
 no server whose first job would end past it, and no second job that would, each by the longest one so far at
@@ -141,10 +145,16 @@ CONFIGS = {c.name: c for c in (
 # pack_fast with the pack's read-ahead of the prompt's files (host/read_ahead.py, off by default): what it gains
 CONFIGS["pack_fast_read_ahead"] = dataclasses.replace(CONFIGS["pack_fast"], name="pack_fast_read_ahead",
                                                       env=(("BIGDIT_READ_AHEAD", "1"),))
+# pack_fast without the turbo LoRA (LoraLoaderModelOnly at strength 0 returns the model unpatched): its steps
+# against pack_fast's give the LoRA branch's share of a step within one run (summary `lora_step_share`); its latent
+# is not the template's
+CONFIGS["pack_fast_no_lora"] = dataclasses.replace(
+    CONFIGS["pack_fast"], name="pack_fast_no_lora",
+    nodes={**CONFIGS["pack_fast"].nodes, "LoraLoaderModelOnly": {"strength_model": 0.0}})
 # the most important comparison first: a call's budget drops the last ones
 ORDER = ("template_sage", "pack_fast", "pack", "template")
 REFERENCES = ("template_sage", "template")
-PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_read_ahead")
+PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_read_ahead", "pack_fast_no_lora")
 # what a server is assumed to take before one has run at that setting: from its start (the page-cache drop
 # included) to the end of its first job, and its second job with the server's stop
 PRIOR_S = {"turbo": {"job1": 160.0, "job2": 70.0}, "default": {"job1": 170.0, "job2": 90.0},
@@ -1134,6 +1144,9 @@ def summarize(results) -> dict:
         summary[f"{setting}_{ram_gib:g}g_job{job}"] = {
             "speedup": ratios, "host_share": {name: r["host_share"] for name, r in at.items()},
             "wall_s": {name: r["wall_s"] for name, r in at.items()}}
+        steps = [(at.get(name) or {}).get("sampling", {}).get("step_s") for name in ("pack_fast", "pack_fast_no_lora")]
+        if all(steps):  # the LoRA branch's share of pack_fast's step, both measured in this run
+            summary[f"{setting}_{ram_gib:g}g_job{job}"]["lora_step_share"] = (steps[0] - steps[1]) / steps[0]
     return summary
 
 
