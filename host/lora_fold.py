@@ -83,11 +83,6 @@ try:  # upstream's dynamic VRAM: how the host sizes a layer's pinned copy
     import comfy.memory_management as comfy_memory
 except ImportError:
     comfy_memory = None
-try:  # what the host reads for its RAM decisions (and the benchmark's emulated hosts patch)
-    import psutil
-except ImportError:
-    psutil = None
-
 log = pack_logger(__name__)
 
 FOLD_KEY = "bigdit_lora_fold"
@@ -283,14 +278,10 @@ def _at_rest(patcher, path: str | None, layer: QuantLinear):
 
 
 def _ram_room() -> float:
-    """The bytes of RAM a fold may take now: what is really free (loaders/host_memory.py), never more than psutil's
-    `available` (what the host reads, and the benchmark's emulated hosts patch), less RAM_HEADROOM; unbounded where
-    the system says nothing."""
-    known = [host_memory.free_ram()]
-    if psutil is not None:
-        known.append(psutil.virtual_memory().available)
-    known = [k for k in known if k is not None]
-    return float(min(known)) - RAM_HEADROOM if known else float("inf")
+    """The bytes of RAM a fold may take now: what is really free, never more than psutil's `available`
+    (loaders/host_memory.py `ram_room`), less RAM_HEADROOM; unbounded where the system says nothing."""
+    room = host_memory.ram_room()
+    return float("inf") if room is None else float(room) - RAM_HEADROOM
 
 
 def _fold_bytes(layer: QuantLinear, wanted) -> int:

@@ -5,7 +5,7 @@ ours reads nothing for a prompt without a node of the pack, never changes the pr
 logged, never the prompt's. The files: the values of the prompt's file inputs (FILE_INPUTS: an input's name ->
 ComfyUI's models folder; the host's loaders and the pack's use these names), in the order a job reads them: text
 encoders, diffusion models, LoRAs, VAEs. A file read ahead once is not read again by this server. The RAM room:
-the least of what is really free (loaders/host_memory.py) and psutil's `available`, what ComfyUI itself reads.
+loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`).
 Off unless BIGDIT_READ_AHEAD=1 is in the server's environment: what it gains in a job is still to be measured
 (tests/bench/whole_job.py's pack_fast_read_ahead against pack_fast).
 """
@@ -15,7 +15,7 @@ import os
 
 import folder_paths
 
-from ..loaders.host_memory import free_ram
+from ..loaders.host_memory import ram_room
 from ..loaders.read_ahead import AheadFile, Reader, plan
 from ..pack_logging import pack_logger
 from ..units import format_gib
@@ -27,11 +27,6 @@ FILE_INPUTS = {"clip_name": "text_encoders", **{f"clip_name{i}": "text_encoders"
 ORDER = ("text_encoders", "checkpoints", "diffusion_models", "loras", "vae")
 HELD = frozenset({"text_encoders"})  # ComfyUI keeps a text encoder's weights in its own memory once loaded
 SWITCH = "BIGDIT_READ_AHEAD"
-
-try:
-    import psutil
-except ImportError:  # the host's requirements have it; without it, free_ram alone
-    psutil = None
 
 
 def prompt_files(prompt: dict) -> list[AheadFile]:
@@ -47,12 +42,6 @@ def prompt_files(prompt: dict) -> list[AheadFile]:
             if path and path not in found and os.path.isfile(path):
                 found[path] = (ORDER.index(folder), AheadFile(path, os.path.getsize(path), folder in HELD))
     return [f for _, f in sorted(found.values(), key=lambda entry: entry[0])]
-
-
-def ram_room() -> int | None:
-    known = [free_ram()] + ([psutil.virtual_memory().available] if psutil is not None else [])
-    known = [k for k in known if k is not None]
-    return min(known) if known else None
 
 
 class PromptReadAhead:

@@ -8,6 +8,8 @@ platform lacks a call, it is a no-op).
   from included, and knows nothing of a cgroup's limit: a container limited to
   64 GiB on a 125 GiB machine sees the machine's.
 
+- `ram_room()`: `free_ram`, never more than psutil's `available` (what the host reads for its RAM decisions,
+  and what the benchmark's emulated hosts patch).
 - `release_pages(address, nbytes)`: madvise(MADV_DONTNEED) on whole pages of a
   private file map (loaders/file_map.py): the pages stop being the process's, and
   reading them again faults them in from the file.
@@ -28,6 +30,11 @@ MEMINFO = "/proc/meminfo"
 SELF_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number
+
+try:  # what the host reads for its RAM decisions (and the benchmark's emulated hosts patch)
+    import psutil
+except ImportError:
+    psutil = None
 
 
 def _libc_function(name: str):
@@ -128,3 +135,11 @@ def free_ram() -> int | None:
     free = info["MemFree"] + info.get("Inactive(file)", 0)
     room = _cgroup_room()
     return free if room is None else min(free, room)
+
+
+def ram_room() -> int | None:
+    """The bytes of host memory this process may take now: `free_ram`, never more than psutil's `available`;
+    None where neither says."""
+    known = [free_ram()] + ([psutil.virtual_memory().available] if psutil is not None else [])
+    known = [k for k in known if k is not None]
+    return min(known) if known else None

@@ -121,6 +121,24 @@ comfy.memory_management.aimdo_enabled = True
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
 """
 
+# a decode probe's timer and its frames' PSNR against a reference (frames in [0, 1]), for probes on a GPU
+DECODE_PROBE_HELPERS = r"""
+import math, time
+
+
+def timed(decode, z):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = decode(z)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def psnr(ours, reference):
+    mse = (ours.float() - reference.float()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
+"""
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("BIGDIT_CACHE") or Path.home() / ".cache" / "bigdit")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_harness import DYNAMIC_VRAM_PRELUDE, PACK_ROOT, TESTS_DIR, cache_dir
+from comfy_harness import DECODE_PROBE_HELPERS, DYNAMIC_VRAM_PRELUDE, PACK_ROOT, TESTS_DIR, cache_dir
 
 sys.path.insert(0, str(TESTS_DIR / "bench"))
 import e2e_models  # noqa: E402
@@ -52,8 +52,8 @@ def _missing() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
-PROBE = DYNAMIC_VRAM_PRELUDE + r"""
-import json, logging, math, time
+PROBE = DYNAMIC_VRAM_PRELUDE + DECODE_PROBE_HELPERS + r"""
+import json, logging
 tests_dir, vae_path, shape = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 import comfy.sd, comfy.utils
 sys.path.insert(0, os.path.join(tests_dir, "fixtures", "bigdit_testnodes"))
@@ -76,37 +76,24 @@ assert vae.patcher.is_dynamic(), type(vae.patcher)
 z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
-def timed(decode):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = decode(z)
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
-def psnr(ours, reference):
-    mse = (ours.float() - reference.float()).pow(2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
-
-
-res = {"frames": list(timed(vae.decode)[0].shape), "runs": {}}  # the first decode pages the weights in
-host, res["host_s"] = timed(vae.decode)
+res = {"frames": list(timed(vae.decode, z)[0].shape), "runs": {}}  # the first decode pages the weights in
+host, res["host_s"] = timed(vae.decode, z)
 for attention, weights, tiles in (("sdpa", "resident", "batched"), ("auto", "resident", "batched"),
                                  ("auto", "resident", "host"), ("auto", "host", "batched")):
     ours_vae = set_vae_kernels(vae, attention, "pack", weights, tiles=tiles)[0]
-    timed(ours_vae.decode)  # the first decode measures the kernels of each shape
-    ours, seconds = timed(ours_vae.decode)
+    timed(ours_vae.decode, z)  # the first decode measures the kernels of each shape
+    ours, seconds = timed(ours_vae.decode, z)
     res["runs"][f"{attention}/{weights}/{tiles}"] = {"s": seconds, "psnr": psnr(ours, host), "line": lines[-1]}
 # a card with no room for the resident weights: ComfyUI's paging stays
 ours_vae = set_vae_kernels(vae, "auto", "pack", "resident")[0]
 free_memory = mm.get_free_memory
 mm.get_free_memory = lambda *args, torch_free_too=False, **kwargs: (0, 0) if torch_free_too else 0
 try:
-    ours, seconds = timed(ours_vae.decode)
+    ours, seconds = timed(ours_vae.decode, z)
 finally:
     mm.get_free_memory = free_memory
 res["runs"]["auto/resident/batched, no room"] = {"s": seconds, "psnr": psnr(ours, host), "line": lines[-1]}
-host_after, _ = timed(vae.decode)
+host_after, _ = timed(vae.decode, z)
 res["host_after_max_diff"] = (host_after.float() - host.float()).abs().max().item()
 print(json.dumps(res))
 """

@@ -28,7 +28,7 @@ from pathlib import Path
 from _pack import PACK_ROOT, default_out, write_json
 
 sys.path.insert(0, str(PACK_ROOT / "tests"))
-from comfy_harness import DYNAMIC_VRAM_PRELUDE  # noqa: E402
+from comfy_harness import DECODE_PROBE_HELPERS, DYNAMIC_VRAM_PRELUDE  # noqa: E402
 
 import e2e_models  # noqa: E402
 
@@ -39,8 +39,8 @@ AUDIO_LATENT = [1, 32, 2, 207]
 CONFIGS = ("auto/pack/resident/batched", "auto/pack/resident/host", "host/host/host/batched", "host/pack/resident/host")
 PROFILED = ("auto/pack/resident/batched", "auto/pack/resident/host")
 
-PROBE = DYNAMIC_VRAM_PRELUDE + r"""
-import json, math, time
+PROBE = DYNAMIC_VRAM_PRELUDE + DECODE_PROBE_HELPERS + r"""
+import json, time
 video_path, audio_path, args = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 import comfy.sd, comfy.utils
 from bigdit.host.vae import set_vae_kernels
@@ -56,19 +56,6 @@ logging.getLogger("bigdit.host.vae").setLevel(logging.INFO)
 def load(path):
     sd, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
     return comfy.sd.VAE(sd=sd, metadata=metadata)
-
-
-def timed(decode, z):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = decode(z)
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
-def psnr(ours, reference):
-    mse = (ours.float() - reference.float()).pow(2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
 
 
 def kind(name):
