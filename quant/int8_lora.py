@@ -24,6 +24,7 @@ from .kernel_select import rows_bucket
 log = pack_logger(__name__)
 BLOCK_R = 32  # ranks a step: 24 KiB of operands beside a 128x256 tile
 _failed: str | None = None
+_launched: set[tuple] = set()  # (kernel, device, shape) launched before in this process (witness.first_launch)
 
 if int8_triton.triton is not None:
     import triton
@@ -138,9 +139,12 @@ def gemm_low_rank(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, 
 
     config = int8_triton.config_for(kernel, shape, a.device)  # the GEMM's own config for the shape
     tried = [config, {**config, "num_stages": max(2, config["num_stages"] - 1)}, int8_triton.gemm_small(shape)]
+    key = (kernel, str(a.device), *shape.values())
     for attempt in dict.fromkeys(tuple(sorted(c.items())) for c in tried):
         try:
-            launch(dict(attempt))
+            with witness.first_launch(int8_triton.TALLY, key not in _launched):
+                launch(dict(attempt))
+            _launched.add(key)
             return out
         except OutOfResources as exc:  # the epilogue's operands on top of the pipeline: a smaller one
             last = exc

@@ -232,9 +232,11 @@ def _run(kernel: str, shape: dict, device: torch.device, launch) -> None:
     """`launch` with the config chosen for `kernel` at `shape`; a GEMM config this GPU has not the shared memory
     or registers for (a shipped or rule config on a card it was not measured on) gives way, for the process, to
     the smallest tiles (`gemm_small`), said once."""
+    first = _chosen_key(kernel, shape, device) not in _CHOSEN
     config = config_for(kernel, shape, device, launch)
     try:
-        launch(config)
+        with witness.first_launch(TALLY, first):
+            launch(config)
     except OutOfResources as exc:
         small = None if kernel == "activation" else gemm_small(shape)
         if small is None or small == config:

@@ -8,12 +8,16 @@ recompile on every change), so layers compiled into a graph are not counted.
 Kernels that a method chooses among at run time (INT8: the pack's Triton kernels, comfy-kitchen's, its row
 split) count their calls in one process-wide tally, from inside the opaque ops that torch.compile keeps whole
 (quant/compiled_ops.py): those counts hold under torch.compile too (not under CUDA graphs, which replay without
-Python). A kernel that failed records why and whether it is tried again.
+Python). A kernel that failed records why and whether it is tried again. The first launch of a kernel at a shape
+in a process is timed on the host (`first_launch`): that is where Triton compiles a kernel its on-disk cache lacks,
+so a report can say what a first step paid for it.
 """
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import torch
 from torch import nn
@@ -37,9 +41,12 @@ class KernelTally:
     def __init__(self):
         self.calls: Counter = Counter()
         self.failures: dict[tuple[str, str], Failure] = {}
+        self.first_launches: Counter = Counter()  # per kinds: kernels' first launches at a shape
+        self.first_launch_s: Counter = Counter()  # per kinds: host seconds those launches took
 
-    def snapshot(self) -> tuple[Counter, dict[tuple[str, str], int]]:
-        return Counter(self.calls), {key: failure.count for key, failure in self.failures.items()}
+    def snapshot(self) -> tuple[Counter, dict[tuple[str, str], int], Counter, Counter]:
+        return (Counter(self.calls), {key: failure.count for key, failure in self.failures.items()},
+                Counter(self.first_launches), Counter(self.first_launch_s))
 
 
 TALLY = KernelTally()
@@ -48,6 +55,21 @@ TALLY = KernelTally()
 def count_kernel(kernels: str, kernel: str) -> None:
     """One call of `kernel` among `kernels` ran."""
     TALLY.calls[kernels, kernel] += 1
+
+
+@contextmanager
+def first_launch(kernels: str, first: bool):
+    """Time the block on the host where `first` (a kernel's first launch at a shape in this process, where Triton
+    compiles it or loads it from its cache), counted per `kernels`."""
+    if not first:
+        yield
+        return
+    start = perf_counter()
+    try:
+        yield
+    finally:
+        TALLY.first_launches[kernels] += 1
+        TALLY.first_launch_s[kernels] += perf_counter() - start
 
 
 def kernel_failed(kernels: str, kernel: str, why: str, retried: bool) -> None:
@@ -65,6 +87,7 @@ class RunCount:
     checked: list = field(default_factory=list)  # real_error.RealError outcomes new since the last take
     kernels: dict[tuple[str, str], int] = field(default_factory=dict)  # calls per (kernels, kernel) in the run
     failures: dict[tuple[str, str], tuple[Failure, int]] = field(default_factory=dict)  # with failures in the run
+    first_launches: dict[str, tuple[int, float]] = field(default_factory=dict)  # kinds -> (shapes, seconds)
 
     def render(self) -> str:
         line = f"ran {self.ran}/{self.claimed} quantized layers"
@@ -81,7 +104,10 @@ class RunCount:
             ran = [f"{kernel} x{n}" for (kinds, kernel), n in sorted(self.kernels.items(), key=lambda kv: -kv[1])
                    if kinds == kernels and n]
             if ran:
-                parts.append(f"ran {kernels}: {', '.join(ran)} calls")
+                first = self.first_launches.get(kernels)
+                launched = (f" (first launches at {first[0]} shapes: {first[1]:.1f} s, compiling what Triton's "
+                            f"cache lacked)" if first else "")
+                parts.append(f"ran {kernels}: {', '.join(ran)} calls{launched}")
             for (kinds, kernel), (failure, n) in sorted(self.failures.items()):
                 if kinds == kernels:
                     then = "tried again at each call" if failure.retried else "off for the rest of this process"
@@ -117,12 +143,14 @@ class RunWitness:
             if outcome is not None and name not in self._checked:
                 self._checked.add(name)
                 checked.append(outcome)
-        calls, failed = TALLY.snapshot()
-        before_calls, before_failed = self._kernels
-        self._kernels = calls, failed
+        calls, failed, launches, launch_s = now_kernels = TALLY.snapshot()
+        before_calls, before_failed, before_launches, before_launch_s = self._kernels
+        self._kernels = now_kernels
+        first = {kinds: (n - before_launches[kinds], launch_s[kinds] - before_launch_s[kinds])
+                 for kinds, n in launches.items() if n > before_launches[kinds]}
         kernels = {key: n - before_calls[key] for key, n in calls.items() if n > before_calls[key]}
         # failures in this run, and a kernel that is off for good in any run where its kind ran
         failures = {key: (TALLY.failures[key], n - before_failed.get(key, 0)) for key, n in failed.items()
                     if n > before_failed.get(key, 0)
                     or (not TALLY.failures[key].retried and any(kinds == key[0] for kinds, _ in kernels))}
-        return RunCount(len(self.layers) - len(missing), len(self.layers), missing, checked, kernels, failures)
+        return RunCount(len(self.layers) - len(missing), len(self.layers), missing, checked, kernels, failures, first)

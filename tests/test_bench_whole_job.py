@@ -530,6 +530,9 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         assert load[job]["report"].startswith("quantized ")
     assert pack["quant_cache"].startswith("on") and pack["quant_cache_files"]["files"] == 0
     assert template["quant_cache"] == "off"
+    # each server an empty Triton cache of its own (--triton-cache cold): nothing there at its start
+    assert all(r["triton_cache"]["mode"] == "cold" and r["triton_cache"]["entries_at_start"] == 0
+               and r["triton_cache"]["entries_added"] >= 0 for r in by.values())
     assert next(i for i in template["loads"] if i["class_type"] == "UNETLoader").get("cache") is None
     assert pack["reports"]["140:141"].startswith("attention: backend")
     # QuantizedCLIPLoader on the encoder file's layer kinds, checked once after the first job: it loads them, or

@@ -7,6 +7,7 @@ kernels to comfy-kitchen's CUDA int8_linear at H3's widths.
 """
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,8 +249,9 @@ def test_a_compiled_layer_runs_the_chosen_kernel(monkeypatch, tmp_path):
     out = compiled(x)
     compiled(x)
     count = run.take()
-    assert count.kernels == {("int8", "triton"): 2} and count.render_kernels() == "ran int8: triton x2 calls", \
-        count.kernels
+    assert count.kernels == {("int8", "triton"): 2}, count.kernels
+    assert re.fullmatch(r"ran int8: triton x2 calls( \(first launches at \d+ shapes: [\d.]+ s, compiling what "
+                        r"Triton's cache lacked\))?", count.render_kernels()), count.render_kernels()
     eager = q(x)  # the same kernel eagerly: the same numbers
     assert torch.equal(out, eager)
     run.take()

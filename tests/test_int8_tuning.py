@@ -316,3 +316,22 @@ def test_a_transient_failure_is_retried_and_a_lasting_one_turns_triton_off(monke
 def test_a_run_without_counted_kernels_reports_none(monkeypatch):
     monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
     assert witness.RunWitness({}).take().render_kernels() is None
+
+
+def test_a_kernels_first_launch_at_each_shape_is_timed_and_reported(monkeypatch):
+    """The first launch at a shape (where Triton compiles what its cache lacks) is timed on the host and the run
+    report says how long those launches took; later launches at the shape are not counted again."""
+    monkeypatch.setattr(it, "_CHOSEN", {})
+    monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
+    ticks = iter([10.0, 12.5, 20.0, 20.25])  # two first launches: 2.5 s and 0.25 s
+    monkeypatch.setattr(witness, "perf_counter", lambda: next(ticks))
+    run, cpu = witness.RunWitness({}), torch.device("cpu")
+    first, second = ({"M_BUCKET": 4096, "N": 2048, "K": k} for k in (1024, 2048))
+    for shape in (first, first, second, first, second):
+        it._run("gemm", shape, cpu, lambda config: witness.count_kernel(it.TALLY, "triton"))
+    text = run.take().render_kernels()
+    assert text == "ran int8: triton x5 calls (first launches at 2 shapes: 2.8 s, compiling what Triton's cache " \
+                   "lacked)", text
+    it._run("gemm", first, cpu, lambda config: witness.count_kernel(it.TALLY, "triton"))
+    assert run.take().render_kernels() == "ran int8: triton x1 calls"  # no first launch in this run
+    assert next(ticks, None) is None  # exactly the two first launches were timed

@@ -67,6 +67,9 @@ configuration against template_sage and template (the whole job and each stage: 
 each configuration's share of the job in host code (encoder and VAE decode), printed at the end, and where both ran
 the LoRA branch's share of pack_fast's step. The order
 (ORDER) puts what matters most first, so that a budget drops the rest: template_sage, pack_fast, pack, template.
+Triton's kernel cache (`triton_cache`): --triton-cache cold (the default) gives each server an empty one, so that
+each first job compiles the Triton kernels it runs, as on a first run; run shares one across the run's servers, as
+after a restart. The pack's run report gives the seconds its kernels' first launches took (compilation included).
 --budget-s counts from $E2E_STARTED (epoch seconds) where it is set and keeps STOP_S free at its end: it starts
 no server whose first job would end past it, and no second job that would, each by the longest one so far at
 that setting (before the first: PRIOR_S); what it leaves out is recorded as skipped, with the reason.
@@ -530,6 +533,11 @@ def evict_page_cache(paths) -> None:
             os.close(fd)
 
 
+def triton_entries(folder: Path) -> int:
+    """The entries of a Triton cache folder: a subfolder per compiled kernel variant (and per launcher it builds)."""
+    return sum(1 for entry in folder.iterdir() if entry.is_dir()) if folder.is_dir() else 0
+
+
 def disk_free_gib(path) -> float:
     return shutil.disk_usage(path).free / GIB
 
@@ -790,6 +798,12 @@ class Job:
                       if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
         ram = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
         env = {"BIGDIT_BENCH_PROFILE": "0", **dict(config.env)}
+        triton_dir = self.work / "triton_cache" / (tag if opts.triton_cache == "cold" else "run")
+        if opts.triton_cache == "cold":
+            shutil.rmtree(triton_dir, ignore_errors=True)
+        triton_dir.mkdir(parents=True, exist_ok=True)
+        env["TRITON_CACHE_DIR"] = str(triton_dir)
+        triton_before = triton_entries(triton_dir)
         cache = None
         if config.prompt == "pack":  # the quantize-once cache as users have it, in a folder of this server's own
             cache = self.work / "quant_cache" / tag
@@ -868,9 +882,11 @@ class Job:
             duration = time.monotonic() - t0
             text = run_log.read_text(errors="replace") if run_log.exists() else ""
             cached = cache_files(cache) if cache else None
+            triton = {"mode": opts.triton_cache, "entries_at_start": triton_before,
+                      "entries_added": triton_entries(triton_dir) - triton_before}
             for rec in recs:
                 rec["ram"] = {**rec["ram"], **stats}
-                rec.update(host_rss_hwm_gib=hwm, server_duration_s=duration)
+                rec.update(host_rss_hwm_gib=hwm, server_duration_s=duration, triton_cache=triton)
                 if cached is not None:
                     rec["quant_cache_files"] = cached
                 if rec["status"] is None:
@@ -1176,6 +1192,10 @@ def parse_args(argv=None):
     parser.add_argument("--pack-encoder", default="auto", choices=("auto", "QuantizedCLIPLoader", "CLIPLoader"),
                         help="the pack configurations' encoder loader (auto: QuantizedCLIPLoader where it loads "
                              "the encoder file's layer kinds)")
+    parser.add_argument("--triton-cache", default="cold", choices=("cold", "run"),
+                        help="Triton's kernel cache: cold, an empty one per server (each compiles what it runs, as "
+                             "on a first run); run, one for the whole run (a later server finds what an earlier one "
+                             "compiled, as after a restart)")
     parser.add_argument("--warm", action="store_true", help="keep the files in the page cache between configurations")
     parser.add_argument("--between-jobs", default="keep", choices=BETWEEN_JOBS,
                         help="before each server's second job: keep (nothing, as a user queues the next prompt) or "
