@@ -33,7 +33,10 @@ clear that cache, but ComfyUI applies it between queue items, so it races a
 prompt posted right after it.
 
 The quantize-once cache (host/cache.py) is off in a server unless its `env` sets BIGDIT_QUANT_CACHE_GIB
-(QUANT_CACHE_OFF), so that what a test's LoadH3Quantized does never depends on the tests that ran before it.
+(QUANT_CACHE_OFF), so that what a test's LoadH3Quantized does never depends on the tests that ran before it; the
+read-ahead of a queued prompt's files (host/read_ahead.py, on by default) is off unless its `env` sets
+BIGDIT_READ_AHEAD (READ_AHEAD_OFF), so that no test's files are read by a background thread it did not ask for. A
+value of None in `env` leaves the variable out of the server's environment.
 
 Outputs: `run()` returns the history entry; `entry["outputs"][node_id]` is the
 "ui" dict of that output node, e.g. {"images": [{"filename", "subfolder",
@@ -61,6 +64,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 PACK_ROOT = TESTS_DIR.parent
 TEST_NODES = TESTS_DIR / "fixtures" / "bigdit_testnodes"
 QUANT_CACHE_OFF = {"BIGDIT_QUANT_CACHE_GIB": "0"}
+READ_AHEAD_OFF = {"BIGDIT_READ_AHEAD": "0"}
 
 # name -> (what a host lacking it lacks, a Python expression evaluated in the host's
 # interpreter with its ComfyUI folder as working directory and on sys.path)
@@ -382,9 +386,9 @@ class ComfyServer:
             cmd.append("--cache-none")
         cmd.extend(extra_args)  # more ComfyUI flags, e.g. --use-pytorch-cross-attention
         self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(
-            cmd, cwd=self.comfyui, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **QUANT_CACHE_OFF, **(env or {})})
+        merged = {**os.environ, "PYTHONUNBUFFERED": "1", **QUANT_CACHE_OFF, **READ_AHEAD_OFF, **(env or {})}
+        self._proc = subprocess.Popen(cmd, cwd=self.comfyui, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env={key: value for key, value in merged.items() if value is not None})
         self._wait_ready(startup_timeout)
 
     def __enter__(self):

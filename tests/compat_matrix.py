@@ -107,7 +107,7 @@ FEATURES = [
     ("SetVAEKernels: tiles decoded in batches, in order, halved where the card cannot hold them",
      ["test_vae_kernels::test_h3_tiles_batched_on_the_hosts_layers_match_its_decode",
       "test_vae_kernels::test_tile_batches_keep_their_order_and_halve_where_the_card_cannot_hold_them"]),
-    ("Read-ahead of a queued prompt's model files (BIGDIT_READ_AHEAD=1)", ["test_read_ahead_workflows::"]),
+    ("Read-ahead of a queued prompt's model files (on by default; BIGDIT_READ_AHEAD=0 off)", ["test_read_ahead_workflows::"]),
     ("Example workflows run on tiny models",
      ["test_examples_and_ui::test_wan_example_runs_on_the_tiny_model",
       "test_examples_and_ui::test_h3_template_example_runs_with_the_turbo_lora"]),

@@ -60,12 +60,12 @@ def test_the_files_are_named_as_the_template_names_them():
         "lora": ("loras", "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors")}
 
 
-def test_pack_fast_read_ahead_is_pack_fast_with_the_switch_on():
-    """The same graph and server arguments; only the server's environment turns the pack's read-ahead on."""
-    fast, ahead = whole_job.CONFIGS["pack_fast"], whole_job.CONFIGS["pack_fast_read_ahead"]
+def test_pack_fast_no_read_ahead_is_pack_fast_with_the_switch_off():
+    """The same graph and server arguments; only the server's environment turns the pack's read-ahead off."""
+    fast, ahead = whole_job.CONFIGS["pack_fast"], whole_job.CONFIGS["pack_fast_no_read_ahead"]
     assert (ahead.prompt, ahead.nodes, ahead.comfy_args) == (fast.prompt, fast.nodes, fast.comfy_args)
-    assert fast.env == () and dict(ahead.env) == {"BIGDIT_READ_AHEAD": "1"}
-    assert "pack_fast_read_ahead" in whole_job.PACK_CONFIGS  # compared with the references in the summary
+    assert fast.env == () and dict(ahead.env) == {"BIGDIT_READ_AHEAD": "0"}
+    assert "pack_fast_no_read_ahead" in whole_job.PACK_CONFIGS  # compared with the references in the summary
 
 
 def test_pack_fast_no_lora_sets_the_loras_strength_to_zero_and_nothing_else():
@@ -227,6 +227,14 @@ def test_the_budget_cuts_whole_servers_and_second_jobs_by_the_longest_so_far():
     job.elapsed = lambda: 490.0
     assert job.over_budget(40.0) is None  # 490 + 40 + STOP_S == 545
     assert whole_job.Job.over_budget(type("J", (), {"opts": _Opts(None), "elapsed": lambda self: 1e9})(), 1e9) is None
+
+
+def test_first_launches_sum_the_run_reports_lines():
+    text = ("[BigDiT] A, last run: ran 200/200 quantized layers; ran int8: triton+lora x1600 calls (first launches at "
+            "7 shapes: 6.0 s, compiling what Triton's cache lacked)\n[BigDiT] B, last run: ran int8: triton x9 calls "
+            "(first launches at 2 shapes: 1.25 s, compiling what Triton's cache lacked)\n")
+    assert whole_job.first_launches(text) == {"shapes": 9, "seconds": 7.2}
+    assert whole_job.first_launches("[BigDiT] A, last run: ran int8: triton x9 calls") == {"shapes": 0, "seconds": 0}
 
 
 def test_bytes_by_stage_is_what_the_cumulative_count_grew_by():

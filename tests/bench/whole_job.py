@@ -31,7 +31,8 @@ for the load (hit, miss, off, skipped) and the tuned-kernel store's lines where 
 - pack: the pack's version (LoadH3Quantized, QuantizedCLIPLoader, SetAttentionBackend auto), as shipped;
 - pack_fast: the pack's fastest: MixedCheckpointLoader on the INT8 file (its `int8` input, where /object_info
   lists it), QuantizedCLIPLoader, SetAttentionBackend sage.
-- pack_fast_read_ahead: pack_fast with the pack's read-ahead of the prompt's files on (BIGDIT_READ_AHEAD=1);
+- pack_fast_no_read_ahead: pack_fast with the pack's read-ahead of the prompt's files (on by default) off
+  (BIGDIT_READ_AHEAD=0);
 - pack_fast_no_lora: pack_fast with the LoRA at strength 0 (no LoRA): set against pack_fast's step in the same run,
   the LoRA branch's share of a step (`summary`'s `lora_step_share`); its latent is not the template's.
 Whether QuantizedCLIPLoader loads the encoder file's two unusual layer kinds (an INT8 token embedding, NVFP4 with
@@ -69,7 +70,8 @@ the LoRA branch's share of pack_fast's step. The order
 (ORDER) puts what matters most first, so that a budget drops the rest: template_sage, pack_fast, pack, template.
 Triton's kernel cache (`triton_cache`): --triton-cache cold (the default) gives each server an empty one, so that
 each first job compiles the Triton kernels it runs, as on a first run; run shares one across the run's servers, as
-after a restart. The pack's run report gives the seconds its kernels' first launches took (compilation included).
+after a restart. The pack's run report gives the seconds its kernels' first launches took (compilation included):
+`kernel_first_launches`.
 --budget-s counts from $E2E_STARTED (epoch seconds) where it is set and keeps STOP_S free at its end: it starts
 no server whose first job would end past it, and no second job that would, each by the longest one so far at
 that setting (before the first: PRIOR_S); what it leaves out is recorded as skipped, with the reason.
@@ -145,9 +147,9 @@ CONFIGS = {c.name: c for c in (
         "SetAttentionBackend": {"backend": "sage"},
     }),
 )}
-# pack_fast with the pack's read-ahead of the prompt's files (host/read_ahead.py, off by default): what it gains
-CONFIGS["pack_fast_read_ahead"] = dataclasses.replace(CONFIGS["pack_fast"], name="pack_fast_read_ahead",
-                                                      env=(("BIGDIT_READ_AHEAD", "1"),))
+# pack_fast without the pack's read-ahead of the prompt's files (host/read_ahead.py, on by default): what it gains
+CONFIGS["pack_fast_no_read_ahead"] = dataclasses.replace(CONFIGS["pack_fast"], name="pack_fast_no_read_ahead",
+                                                         env=(("BIGDIT_READ_AHEAD", "0"),))
 # pack_fast without the turbo LoRA (LoraLoaderModelOnly at strength 0 returns the model unpatched): its steps
 # against pack_fast's give the LoRA branch's share of a step within one run (summary `lora_step_share`); its latent
 # is not the template's
@@ -157,7 +159,7 @@ CONFIGS["pack_fast_no_lora"] = dataclasses.replace(
 # the most important comparison first: a call's budget drops the last ones
 ORDER = ("template_sage", "pack_fast", "pack", "template")
 REFERENCES = ("template_sage", "template")
-PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_read_ahead", "pack_fast_no_lora")
+PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_no_read_ahead", "pack_fast_no_lora")
 # what a server is assumed to take before one has run at that setting: from its start (the page-cache drop
 # included) to the end of its first job, and its second job with the server's stop
 PRIOR_S = {"turbo": {"job1": 160.0, "job2": 70.0}, "default": {"job1": 170.0, "job2": 90.0},
@@ -531,6 +533,13 @@ def evict_page_cache(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def first_launches(log_text: str) -> dict:
+    """The pack's kernels' first launches in a job, from its run reports' log lines ("first launches at 7 shapes:
+    6.0 s"): shapes and seconds, summed over the job's models (zeros where none)."""
+    found = re.findall(r"first launches at (\d+) shapes: ([\d.]+) s", log_text)
+    return {"shapes": sum(int(n) for n, _ in found), "seconds": round(sum(float(t) for _, t in found), 1)}
 
 
 def triton_entries(folder: Path) -> int:
@@ -967,7 +976,8 @@ class Job:
                "latent_shape": report.get("latent_shape"), "model_input": report.get("model_input"),
                "loads": self.here_all(loads(graph, executed, entry["outputs"], job_log)),
                "reports": {n: "\n".join(o["text"])[:4000] for n, o in entry["outputs"].items()
-                           if o.get("text") and not n.startswith("bench_")}}
+                           if o.get("text") and not n.startswith("bench_")},
+               "kernel_first_launches": first_launches(job_log)}
         video.unlink()
         samples = monitor.samples
         device = [s[1] for s in samples if s[1] is not None]

@@ -1,10 +1,10 @@
 """Read-ahead of a queued prompt's model files (host/read_ahead.py), on both hosts over HTTP.
 
-On a server started with BIGDIT_READ_AHEAD=1, a prompt with a node of the pack (SetVAEKernels on a tiny Wan VAE,
+On a server started with the pack's default (BIGDIT_READ_AHEAD unset: on), a prompt with a node of the pack (SetVAEKernels on a tiny Wan VAE,
 decoded by VAEDecode) has the VAE file it names read ahead: the server's log says it was queued and read, its bytes
 whole. The same file named again is not read again; a prompt with no node of the pack (the same decode without
-SetVAEKernels) reads nothing ahead. On the session's server (the switch unset: off by default) nothing is read
-ahead. Each test names a VAE file of its own (a copy of the tiny VAE).
+SetVAEKernels) reads nothing ahead. On the session's server (BIGDIT_READ_AHEAD=0, as comfy_harness starts test
+servers) nothing is read ahead. Each test names a VAE file of its own (a copy of the tiny VAE).
 """
 import re
 import shutil
@@ -28,9 +28,9 @@ def vae_copy(comfy, tiny_vae, name, server=None) -> str:
 
 @pytest.fixture(scope="module")
 def reading(comfy, tmp_path_factory):
-    """A server of the same host with the read-ahead switched on."""
+    """A server of the same host with the pack's default: the switch left out of its environment."""
     server = ComfyServer(tmp_path_factory.mktemp(f"read-ahead-{comfy.host.version}"), comfy.host,
-                         env={"BIGDIT_READ_AHEAD": "1"})
+                         env={"BIGDIT_READ_AHEAD": None})
     yield server
     server.stop()
 
@@ -89,7 +89,7 @@ def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae, readi
     assert "read-ahead" not in reading.log_text()[start:]
 
 
-def test_without_the_switch_nothing_is_read_ahead(comfy, tiny_vae):
+def test_with_the_switch_off_nothing_is_read_ahead(comfy, tiny_vae):
     name = vae_copy(comfy, tiny_vae, "switch_off_vae.safetensors")
     start = len(comfy.log_text())
     comfy.run(graph(name, latent(comfy), with_pack=True))
