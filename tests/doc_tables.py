@@ -103,13 +103,14 @@ def headline() -> str:
 # The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
 # its configurations (the reference, template_sage, first); each setting's runs came from one GPU machine.
 JOB_RUNS = (  # (setting, RAM GiB, files)
-    ("turbo", 64, ("whole-job-turbo-batched-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
+    ("turbo", 64, ("whole-job-turbo-read-ahead-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
     ("turbo", 32, ("whole-job-turbo-32g-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
     ("default", 64, ("whole-job-default-template-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",
                  "whole-job-default-pack-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json")),
 )
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
-              "pack": "`pack` (the shipped example)", "pack_fast": "`pack_fast`"}
+              "pack": "`pack` (the shipped example)", "pack_fast": "`pack_fast`",
+              "pack_fast_read_ahead": "`pack_fast` + read-ahead", "pack_fast_no_read_ahead": "`pack_fast`, no read-ahead"}
 
 
 def job_table() -> str:
