@@ -262,7 +262,8 @@ class VAEKernels:
         if self.tiles is not None:
             parts.append(count.render())
         if self.layers:
-            parts.append(self.witness.take().render())
+            taken = self.witness.take()
+            parts += [taken.render(), *filter(None, [taken.render_kernels()])]
         if self.router is not None:
             counts = self.router.stats.take_run()
             parts.append(f"attention {summary(counts)}" if counts["calls"] else "no attention call reached the router")
