@@ -3,7 +3,8 @@
 A cold job reads its files one stage after another (the text encoder, then the diffusion model in its first
 sampler step, then the VAE), each by one reader and each while the disk would otherwise wait on compute in
 between. A `Reader` reads the files a queued job names, in the order the job needs them, several stripes of a file
-at once, on a background thread: the loaders then find the pages in the page cache.
+at once (one on a spinning disk: `stripes_for`), on a background thread: the loaders then find the pages in the
+page cache.
 
 Only where the RAM holds them all: `plan` reads nothing unless the files, a second copy of each file the host keeps
 in its own memory once loaded (a text encoder), and HEADROOM fit in the room the system reports; a file whose pages
@@ -24,6 +25,7 @@ from ..units import GIB, format_gib
 HEADROOM = 4 * GIB  # besides the files: the process, its activations, the host's pinned buffers
 STRIPES = 4  # readers per file: the GPU machine's disk read 1.79 GiB/s with four, 1.45 with one (whole_job's probe)
 CHUNK = 16 * 1024 * 1024
+SYS_BLOCK = "/sys/dev/block"  # Linux: a block device's folder by major:minor, its queue's `rotational` flag
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,22 @@ def plan(files: list[AheadFile], room: int | None) -> tuple[list[AheadFile], str
     if need > room:
         return [], f"the files need {format_gib(need)} of RAM with their copies and headroom, {format_gib(room)} free"
     return list(files), ""
+
+
+def stripes_for(path: str, stripes: int = STRIPES, sys_block: str = SYS_BLOCK) -> int:
+    """`stripes`, or 1 where `path` lies on a spinning disk (its block device's, or for a partition its disk's,
+    `queue/rotational` is 1): readers at several offsets of one file would have the disk's head seek between them.
+    Where the system does not say (no such folder: another OS, a network or pooled file system), `stripes`."""
+    try:
+        dev = os.stat(path).st_dev
+        base = os.path.join(sys_block, f"{os.major(dev)}:{os.minor(dev)}")
+        for flag in (os.path.join(base, "queue", "rotational"), os.path.join(base, "..", "queue", "rotational")):
+            if os.path.isfile(flag):
+                with open(flag) as f:
+                    return 1 if f.read().strip() == "1" else stripes
+    except (OSError, ValueError, AttributeError):  # AttributeError: no os.major (Windows)
+        pass
+    return stripes
 
 
 def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK) -> int:
@@ -99,7 +117,7 @@ class Reader:
             start, total = time.perf_counter(), 0
             for f in files:
                 try:
-                    total += read_file(f.path, self.stripes)
+                    total += read_file(f.path, stripes_for(f.path, self.stripes))
                 except OSError as e:  # a file gone or unreadable: its loader says so; the rest are still read
                     self.log.warning("read-ahead of %s stopped: %s", f.path, e)
             seconds = time.perf_counter() - start

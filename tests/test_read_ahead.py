@@ -1,11 +1,12 @@
 """loaders/read_ahead.py: what is read ahead (all a job's files where the RAM holds them with the copies the host
 keeps, else none) and the reading itself (every byte of a file, in stripes; each file once; one log line)."""
 import logging
+import os
 import time
 
 import pytest
 
-from bigdit.loaders.read_ahead import HEADROOM, AheadFile, Reader, plan, read_file
+from bigdit.loaders.read_ahead import HEADROOM, STRIPES, AheadFile, Reader, plan, read_file, stripes_for
 from bigdit.units import GIB
 
 
@@ -31,6 +32,32 @@ def test_read_file_reads_every_byte(tmp_path, size, stripes):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
     assert read_file(str(path), stripes=stripes, chunk=1024 * 1024) == size
+
+
+def sys_block(tmp_path, path, rotational, partition):
+    """A /sys/dev/block whose entry for `path`'s device is a disk (or a partition of one, a link into the disk's
+    folder as sysfs has it) with `queue/rotational` = `rotational`."""
+    dev = os.stat(path).st_dev
+    disk = tmp_path / "devices" / "sda"
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue" / "rotational").write_text(f"{rotational}\n")
+    target = disk / "sda1" if partition else disk
+    target.mkdir(exist_ok=True)
+    root = tmp_path / "block"
+    root.mkdir()
+    (root / f"{os.major(dev)}:{os.minor(dev)}").symlink_to(target, target_is_directory=True)
+    return str(root)
+
+
+@pytest.mark.skipif(not hasattr(os, "major"), reason="device numbers are POSIX's")
+@pytest.mark.parametrize("partition", [False, True])
+def test_a_spinning_disk_is_read_by_one_reader_and_the_rest_in_stripes(tmp_path, partition):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * 10)
+    assert stripes_for(str(path), 4, sys_block(tmp_path / "hdd", path, 1, partition)) == 1
+    assert stripes_for(str(path), 4, sys_block(tmp_path / "ssd", path, 0, partition)) == 4
+    assert stripes_for(str(path), 4, str(tmp_path / "no-sysfs")) == 4  # the system does not say
+    assert stripes_for(str(tmp_path / "gone.bin")) == STRIPES
 
 
 def test_the_reader_reads_each_file_once_and_says_so(tmp_path, caplog):
