@@ -8,7 +8,12 @@ that call, up to PROBE_HEADS heads and PROBE_QUERIES queries against all keys,
 is within its declared relative L2 error (and MAX_ERROR) of exact attention
 computed in fp32. Each decision is kept for the process per GPU and shape,
 shared by every `auto` (backend and dense backend alike), and reported with
-its timings (`take_choices`).
+its timings (`take_choices`). Where the host hands over a store (`use_store`:
+host/tuning.py, the tuning store on disk), a measured decision is kept there too,
+keyed by the GPU, torch's version, the call's shape and its candidates'
+labels, and a later process runs it without measuring: an exact kernel
+as kept, an approximate one after the probe of that call is within its bound
+(else all are measured again).
 
 Nothing is measured where there is one candidate (a CPU: SDPA) or while a
 CUDA graph is captured: there the cached decision runs, else the first exact
@@ -17,7 +22,9 @@ kernel that takes the call. Under torch.compile the measurement runs eagerly
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -32,6 +39,8 @@ from .registry import register_backend
 
 log = pack_logger(__name__)
 
+STORE_KERNEL = "attention.auto"  # the decisions' name in the host's store
+STORE_VERSION = "1"  # what a kept entry holds: {"label": ..., "timings": {label: ms}}
 MAX_ERROR = 0.05
 PROBE_HEADS = 4
 PROBE_QUERIES = 1024
@@ -46,6 +55,7 @@ class Decision:
     errors: dict = field(default_factory=dict)    # label -> probe's relative L2 error (approximate kernels)
     rejected: dict = field(default_factory=dict)  # label -> why it did not compete
     unmeasured: str = ""                          # why nothing was measured
+    kept: bool = False                            # from the store: measured by an earlier process
 
     def text(self) -> str:
         if self.unmeasured:
@@ -53,7 +63,8 @@ class Decision:
         ranked = sorted(self.timings, key=self.timings.get)
         parts = [f"{name} {self.timings[name]:.2f} ms" + (f" (err {self.errors[name]:.3f})"
                                                             if name in self.errors else "") for name in ranked]
-        text = f"{self.shape}: {self.label}; " + ", ".join(parts)
+        text = f"{self.shape}: {self.label}" + (" (kept from an earlier measurement)" if self.kept else "") + \
+            "; " + ", ".join(parts)
         if self.rejected:
             text += "; not used: " + ", ".join(f"{name} ({why})" for name, why in self.rejected.items())
         return text
@@ -61,6 +72,36 @@ class Decision:
 
 # (device, shape key) -> Decision, for the process
 _DECISIONS: dict[tuple, Decision] = {}
+
+
+class DecisionStore(Protocol):
+    """Decisions kept beyond the process, by a torch device (the host's: quant/tuning.py's KernelEntries)."""
+
+    def get(self, device: torch.device, version: str, shape: str): ...
+
+    def put(self, device: torch.device, version: str, shape: str, value) -> None: ...
+
+
+_STORE: DecisionStore | None = None
+
+
+def use_store(store: DecisionStore | None) -> None:
+    """Keep measured decisions in `store` and run those it holds (None: for the process only)."""
+    global _STORE
+    _STORE = store
+
+
+def stored_shape(q, k, v, layout, mask, candidates) -> str:
+    """A call's key in the store: its shapes, dtype and mask, and the kernels that took it (a kept decision holds
+    for the same candidates)."""
+    mask_text = "none" if mask is None else f"{dtype_name(mask.dtype)} {list(mask.shape)}"
+    return (f"{layout} q{list(q.shape)} k{list(k.shape)} v{list(v.shape)} {dtype_name(q.dtype)}, "
+            f"mask {mask_text}; {','.join(sorted(candidates))}")
+
+
+def store_version() -> str:
+    """The kept decisions' version: what an entry holds, and torch's (its SDPA kernels)."""
+    return hashlib.sha256(f"{STORE_VERSION}\0{torch.__version__}".encode()).hexdigest()[:16]
 
 
 def shape_key(q, k, v, layout, mask) -> tuple:
@@ -183,10 +224,44 @@ class Auto(Backend):
 
     @torch.compiler.disable
     def _measure(self, key, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
-        decision = self._decide(accepted, shape, q, k, v, layout, mask, scale, options)
+        where = (q.device, store_version(), stored_shape(q, k, v, layout, mask, accepted))
+        decision = self._kept(where, accepted, shape, q, k, v, layout, mask, scale, options)
+        if decision is None:
+            decision = self._decide(accepted, shape, q, k, v, layout, mask, scale, options)
+            if _STORE is not None and decision.timings:
+                try:
+                    _STORE.put(*where, {"label": decision.label, "timings": decision.timings})
+                except Exception as e:  # noqa: BLE001 - a store that cannot keep it: the process still does
+                    log.warning("attention auto: the decision for %s was not kept (%s: %s)", shape,
+                                type(e).__name__, e)
         _DECISIONS[key] = decision
         log.info("attention auto %s", decision.text())
         return decision
+
+    def _kept(self, where, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision | None:
+        """The store's decision for this call, where it names a candidate of this call and, for an approximate
+        kernel, the probe of this call is within its bound; else None (measure)."""
+        if _STORE is None:
+            return None
+        try:
+            entry = _STORE.get(*where)
+        except Exception as e:  # noqa: BLE001 - an unreadable store: measure
+            log.warning("attention auto: the kept decisions could not be read (%s: %s)", type(e).__name__, e)
+            return None
+        if not isinstance(entry, dict) or entry.get("label") not in accepted:
+            return None
+        label, timings = entry["label"], entry.get("timings")
+        timings = {name: float(ms) for name, ms in timings.items() if isinstance(ms, (int, float))} \
+            if isinstance(timings, dict) else {}
+        impl, errors = accepted[label][0], {}
+        if impl.max_error is not None:  # its error on this call's data, as when it was measured
+            try:
+                errors[label] = probe_error(impl, q, k, v, layout, mask, scale, options)
+            except Exception:  # noqa: BLE001 - see measure_times: measure them all
+                return None
+            if not errors[label] <= min(impl.max_error, MAX_ERROR):
+                return None
+        return Decision(label, shape, timings=timings, errors=errors, kept=True)
 
     def _decide(self, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
         rejected, errors = {}, {}

@@ -9,6 +9,7 @@ from ..attention import Router, summary
 from ..pack_logging import pack_logger
 from .attention import KEY, install, not_reached
 from .report import compiled_by_comfy, show_on_node
+from .tuning import use_tuning_store
 
 log = pack_logger(__name__)
 
@@ -18,6 +19,7 @@ CALLBACK_KEY = "bigdit_attention"  # of our DIFFUSION_MODEL wrapper, ON_CLEANUP 
 def install_router(model, router: Router, node_id) -> tuple[object, str]:
     """A clone of `model` whose attention runs through `router`, composed with an override already there (see
     AttentionOverride); after each sampling the node `node_id` shows what ran. Returns (clone, the node's text)."""
+    use_tuning_store()  # auto's kept decisions, as on disk now
     patched = model.clone()
     options = patched.model_options.setdefault("transformer_options", {})
     override, how = install(options, router)

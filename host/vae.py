@@ -49,6 +49,7 @@ from .attention import AttentionOverride
 from .dynamic_vram import prepare_dynamic_vram
 from .model import ComfyModelHost, host_reserve, is_dynamic, module_view
 from .report import show_on_node
+from .tuning import use_tuning_store
 
 log = pack_logger(__name__)
 
@@ -344,6 +345,8 @@ def set_vae_kernels(vae, attention: str, linears: str, weights: str, node_id=Non
         new.patcher.add_object_patch(path, layer)
     prepare_dynamic_vram(new.patcher, replacements)
     router = Router(attention) if modules else None
+    if router is not None:
+        use_tuning_store()  # auto's kept decisions, as on disk now
     text = "\n".join((_linears_line(replacements, report, linears), _attention_line(router, attention, name),
                       _weights_line(new.patcher, weights == "resident" and bool(replacements)),
                       _tiles_line(batched, tiles, new.patcher.load_device)))

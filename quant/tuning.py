@@ -212,6 +212,23 @@ def _write(path: str, entries: dict) -> None:
         raise
 
 
+class KernelEntries:
+    """One kernel's entries in the current store, keyed by a torch device (its `device_key`; nothing is kept for a
+    device without one): the view the host hands a module that keeps decisions but does not import quant/
+    (attention's `auto`)."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+
+    def get(self, device, version: str, shape: str):
+        return current().get(device_key(device), self.kernel, version, shape)
+
+    def put(self, device, version: str, shape: str, value) -> None:
+        key = device_key(device)
+        if key is not None:
+            current().put(key, self.kernel, version, shape, value)
+
+
 _current = TuningStore(None)
 
 

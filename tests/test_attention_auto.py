@@ -56,6 +56,7 @@ KERNELS = []
 def kernels(monkeypatch):
     """`kernels(*stand_ins)`: auto's candidates are SDPA (100 ms on the clock) and these."""
     monkeypatch.setattr(auto, "_DECISIONS", {})
+    monkeypatch.setattr(auto, "_STORE", None)
     monkeypatch.setattr(auto, "time_ms", clock)
     RAN.clear()
 
@@ -189,3 +190,79 @@ def test_auto_measures_under_torch_compile_and_then_traces_without_breaks(kernel
     assert again.graph_break_count == 0, [b.reason for b in again.break_reasons]
     out = torch.compile(attention, backend="eager", fullgraph=True)(q, k, v)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
+class Store:
+    """A store of kept decisions in a dict, as the host's (quant/tuning.py KernelEntries) keys them."""
+
+    def __init__(self, fails=False):
+        self.entries, self.fails = {}, fails
+
+    def get(self, device, version, shape):
+        if self.fails:
+            raise OSError("unreadable")
+        return self.entries.get((str(device), version, shape))
+
+    def put(self, device, version, shape, value):
+        self.entries[(str(device), version, shape)] = value
+
+
+def new_process(monkeypatch):
+    """What a later server starts with: no decision in memory."""
+    monkeypatch.setattr(auto, "_DECISIONS", {})
+    RAN.clear()
+
+
+def test_a_kept_decision_runs_in_a_later_process_without_measuring(kernels, monkeypatch):
+    store = Store()
+    auto.use_store(store)
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+    assert backend.kernel_call(q, k, v).label == "auto:fast"
+    ((_, version, shape), value), = store.entries.items()
+    assert value == {"label": "fast", "timings": {"fast": 20.0, "slow": 40.0, "sdpa": 100.0}}
+    assert version == auto.store_version() and shape.endswith("mask none; fast,sdpa,slow"), shape
+    new_process(monkeypatch)
+    backend = registry.create("auto")
+    call = backend.kernel_call(q, k, v)
+    assert call.label == "auto:fast" and RAN == []  # nothing timed
+    assert backend.take_choices() == ["1x2x128x64 float32: fast (kept from an earlier measurement); fast 20.00 ms, "
+                                      "slow 40.00 ms, sdpa 100.00 ms"]
+    assert torch.equal(call.run(), F.scaled_dot_product_attention(q, k, v))
+    RAN.clear()
+    backend.kernel_call(*qkv(s=256))  # another shape: measured, and kept
+    assert sorted(set(RAN)) == ["fast", "slow"] and len(store.entries) == 2
+
+
+def test_a_kept_approximate_kernel_runs_only_within_its_bound_on_this_call(kernels, monkeypatch):
+    store = Store()
+    auto.use_store(store)
+    int8 = Kernel("int8", 10.0, error=0.03)
+    backend = kernels(Kernel("exact", 30.0), int8)
+    q, k, v = qkv()
+    assert backend.kernel_call(q, k, v).label == "auto:int8"
+    new_process(monkeypatch)
+    assert registry.create("auto").kernel_call(q, k, v).label == "auto:int8"
+    assert RAN == ["int8"]  # the probe of this call only
+    new_process(monkeypatch)
+    int8.error = 0.09  # this call's data puts it past its bound: everything is measured again
+    backend = registry.create("auto")
+    assert backend.kernel_call(q, k, v).label == "auto:exact" and "exact" in RAN
+    (line,) = backend.take_choices()
+    assert "kept" not in line and line.endswith("not used: int8 (error 0.090 > 0.05)"), line
+
+
+def test_a_kept_decision_for_other_candidates_or_an_unreadable_store_measures(kernels, monkeypatch, caplog):
+    store = Store()
+    auto.use_store(store)
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+    backend.kernel_call(q, k, v)
+    new_process(monkeypatch)
+    backend = kernels(Kernel("slow", 40.0), Kernel("other", 30.0))  # "fast" is gone: another key
+    assert backend.kernel_call(q, k, v).label == "auto:other" and "slow" in RAN
+    new_process(monkeypatch)
+    auto.use_store(Store(fails=True))
+    with caplog.at_level(logging.WARNING, logger="bigdit.attention.auto"):
+        assert registry.create("auto").kernel_call(q, k, v).label == "auto:other"
+    assert "other" in RAN and "the kept decisions could not be read (OSError: unreadable)" in caplog.text

@@ -335,3 +335,17 @@ def test_a_kernels_first_launch_at_each_shape_is_timed_and_reported(monkeypatch)
     it._run("gemm", first, cpu, lambda config: witness.count_kernel(it.TALLY, "triton"))
     assert run.take().render_kernels() == "ran int8: triton x1 calls"  # no first launch in this run
     assert next(ticks, None) is None  # exactly the two first launches were timed
+
+
+def test_kernel_entries_keep_a_devices_values_in_the_file_and_nothing_for_a_cpu(store, monkeypatch):
+    """The view attention's auto is handed: keyed by a torch device, written to the store's file, read back by a
+    later process; a device without a key (a CPU) keeps nothing."""
+    monkeypatch.setattr(tuning, "device_key", lambda device: H100 if torch.device(device).type == "cuda" else None)
+    entries = tuning.KernelEntries("attention.auto")
+    entries.put(torch.device("cuda", 0), "v1", "BHSD q[1, 2, 3, 4]", {"label": "sdpa_cudnn", "timings": {}})
+    entries.put(torch.device("cpu"), "v1", "BHSD q[1, 2, 3, 4]", {"label": "sdpa"})
+    tuning.use(str(store))  # a later process reads the file
+    assert entries.get(torch.device("cuda", 0), "v1", "BHSD q[1, 2, 3, 4]") == {"label": "sdpa_cudnn", "timings": {}}
+    assert entries.get(torch.device("cpu"), "v1", "BHSD q[1, 2, 3, 4]") is None
+    assert entries.get(torch.device("cuda", 0), "v2", "BHSD q[1, 2, 3, 4]") is None  # another version
+    assert list(json.loads(store.read_text())["entries"]) == [H100]

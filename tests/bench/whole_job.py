@@ -70,7 +70,7 @@ the LoRA branch's share of pack_fast's step. The order
 (ORDER) puts what matters most first, so that a budget drops the rest: template_sage, pack_fast, pack, template.
 Triton's kernel cache (`triton_cache`): --triton-cache cold (the default) gives each server an empty one, so that
 each first job compiles the Triton kernels it runs, as on a first run; run shares one across the run's servers, as
-after a restart. The pack's run report gives the seconds its kernels' first launches took (compilation included):
+after a restart. The pack's tuning store (attention auto's kept decisions) follows the same rule. The pack's run report gives the seconds its kernels' first launches took (compilation included):
 `kernel_first_launches`.
 --budget-s counts from $E2E_STARTED (epoch seconds) where it is set and keeps STOP_S free at its end: it starts
 no server whose first job would end past it, and no second job that would, each by the longest one so far at
@@ -815,7 +815,12 @@ class Job:
         triton_before = triton_entries(triton_dir)
         cache = None
         if config.prompt == "pack":  # the quantize-once cache as users have it, in a folder of this server's own
-            cache = self.work / "quant_cache" / tag
+            # the pack's tuning store (kept kernel choices: attention auto's) lies beside the cache's folder: one
+            # per server where Triton's cache is too, one for the run otherwise
+            kept = self.work / "quant_cache" / (tag if opts.triton_cache == "cold" else "run")
+            if opts.triton_cache == "cold":
+                shutil.rmtree(kept, ignore_errors=True)
+            cache = kept / tag
             shutil.rmtree(cache, ignore_errors=True)
             env.update(BIGDIT_QUANT_CACHE=str(cache), BIGDIT_QUANT_CACHE_GIB="1000")
         for rec in recs:
@@ -1203,9 +1208,10 @@ def parse_args(argv=None):
                         help="the pack configurations' encoder loader (auto: QuantizedCLIPLoader where it loads "
                              "the encoder file's layer kinds)")
     parser.add_argument("--triton-cache", default="cold", choices=("cold", "run"),
-                        help="Triton's kernel cache: cold, an empty one per server (each compiles what it runs, as "
-                             "on a first run); run, one for the whole run (a later server finds what an earlier one "
-                             "compiled, as after a restart)")
+                        help="Triton's kernel cache and the pack's tuning store: cold, empty ones per server (each "
+                             "compiles and measures what it runs, as on a first run); run, one of each for the whole "
+                             "run (a later server finds what an earlier one compiled and measured, as after a "
+                             "restart)")
     parser.add_argument("--warm", action="store_true", help="keep the files in the page cache between configurations")
     parser.add_argument("--between-jobs", default="keep", choices=BETWEEN_JOBS,
                         help="before each server's second job: keep (nothing, as a user queues the next prompt) or "
