@@ -9,6 +9,7 @@ servers) nothing is read ahead. Each test names a VAE file of its own (a copy of
 import re
 import shutil
 import time
+import urllib.error
 
 import pytest
 import safetensors.torch
@@ -79,6 +80,33 @@ def test_a_prompt_with_a_pack_node_has_its_files_read_ahead_once(comfy, tiny_vae
     reading.run(graph(name, latent(reading), with_pack=True))
     time.sleep(1.0)
     assert "read-ahead" not in reading.log_text()[again:]  # read once per server
+
+
+def test_files_are_read_in_the_order_a_job_needs_them_whole(comfy, tiny_vae, reading):
+    """Text encoder, LoRA, diffusion model, VAE, whatever the prompt's node order: the handler runs as the prompt
+    is queued, before ComfyUI validates it (this one has no output, so it is refused after)."""
+    names = {"text_encoders": "order_te.safetensors", "loras": "order_lora.safetensors",
+             "diffusion_models": "order_dit.safetensors", "vae": "order_vae.safetensors"}
+    for folder, name in names.items():
+        (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(comfy.models_dir / "vae" / tiny_vae, reading.models_dir / folder / name)
+    prompt = {"vae": {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}},
+              "kernels": {"class_type": "SetVAEKernels", "inputs": {"vae": ["vae", 0], "attention": "auto",
+                                                                    "linears": "pack", "weights": "resident"}},
+              "dit": {"class_type": "UNETLoader", "inputs": {"unet_name": names["diffusion_models"],
+                                                             "weight_dtype": "default"}},
+              "lora": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["dit", 0], "strength_model": 1.0,
+                                                                       "lora_name": names["loras"]}},
+              "clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": names["text_encoders"],
+                                                              "type": "stable_diffusion"}}}
+    start = len(reading.log_text())
+    with pytest.raises(urllib.error.HTTPError):  # no output node: refused, after the handler ran
+        reading._request("/prompt", {"prompt": prompt})
+    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: 4 files, [\d.]+ GiB, queued: (.*)")
+    assert queued, reading.log_text()[start:][-3000:]
+    assert queued.group(1).strip().split(", ") == [names[f] for f in ("text_encoders", "loras", "diffusion_models",
+                                                                       "vae")]
+    assert log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 4 files")  # done: no later line
 
 
 def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae, reading):
