@@ -24,7 +24,7 @@ from .kernel_select import rows_bucket
 log = pack_logger(__name__)
 BLOCK_R = 32  # ranks a step: 24 KiB of operands beside a 128x256 tile
 _failed: str | None = None
-_launched: set[tuple] = set()  # (kernel, device, shape) launched before in this process (witness.first_launch)
+_launched: set[tuple] = set()  # (kernel, device, shape) launched before in this process (witness.launch)
 
 if int8_triton.triton is not None:
     import triton
@@ -142,8 +142,7 @@ def gemm_low_rank(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, 
     key = (kernel, str(a.device), *shape.values())
     for attempt in dict.fromkeys(tuple(sorted(c.items())) for c in tried):
         try:
-            with witness.first_launch(int8_triton.TALLY, key not in _launched):
-                launch(dict(attempt))
+            witness.launch(int8_triton.TALLY, key not in _launched, launch, dict(attempt))
             _launched.add(key)
             return out
         except OutOfResources as exc:  # the epilogue's operands on top of the pipeline: a smaller one

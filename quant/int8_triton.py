@@ -235,8 +235,7 @@ def _run(kernel: str, shape: dict, device: torch.device, launch) -> None:
     first = _chosen_key(kernel, shape, device) not in _CHOSEN
     config = config_for(kernel, shape, device, launch)
     try:
-        with witness.first_launch(TALLY, first):
-            launch(config)
+        witness.launch(TALLY, first, launch, config)
     except OutOfResources as exc:
         small = None if kernel == "activation" else gemm_small(shape)
         if small is None or small == config:

@@ -9,13 +9,12 @@ Kernels that a method chooses among at run time (INT8: the pack's Triton kernels
 split) count their calls in one process-wide tally, from inside the opaque ops that torch.compile keeps whole
 (quant/compiled_ops.py): those counts hold under torch.compile too (not under CUDA graphs, which replay without
 Python). A kernel that failed records why and whether it is tried again. The first launch of a kernel at a shape
-in a process is timed on the host (`first_launch`): that is where Triton compiles a kernel its on-disk cache lacks,
+in a process is timed on the host (`launch`): that is where Triton compiles a kernel its on-disk cache lacks,
 so a report can say what a first step paid for it.
 """
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -57,16 +56,15 @@ def count_kernel(kernels: str, kernel: str) -> None:
     TALLY.calls[kernels, kernel] += 1
 
 
-@contextmanager
-def first_launch(kernels: str, first: bool):
-    """Time the block on the host where `first` (a kernel's first launch at a shape in this process, where Triton
-    compiles it or loads it from its cache), counted per `kernels`."""
+def launch(kernels: str, first: bool, run, *args) -> None:
+    """`run(*args)`, timed on the host where `first` (a kernel's first launch at a shape in this process, where
+    Triton compiles it or loads it from its cache) and counted per `kernels`; a plain call otherwise (the hot path)."""
     if not first:
-        yield
+        run(*args)
         return
     start = perf_counter()
     try:
-        yield
+        run(*args)
     finally:
         TALLY.first_launches[kernels] += 1
         TALLY.first_launch_s[kernels] += perf_counter() - start
