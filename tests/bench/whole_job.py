@@ -70,8 +70,8 @@ the LoRA branch's share of pack_fast's step. The order
 (ORDER) puts what matters most first, so that a budget drops the rest: template_sage, pack_fast, pack, template.
 Triton's kernel cache (`triton_cache`): --triton-cache cold (the default) gives each server an empty one, so that
 each first job compiles the Triton kernels it runs, as on a first run; run shares one across the run's servers, as
-after a restart. The pack's tuning store (attention auto's kept decisions) follows the same rule. The pack's run report gives the seconds its kernels' first launches took (compilation included):
-`kernel_first_launches`.
+after a restart. The pack's tuning store (attention auto's kept decisions) follows the same rule. The pack's run
+report gives the seconds its kernels' first launches took (compilation included): `kernel_first_launches`.
 --budget-s counts from $E2E_STARTED (epoch seconds) where it is set and keeps STOP_S free at its end: it starts
 no server whose first job would end past it, and no second job that would, each by the longest one so far at
 that setting (before the first: PRIOR_S); what it leaves out is recorded as skipped, with the reason.
@@ -91,6 +91,7 @@ import argparse
 import asyncio
 import bisect
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -104,7 +105,6 @@ import threading
 import time
 import urllib.error
 import uuid
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -807,20 +807,14 @@ class Job:
                       if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
         ram = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
         env = {"BIGDIT_BENCH_PROFILE": "0", **dict(config.env)}
-        triton_dir = self.work / "triton_cache" / (tag if opts.triton_cache == "cold" else "run")
-        if opts.triton_cache == "cold":
-            shutil.rmtree(triton_dir, ignore_errors=True)
+        triton_dir = self.kept_folder("triton_cache", tag)
         triton_dir.mkdir(parents=True, exist_ok=True)
         env["TRITON_CACHE_DIR"] = str(triton_dir)
         triton_before = triton_entries(triton_dir)
         cache = None
         if config.prompt == "pack":  # the quantize-once cache as users have it, in a folder of this server's own
-            # the pack's tuning store (kept kernel choices: attention auto's) lies beside the cache's folder: one
-            # per server where Triton's cache is too, one for the run otherwise
-            kept = self.work / "quant_cache" / (tag if opts.triton_cache == "cold" else "run")
-            if opts.triton_cache == "cold":
-                shutil.rmtree(kept, ignore_errors=True)
-            cache = kept / tag
+            # the pack's tuning store (kept kernel choices: attention auto's) lies beside the cache's folder
+            cache = self.kept_folder("quant_cache", tag) / tag
             shutil.rmtree(cache, ignore_errors=True)
             env.update(BIGDIT_QUANT_CACHE=str(cache), BIGDIT_QUANT_CACHE_GIB="1000")
         for rec in recs:
@@ -914,6 +908,15 @@ class Job:
                     self.record(rec)
             self.write()
         return recs
+
+    def kept_folder(self, kind: str, tag: str) -> Path:
+        """The folder of what a server keeps across restarts (Triton's cache, the tuning store's): with
+        --triton-cache cold an empty one of the server `tag`'s own, with run one for the whole run."""
+        if self.opts.triton_cache == "run":
+            return self.work / kind / "run"
+        folder = self.work / kind / tag
+        shutil.rmtree(folder, ignore_errors=True)
+        return folder
 
     def between_jobs(self, server) -> str:
         """--between-jobs free: ComfyUI's "Free model and node cache" (POST /free), so that the second job loads
