@@ -14,6 +14,7 @@ from .file_backed import back_with_file
 from .lora_fold import install_lora_fold
 from .report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
+from .read_ahead import release_held_when_sampling
 from .tuning import use_tuning_store
 
 
@@ -80,6 +81,7 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
             offload_report = install_offload(loaded, offload_input, on_run=lambda line: run.add("offload", line))
             short, full = f"{short}\n{offload_report.brief}", "\n".join([full, offload_report.full])
         attach_quantized(loaded, run, quantized_layers(loaded), title)
+        release_held_when_sampling(loaded)
     return node_output(title, short, full, (loaded, full))
 
 

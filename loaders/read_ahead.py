@@ -8,7 +8,9 @@ page cache.
 
 Only where the RAM holds them all: `plan` reads nothing unless the files, a second copy of each file the host keeps
 in its own memory once loaded (a text encoder), and HEADROOM fit in the room the system reports; a file whose pages
-would push out what the job needs next is a loss, never a gain.
+would push out what the job needs next is a loss, never a gain. Once the host holds such a file's copy, its pages
+are a second copy that the reader and the loader both touched, which the kernel keeps before the read-ahead's
+pages not yet used: `Reader.release_held` drops them (`drop_cached`).
 """
 from __future__ import annotations
 
@@ -84,6 +86,24 @@ def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK) -> int:
         return sum(pool.map(read_part, range(0, size, part or 1)))
 
 
+def drop_cached(path: str) -> bool:
+    """Ask the kernel to drop `path`'s pages from the page cache (POSIX_FADV_DONTNEED: clean pages no process maps;
+    a mapped page stays). False where the system has no such call or the file cannot be opened."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class Reader:
     """Reads submitted files one after another on a daemon thread, each once per process; `log` gets one line per
     submission's end."""
@@ -92,6 +112,7 @@ class Reader:
         self.log, self.stripes = log, stripes
         self._queue: queue.Queue = queue.Queue()
         self._seen: set[str] = set()
+        self._held_read: list[AheadFile] = []  # held files read whole, whose pages are not yet dropped
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -111,6 +132,13 @@ class Reader:
                     self._thread.start()
         return new
 
+    def release_held(self) -> list[AheadFile]:
+        """Drop the page cache of the held files read whole so far (the host holds their weights: call it once
+        their loader has run); returns those dropped. Each file is dropped once."""
+        with self._lock:
+            held, self._held_read = self._held_read, []
+        return [f for f in held if drop_cached(f.path)]
+
     def _run(self) -> None:
         while True:
             files, label = self._queue.get()
@@ -118,6 +146,9 @@ class Reader:
             for f in files:
                 try:
                     total += read_file(f.path, stripes_for(f.path, self.stripes))
+                    if f.held:
+                        with self._lock:
+                            self._held_read.append(f)
                 except OSError as e:  # a file gone or unreadable: its loader says so; the rest are still read
                     self.log.warning("read-ahead of %s stopped: %s", f.path, e)
             seconds = time.perf_counter() - start

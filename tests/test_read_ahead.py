@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from bigdit.loaders.read_ahead import HEADROOM, STRIPES, AheadFile, Reader, plan, read_file, stripes_for
+from bigdit.loaders import read_ahead
+from bigdit.loaders.read_ahead import HEADROOM, STRIPES, AheadFile, Reader, drop_cached, plan, read_file, stripes_for
 from bigdit.units import GIB
 
 
@@ -91,3 +92,58 @@ def test_a_missing_file_is_logged_and_the_rest_are_read(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith(f"read-ahead of {tmp_path / 'gone.bin'} stopped:"), messages
     assert messages[1].startswith("read-ahead for job: 2 files, 0.00 GiB in "), messages
+
+
+
+def resident_pages(path) -> int:
+    """How many of `path`'s pages are in the page cache: mincore on a fresh mapping (mapping touches no page)."""
+    import ctypes
+    import mmap
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as f:
+        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        assert base not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            assert libc.mincore(base, size, vector) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(base, size)
+    return sum(v & 1 for v in vector)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="the system has no posix_fadvise (not Linux)")
+def test_drop_cached_empties_a_files_pages_from_the_page_cache(tmp_path):
+    path = tmp_path / "cached.bin"
+    path.write_bytes(os.urandom(4 * 1024 * 1024))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())  # written pages are dirty until on disk, and the kernel drops only clean ones
+    read_file(str(path), stripes=2)
+    before = resident_pages(path)
+    assert drop_cached(str(path))
+    after = resident_pages(path)
+    assert before == 1024 and after == 0, (before, after)
+    assert not drop_cached(str(tmp_path / "gone.bin"))
+
+
+def test_release_held_drops_the_held_files_read_whole_once(tmp_path, monkeypatch):
+    dropped = []
+    monkeypatch.setattr(read_ahead, "drop_cached", lambda path: dropped.append(path) or True)
+    paths = []
+    for name in ("encoder", "dit"):
+        paths.append(tmp_path / f"{name}.bin")
+        paths[-1].write_bytes(b"\3" * 8192)
+    encoder, dit = AheadFile(str(paths[0]), 8192, held=True), AheadFile(str(paths[1]), 8192)
+    reader = Reader(logging.getLogger("test_read_ahead_release"), stripes=1)
+    assert reader.release_held() == []  # nothing read yet
+    reader.submit([encoder, dit], "job")
+    deadline, released = time.monotonic() + 30, []
+    while not released and time.monotonic() < deadline:  # the reader's thread reads the encoder first
+        released = reader.release_held()
+        time.sleep(0.01)
+    assert released == [encoder] and dropped == [encoder.path]
+    assert reader.release_held() == [] and dropped == [encoder.path]  # once

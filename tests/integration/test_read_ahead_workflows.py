@@ -4,7 +4,8 @@ On a server started with the pack's default (BIGDIT_READ_AHEAD unset: on), a pro
 decoded by VAEDecode) has the VAE file it names read ahead: the server's log says it was queued and read, its bytes
 whole. The same file named again is not read again; a prompt with no node of the pack (the same decode without
 SetVAEKernels) reads nothing ahead. On the session's server (BIGDIT_READ_AHEAD=0, as comfy_harness starts test
-servers) nothing is read ahead. Each test names a VAE file of its own (a copy of the tiny VAE).
+servers) nothing is read ahead. Each test names a VAE file of its own (a copy of the tiny VAE). A text encoder
+read ahead has its page cache dropped as a diffusion model the pack loaded starts sampling, once.
 """
 import re
 import shutil
@@ -16,6 +17,7 @@ import safetensors.torch
 import torch
 
 from comfy_harness import ComfyServer
+from graphs import wan_t2v_graph
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +125,32 @@ def test_with_the_switch_off_nothing_is_read_ahead(comfy, tiny_vae):
     comfy.run(graph(name, latent(comfy), with_pack=True))
     time.sleep(1.0)
     assert "read-ahead" not in comfy.log_text()[start:]
+
+
+def test_a_text_encoder_read_ahead_is_dropped_from_the_page_cache_when_sampling_starts(comfy, tiny_wan, reading):
+    """The tiny Wan loaded by MixedCheckpointLoader, and a text-encoder file named by a CLIPLoader that no output
+    needs (so ComfyUI never loads it, but the prompt names it): read ahead as the prompt is queued, its pages
+    dropped when a sampling starts, and once."""
+    for folder, name in (("diffusion_models", tiny_wan["unet_name"]), ("vae", tiny_wan["vae_name"])):
+        (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(comfy.models_dir / folder / name, reading.models_dir / folder / name)
+    (reading.models_dir / "text_encoders").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(comfy.models_dir / "vae" / tiny_wan["vae_name"],
+                    reading.models_dir / "text_encoders" / "held_te.safetensors")
+    graph = wan_t2v_graph(None, tiny_wan["vae_name"],
+                          loader=("MixedCheckpointLoader", {"unet_name": tiny_wan["unet_name"]}))
+    graph["te"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": "held_te.safetensors", "type": "wan"}}
+    start = len(reading.log_text())
+    reading.run(graph)
+    read = log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 3 files")
+    assert read, reading.log_text()[start:][-3000:]
+    graph["sampler"]["inputs"]["seed"] = 1  # a new job; its sampling drops the pages if the first one's (which may
+    reading.run(graph)                       # start before the tiny files are read whole) did not
+    log = reading.log_text()[start:]
+    dropped = re.findall(r"\[BigDiT\] read-ahead: dropped the page cache of (.*) \(([\d.]+) GiB\)", log)
+    names = [name for line, _ in dropped for name in line.split(", ")]  # with the order test's, read before
+    assert names.count("held_te.safetensors") == 1, log[-3000:]
+    again = len(reading.log_text())
+    graph["sampler"]["inputs"]["seed"] = 2
+    reading.run(graph)
+    assert "dropped the page cache" not in reading.log_text()[again:]
