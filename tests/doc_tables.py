@@ -102,23 +102,26 @@ def headline() -> str:
 
 # The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
 # its configurations (the reference, template_sage, first); each setting's runs came from one GPU machine.
-JOB_RUNS = (  # (setting, RAM GiB, files)
-    ("turbo", 64, ("whole-job-turbo-read-ahead-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
-    ("turbo", 32, ("whole-job-turbo-32g-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",)),
-    ("default", 64, ("whole-job-default-template-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json",
-                 "whole-job-default-pack-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json")),
+R = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json"
+JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations shown: all where None)
+    ("turbo, 64 GiB, first run", "turbo", 64, ("whole-job-turbo-drop-held" + R,), None),
+    ("turbo, 64 GiB, restarted", "turbo", 64, ("whole-job-turbo-restarted" + R,), ("template_sage", "pack_fast")),
+    ("turbo, 32 GiB, restarted", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,), None),
+    ("default, 64 GiB, first run", "default", 64, ("whole-job-default-template" + R, "whole-job-default-pack" + R),
+     None),
 )
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
               "pack": "`pack` (the shipped example)", "pack_fast": "`pack_fast`",
-              "pack_fast_read_ahead": "`pack_fast` + read-ahead", "pack_fast_no_read_ahead": "`pack_fast`, no read-ahead"}
+              "pack_fast_no_read_ahead": "`pack_fast`, no read-ahead"}
 
 
 def job_table() -> str:
     lines = ["| setting, RAM, job | configuration | job s | vs template + Sage | encoder | model_load | sampling "
              "(first step) | s/step | VAE decode | save | RSS GiB (unreclaimable) | latent cosine |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for setting, ram_gib, names in JOB_RUNS:
-        records = [r for name in names for r in load(name)["results"] if r.get("status") == "ok"]
+    for label, setting, ram_gib, names, configs in JOB_RUNS:
+        records = [r for name in names for r in load(name)["results"] if r.get("status") == "ok"
+                   and (configs is None or r["config"] in configs)]
         for job in (1, 2):
             ran = [r for r in records if r["job"] == job and r["setting"] == setting and r["ram_gib"] == ram_gib]
             reference = next(r for r in ran if r["config"] == "template_sage")
@@ -126,7 +129,7 @@ def job_table() -> str:
                 stages, sampling = r["stages"], r["sampling"]
                 cosine = ((r.get("latent") or {}).get("vs_template_sage") or {}).get("video", {}).get("cosine")
                 lines.append(
-                    f"| {setting}, {ram_gib} GiB, {job} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
+                    f"| {label}, job {job} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
                     f"{reference['wall_s'] / r['wall_s']:.2f}x | {stages.get('encoder', 0):.1f} | "
                     f"{stages.get('model_load', 0):.1f} | {stages.get('sampling', 0):.1f} "
                     f"({sampling['step_seconds'][0]:.1f}) | {sampling['step_s']:.2f} | "
