@@ -1,7 +1,8 @@
 """`auto`: the fastest dense kernel for this GPU and this shape, measured here.
 
-The first call of a shape (device, dtype, layout, q/k/v shapes, mask) on a
-GPU times every dense kernel that takes it, on the call's own tensors, and
+The first call of a shape (device, dtype, layout, q/k/v shapes with the
+sequence lengths to the next power of two, mask) on a GPU times every dense
+kernel that takes it, on the call's own tensors, and
 runs the fastest from then on. A kernel that is not exact (it declares a
 `max_error`: Sage, comfy-kitchen INT8, FA3 FP8) competes only when a probe of
 that call, up to PROBE_HEADS heads and PROBE_QUERIES queries against all keys,
@@ -11,7 +12,8 @@ shared by every `auto` (backend and dense backend alike), and reported with
 its timings (`take_choices`). Where the host hands over a store (`use_store`:
 host/tuning.py, the tuning store on disk), a measured decision is kept there too,
 keyed by the GPU, torch's version, the call's shape and its candidates'
-labels, and a later process runs it without measuring: an exact kernel
+labels, and a later process runs it without measuring (a prompt of another
+length in the same power of two runs it too, in the process or later): an exact kernel
 as kept, an approximate one after the probe of that call is within its bound
 (else all are measured again).
 
@@ -40,7 +42,7 @@ from .registry import register_backend
 log = pack_logger(__name__)
 
 STORE_KERNEL = "attention.auto"  # the decisions' name in the host's store
-STORE_VERSION = "1"  # what a kept entry holds: {"label": ..., "timings": {label: ms}}
+STORE_VERSION = "2"  # what a kept entry holds: {"label": ..., "timings": {label: ms}}; 2: lengths bucketed
 MAX_ERROR = 0.05
 PROBE_HEADS = 4
 PROBE_QUERIES = 1024
@@ -91,12 +93,24 @@ def use_store(store: DecisionStore | None) -> None:
     _STORE = store
 
 
+def seq_bucket(length: int) -> int:
+    """A sequence length to the next power of two: each new prompt length would otherwise be measured again, in the
+    first step of its job, and kernels rank alike within a bucket (as the INT8 kernels' rows_bucket)."""
+    return 1 << max(0, (length - 1).bit_length())
+
+
+def _dims_key(t: torch.Tensor, layout: str, exact: bool) -> tuple[int, int, int, int]:
+    b, h, s, d = dims(t, layout)
+    return b, h, s if exact or not isinstance(s, int) else seq_bucket(s), d  # a symbolic length (traced) as it is
+
+
 def stored_shape(q, k, v, layout, mask, candidates) -> str:
-    """A call's key in the store: its shapes, dtype and mask, and the kernels that took it (a kept decision holds
-    for the same candidates)."""
+    """A call's key in the store: its dims (batch, heads, sequence bucket, head size), dtype and mask, and the
+    kernels that took it (a kept decision holds for the same candidates)."""
+    exact = mask is not None
     mask_text = "none" if mask is None else f"{dtype_name(mask.dtype)} {list(mask.shape)}"
-    return (f"{layout} q{list(q.shape)} k{list(k.shape)} v{list(v.shape)} {dtype_name(q.dtype)}, "
-            f"mask {mask_text}; {','.join(sorted(candidates))}")
+    tensors = " ".join(f"{name}{list(_dims_key(t, layout, exact))}" for name, t in zip("qkv", (q, k, v)))
+    return f"{layout} {tensors} {dtype_name(q.dtype)}, mask {mask_text}; {','.join(sorted(candidates))}"
 
 
 def store_version() -> str:
@@ -105,8 +119,11 @@ def store_version() -> str:
 
 
 def shape_key(q, k, v, layout, mask) -> tuple:
+    """The process's key of a call's decision: sequence lengths bucketed (seq_bucket), exact where a mask is given
+    (its shape follows them)."""
+    exact = mask is not None
     mask_key = None if mask is None else (mask.dtype, tuple(mask.shape))
-    return (str(q.device), q.dtype, layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), mask_key)
+    return (str(q.device), q.dtype, layout, *(_dims_key(t, layout, exact) for t in (q, k, v)), mask_key)
 
 
 def shape_text(q, k, layout, mask) -> str:

@@ -119,6 +119,22 @@ def test_the_decision_is_kept_per_shape_and_shared(kernels):
     assert len(auto._DECISIONS) == 2
 
 
+def test_a_length_in_the_same_power_of_two_runs_the_decision_unmeasured(kernels):
+    """A new prompt length changes the sequence: 100 and 128 share a bucket, 129 is the next one's; a mask keeps
+    the exact length (its shape follows it)."""
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    backend.kernel_call(*qkv(s=128))
+    RAN.clear()
+    assert backend.kernel_call(*qkv(s=100, seed=1)).label == "auto:fast" and RAN == []
+    backend.kernel_call(*qkv(s=129))
+    assert sorted(set(RAN)) == ["fast", "slow"] and len(auto._DECISIONS) == 2
+    assert auto.seq_bucket(1) == 1 and auto.seq_bucket(15787) == auto.seq_bucket(15451) == 16384
+    q, k, v = qkv(s=100)
+    RAN.clear()
+    backend.kernel_call(q, k, v, mask=torch.ones(100, 100, dtype=torch.bool))
+    assert sorted(set(RAN)) == ["fast", "slow"]  # masked: measured at its own length
+
+
 def test_a_kernel_failing_while_measured_is_left_out(kernels):
     backend = kernels(Kernel("broken", 5.0, fails=True), Kernel("ok", 30.0))
     call = backend.kernel_call(*qkv())
@@ -230,6 +246,10 @@ def test_a_kept_decision_runs_in_a_later_process_without_measuring(kernels, monk
                                       "slow 40.00 ms, sdpa 100.00 ms"]
     assert torch.equal(call.run(), F.scaled_dot_product_attention(q, k, v))
     RAN.clear()
+    assert registry.create("auto").kernel_call(*qkv(s=65)).label == "auto:fast" and RAN == []  # the same bucket
+    new_process(monkeypatch)
+    assert registry.create("auto").kernel_call(*qkv(s=120)).label == "auto:fast" and RAN == []  # kept for it too
+    assert shape == "BHSD q[1, 2, 128, 64] k[1, 2, 128, 64] v[1, 2, 128, 64] float32, mask none; fast,sdpa,slow"
     backend.kernel_call(*qkv(s=256))  # another shape: measured, and kept
     assert sorted(set(RAN)) == ["fast", "slow"] and len(store.entries) == 2
 
