@@ -86,7 +86,11 @@ class PromptReadAhead:
 
 def release_held() -> None:
     """Drop the page cache of the held files (text encoders) read ahead so far, where the read-ahead is on."""
-    dropped = _handler.reader.release_held() if _handler is not None else []
+    try:
+        dropped = _handler.reader.release_held() if _handler is not None else []
+    except Exception:  # noqa: BLE001 - sampling runs whatever happens here
+        log.exception("read-ahead: dropping the text encoders' pages failed; sampling runs without it")
+        return
     if dropped:
         log.info("read-ahead: dropped the page cache of %s (%s): ComfyUI holds their weights, and the files the job "
                  "reads next need the room", ", ".join(os.path.basename(f.path) for f in dropped),
