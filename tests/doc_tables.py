@@ -107,7 +107,7 @@ JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations 
     ("turbo, 64 GiB, first run", "turbo", 64, ("whole-job-turbo-drop-held" + R,), None),
     ("turbo, 64 GiB, restarted", "turbo", 64, ("whole-job-turbo-restarted" + R,), ("template_sage", "pack_fast")),
     ("turbo, 32 GiB, restarted", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,), None),
-    ("default, 64 GiB, first run", "default", 64, ("whole-job-default-template" + R, "whole-job-default-pack" + R),
+    ("default, 64 GiB, earlier code", "default", 64, ("whole-job-default-template" + R, "whole-job-default-pack" + R),
      None),
 )
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
