@@ -100,4 +100,5 @@ def quantize_model_node(model, options: QuantizeOptions, title: str, node_id):
     patched, report, layers = quantize_on_clone(model, options, title)
     short, full = "\n".join(report.brief()), report.render()
     attach_quantized(patched, NodeRun(node_id, short), layers, title)
+    release_held_when_sampling(patched)
     return node_output(title, short, full, (patched, full))

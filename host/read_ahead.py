@@ -7,7 +7,8 @@ ComfyUI's models folder; the host's loaders and the pack's use these names), in 
 text encoders and checkpoints, then LoRAs (their loaders read them whole before sampling starts), then diffusion
 models (under dynamic VRAM paged in during the first step; in the H3 turbo job the LoRA's loader read its file
 behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead), then VAEs. A file read ahead once is
-not read again by this server. When a diffusion model the pack loaded starts sampling, the prompt's conditioning
+not read again by this server. When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8,
+SetAttentionBackend) starts sampling, the prompt's conditioning
 exists, so its text encoders were loaded: `release_held` drops their pages (ComfyUI holds their weights), whose
 room the job's next files need (in the H3 turbo job at 64 GiB the read-ahead read 46.6 GiB for 39.2 GiB of files:
 the kernel dropped read-ahead pages not yet used before the text encoder's spent ones). The RAM room:
@@ -98,9 +99,11 @@ def release_held() -> None:
 
 
 def release_held_when_sampling(patcher) -> None:
-    """Have `patcher`'s sampling start with release_held (its conditioning is encoded by then)."""
-    patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, CALLBACK_KEY,
-                                  lambda _patcher: release_held())
+    """Have `patcher`'s sampling start with release_held (its conditioning is encoded by then); once, however many
+    of the pack's nodes the model passed through."""
+    pre_run = comfy.patcher_extension.CallbacksMP.ON_PRE_RUN
+    patcher.remove_callbacks_with_key(pre_run, CALLBACK_KEY)
+    patcher.add_callback_with_key(pre_run, CALLBACK_KEY, lambda _patcher: release_held())
 
 
 def install(pack_nodes: set[str]) -> bool:

@@ -5,7 +5,8 @@ decoded by VAEDecode) has the VAE file it names read ahead: the server's log say
 whole. The same file named again is not read again; a prompt with no node of the pack (the same decode without
 SetVAEKernels) reads nothing ahead. On the session's server (BIGDIT_READ_AHEAD=0, as comfy_harness starts test
 servers) nothing is read ahead. Each test names a VAE file of its own (a copy of the tiny VAE). A text encoder
-read ahead has its page cache dropped as a diffusion model the pack loaded starts sampling, once.
+read ahead has its page cache dropped as a diffusion model the pack loaded (or SetAttentionBackend changed) starts
+sampling, once.
 """
 import re
 import shutil
@@ -127,29 +128,36 @@ def test_with_the_switch_off_nothing_is_read_ahead(comfy, tiny_vae):
     assert "read-ahead" not in comfy.log_text()[start:]
 
 
-def test_a_text_encoder_read_ahead_is_dropped_from_the_page_cache_when_sampling_starts(comfy, tiny_wan, reading):
-    """The tiny Wan loaded by MixedCheckpointLoader, and a text-encoder file named by a CLIPLoader that no output
-    needs (so ComfyUI never loads it, but the prompt names it): read ahead as the prompt is queued, its pages
-    dropped when a sampling starts, and once."""
+@pytest.mark.parametrize("pack_node", ["MixedCheckpointLoader", "SetAttentionBackend"])
+def test_a_text_encoder_read_ahead_is_dropped_from_the_page_cache_when_sampling_starts(comfy, tiny_wan, reading,
+                                                                                       pack_node):
+    """The tiny Wan loaded by MixedCheckpointLoader, or by UNETLoader through SetAttentionBackend, and a
+    text-encoder file named by a CLIPLoader that no output needs (so ComfyUI never loads it, but the prompt names
+    it): read ahead as the prompt is queued, its pages dropped when a sampling starts, and once."""
     for folder, name in (("diffusion_models", tiny_wan["unet_name"]), ("vae", tiny_wan["vae_name"])):
         (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(comfy.models_dir / folder / name, reading.models_dir / folder / name)
     (reading.models_dir / "text_encoders").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(comfy.models_dir / "vae" / tiny_wan["vae_name"],
-                    reading.models_dir / "text_encoders" / "held_te.safetensors")
-    graph = wan_t2v_graph(None, tiny_wan["vae_name"],
-                          loader=("MixedCheckpointLoader", {"unet_name": tiny_wan["unet_name"]}))
-    graph["te"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": "held_te.safetensors", "type": "wan"}}
+    encoder = f"held_te_{pack_node}.safetensors"
+    shutil.copyfile(comfy.models_dir / "vae" / tiny_wan["vae_name"], reading.models_dir / "text_encoders" / encoder)
+    if pack_node == "MixedCheckpointLoader":
+        graph = wan_t2v_graph(None, tiny_wan["vae_name"],
+                              loader=("MixedCheckpointLoader", {"unet_name": tiny_wan["unet_name"]}))
+    else:
+        graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[
+            ("SetAttentionBackend", {"backend": "sdpa", "dense_backend": "sdpa", "sol_tau": 1.0, "dense_steps": 0,
+                                     "dense_layers": ""})])
+    graph["te"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": encoder, "type": "wan"}}
     start = len(reading.log_text())
     reading.run(graph)
-    read = log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 3 files")
+    read = log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: \d files")
     assert read, reading.log_text()[start:][-3000:]
     graph["sampler"]["inputs"]["seed"] = 1  # a new job; its sampling drops the pages if the first one's (which may
     reading.run(graph)                       # start before the tiny files are read whole) did not
     log = reading.log_text()[start:]
     dropped = re.findall(r"\[BigDiT\] read-ahead: dropped the page cache of (.*) \(([\d.]+) GiB\)", log)
-    names = [name for line, _ in dropped for name in line.split(", ")]  # with the order test's, read before
-    assert names.count("held_te.safetensors") == 1, log[-3000:]
+    names = [name for line, _ in dropped for name in line.split(", ")]  # with earlier tests' encoders, read before
+    assert names.count(encoder) == 1, log[-3000:]
     again = len(reading.log_text())
     graph["sampler"]["inputs"]["seed"] = 2
     reading.run(graph)
