@@ -81,17 +81,17 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
             offload_report = install_offload(loaded, offload_input, on_run=lambda line: run.add("offload", line))
             short, full = f"{short}\n{offload_report.brief}", "\n".join([full, offload_report.full])
         attach_quantized(loaded, run, quantized_layers(loaded), title)
-        release_held_when_sampling(loaded)
     return node_output(title, short, full, (loaded, full))
 
 
 def attach_quantized(patcher, run: NodeRun, layers: dict, title: str) -> None:
     """What a model with the pack's quantized `layers` needs after each load and sampling: the count of the
     layers that ran on the node, a LoRA folded into the quantized weights, the host's paging of them under dynamic
-    VRAM."""
+    VRAM, the text encoders read ahead dropped from the page cache as it starts sampling."""
     watch_quantized_layers(patcher, run, layers, title)
     install_lora_fold(patcher, run)
     prepare_dynamic_vram(patcher)
+    release_held_when_sampling(patcher)
 
 
 def quantize_model_node(model, options: QuantizeOptions, title: str, node_id):
@@ -100,5 +100,4 @@ def quantize_model_node(model, options: QuantizeOptions, title: str, node_id):
     patched, report, layers = quantize_on_clone(model, options, title)
     short, full = "\n".join(report.brief()), report.render()
     attach_quantized(patched, NodeRun(node_id, short), layers, title)
-    release_held_when_sampling(patched)
     return node_output(title, short, full, (patched, full))

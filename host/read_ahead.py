@@ -8,10 +8,10 @@ text encoders and checkpoints, then LoRAs (their loaders read them whole before 
 models (under dynamic VRAM paged in during the first step; in the H3 turbo job the LoRA's loader read its file
 behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead), then VAEs. A file read ahead once is
 not read again by this server. When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8,
-SetAttentionBackend) starts sampling, the prompt's conditioning
-exists, so its text encoders were loaded: `release_held` drops their pages (ComfyUI holds their weights), whose
-room the job's next files need (in the H3 turbo job at 64 GiB the read-ahead read 46.6 GiB for 39.2 GiB of files:
-the kernel dropped read-ahead pages not yet used before the text encoder's spent ones). The RAM room:
+SetAttentionBackend) starts sampling, the prompt's conditioning exists, so its text encoders were loaded:
+`release_held` drops their pages (ComfyUI holds their weights), whose room the job's next files need (in the H3
+turbo job at 64 GiB the read-ahead read 46.6 GiB for 39.2 GiB of files: the kernel dropped read-ahead pages not yet
+used before the text encoder's spent ones). The RAM room:
 loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`).
 On unless BIGDIT_READ_AHEAD=0 is in the server's environment: in Comfy-Org's H3 turbo job (whole_job's
 pack_fast against pack_fast_no_read_ahead, one run, an H100 with 64 GiB) it took the first job from 72.8 s to 67.5 s
