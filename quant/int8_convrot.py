@@ -167,13 +167,17 @@ class Int8ConvRotMethod(LinearMethod):
         choice = _chooser.choose(x.device, shape, candidates, measured=("kitchen", "kitchen_split", "triton"),
                                  default="triton" if x.is_cuda and cuda_at_least(x.device, TRITON_FROM) else "kitchen")
         if low_rank is not None:
+            compute = candidates[choice]
             if choice == "triton" and int8_lora.fusable(x2d, *low_rank[:2]):
-                out = int8_lora.linear_low_rank(x2d, weight, scale, bias, out_dtype, self.convrot, self.group_size,
-                                                input_act, *low_rank)
+                try:
+                    out = int8_lora.linear_low_rank(x2d, weight, scale, bias, out_dtype, self.convrot,
+                                                    self.group_size, input_act, *low_rank)
+                except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
+                    out, compute = None, kitchen
                 if out is not None:
                     return out.reshape(*lead, n_out)
             h, up, alpha = low_rank
-            return candidates[choice]().addmm_(h, up.t(), alpha=alpha).reshape(*lead, n_out)
+            return compute().addmm_(h, up.t(), alpha=alpha).reshape(*lead, n_out)
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 

@@ -24,7 +24,6 @@ from .kernel_select import rows_bucket
 log = pack_logger(__name__)
 BLOCK_R = 32  # ranks a step: 24 KiB of operands beside a 128x256 tile
 _failed: str | None = None
-_launched: set[tuple] = set()  # (kernel, device, shape) launched before in this process (witness.launch)
 
 if int8_triton.triton is not None:
     import triton
@@ -112,42 +111,60 @@ def gemm_low_rank(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, 
                   bias: torch.Tensor | None, h: torch.Tensor, up: torch.Tensor, alpha: float,
                   out_dtype: torch.dtype, tma: bool) -> torch.Tensor:
     """int8_triton.gemm's product plus alpha * h [M, R] @ up [N, R]^T, in out_dtype."""
+    out, launch = _low_rank_launch(a, a_scale, weight, weight_scale, bias, h, up, alpha, out_dtype, tma)
+    if launch is not None:
+        launch.run()
+    return out
+
+
+class LowRankLaunch(int8_triton.Launch):
+    """The GEMM's config for the shape; where its pipeline leaves no room for the epilogue's operands, a stage
+    fewer, then the smallest tiles."""
+
+    def run(self) -> None:
+        config = int8_triton.config_for(self.kernel, self.shape, self.device)
+        tried = [config, {**config, "num_stages": max(2, config["num_stages"] - 1)}, int8_triton.gemm_small(self.shape)]
+        for attempt in dict.fromkeys(tuple(sorted(c.items())) for c in tried):
+            try:
+                witness.launch(int8_triton.TALLY, self.key not in int8_triton._LAUNCHED, self.launch, dict(attempt))
+                int8_triton._LAUNCHED.add(self.key)
+                return
+            except OutOfResources as exc:
+                last = exc
+        raise last
+
+
+def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, h: torch.Tensor, up: torch.Tensor, alpha: float,
+                     out_dtype: torch.dtype, tma: bool) -> tuple[torch.Tensor, LowRankLaunch | None]:
+    """gemm_low_rank's output, allocated, and its launch (None for no rows)."""
     m, k = a.shape
     n, r = weight.shape[0], h.shape[1]
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0:
-        return out
+        return out, None
     w_scale = weight_scale.reshape(-1).float()
     common = dict(out_ptr=out, a_scale_ptr=a_scale, w_scale_ptr=w_scale,
                   bias_ptr=bias if bias is not None else w_scale, h_ptr=h, u_ptr=up, alpha=float(alpha),
                   M=m, N=n, R=r, stride_out=out.stride(0), stride_h=h.stride(0), stride_u=up.stride(0), K=k,
                   PER_CHANNEL=w_scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R)
-    kernel = "gemm_tma" if tma else "gemm"
-    shape = {"M_BUCKET": rows_bucket(m), "N": n, "K": k}
 
-    def launch(config: dict) -> None:
+    def launch(config: dict, warmup: bool = False):
         meta, run = int8_triton._split(config)
         tiles = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
         if tma:
-            _gemm_low_rank_tma_kernel[tiles](
+            kernel, operands = _gemm_low_rank_tma_kernel, dict(
                 a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),
-                w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]]),
-                **common, **meta, **run)
+                w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]]))
         else:
-            _gemm_low_rank_kernel[tiles](a_ptr=a, w_ptr=weight, stride_a=a.stride(0), stride_w=weight.stride(0),
-                                         **common, **meta, **run)
+            kernel, operands = _gemm_low_rank_kernel, dict(a_ptr=a, w_ptr=weight, stride_a=a.stride(0),
+                                                           stride_w=weight.stride(0))
+        if warmup:
+            return kernel.warmup(**operands, **common, **meta, **run, grid=tiles)
+        kernel[tiles](**operands, **common, **meta, **run)
 
-    config = int8_triton.config_for(kernel, shape, a.device)  # the GEMM's own config for the shape
-    tried = [config, {**config, "num_stages": max(2, config["num_stages"] - 1)}, int8_triton.gemm_small(shape)]
-    key = (kernel, str(a.device), *shape.values())
-    for attempt in dict.fromkeys(tuple(sorted(c.items())) for c in tried):
-        try:
-            witness.launch(int8_triton.TALLY, key not in _launched, launch, dict(attempt))
-            _launched.add(key)
-            return out
-        except OutOfResources as exc:  # the epilogue's operands on top of the pipeline: a smaller one
-            last = exc
-    raise last
+    shape = {"M_BUCKET": rows_bucket(m), "N": n, "K": k}
+    return out, LowRankLaunch("gemm_tma" if tma else "gemm", shape, a.device, launch, variant="+lora")
 
 
 def fusable(x: torch.Tensor, h: torch.Tensor, up: torch.Tensor) -> bool:
@@ -162,13 +179,17 @@ def linear_low_rank(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     out_dtype: torch.dtype, convrot: bool, group_size: int, input_act: str | None,
                     h: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor | None:
     """int8_triton.int8_linear's result plus alpha * h @ up^T, computed in one GEMM; None where it failed (the
-    caller then runs the GEMM and the addmm), counted in the run witness as int8_triton's calls are."""
+    caller then runs the GEMM and the addmm), `int8_triton.Compiling` while its kernels compile ahead; counted in
+    the run witness as int8_triton's calls are."""
     global _failed
     x2d = x.reshape(-1, x.shape[-1])
     try:
-        q, scale = int8_triton.quantize_rows(x2d, convrot, group_size, input_act)
-        out = gemm_low_rank(q, scale, weight, weight_scale, bias, h, up, alpha, out_dtype,
-                            tma=int8_triton._tma(x.device))
+        q, scale, rows = int8_triton._rows_launch(x2d, convrot, group_size, input_act)
+        out, product = _low_rank_launch(q, scale, weight, weight_scale, bias, h, up, alpha, out_dtype,
+                                        tma=int8_triton._tma(x.device))
+        int8_triton.run_when_compiled(rows, product)
+    except int8_triton.Compiling:
+        raise
     except Exception as exc:  # a Triton that cannot compile this kernel for this GPU, or no memory left
         why, again = f"{type(exc).__name__}: {exc}", int8_triton.transient(exc)
         if not again:

@@ -37,13 +37,15 @@ for this GPU) leaves kitchen computing for the rest of the process. Either is lo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..hardware import cuda_capability, time_ms
 from ..pack_logging import pack_logger
-from . import tuning, witness
+from . import compile_ahead, tuning, witness
 from .kernel_select import rows_bucket
 
 log = pack_logger(__name__)
@@ -73,6 +75,7 @@ LAUNCH = ("num_warps", "num_stages")
 SHIPPED_FILE = Path(__file__).with_name("int8_triton_tuned.json")
 SMEM_MARGIN = 8192  # bytes of shared memory a GEMM config leaves beside its pipeline (barriers, the epilogue)
 _CHOSEN: dict[tuple, tuple[dict, str]] = {}  # (kernel, device, shape) -> (config, where it came from)
+_LAUNCHED: set[tuple] = set()  # Launch.key launched before in this process (its first launch is timed)
 
 
 def _interpreter_on() -> bool:
@@ -131,11 +134,13 @@ def transient(exc: BaseException) -> bool:
 
 def linear_or_kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act, kitchen):
     """`int8_linear`, counted in the run witness; `kitchen` (the same arguments, counting itself) for a weight off
-    16-byte alignment and where the kernels failed (see the module's docstring)."""
+    16-byte alignment, where the kernels failed (see the module's docstring) and while they compile ahead."""
     global _failure
     if _failure is None and weight.data_ptr() % 16 == 0:  # TMA's alignment (a view into a file may lack it)
         try:
             out = int8_linear(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act)
+        except Compiling:
+            pass
         except Exception as exc:  # a Triton that cannot compile or launch for this GPU, or no memory left
             why, again = f"{type(exc).__name__}: {exc}", transient(exc)
             if not again:
@@ -155,11 +160,13 @@ def linear_or_kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype | None, convrot: bool, convrot_groupsize: int,
                 input_act: str | None) -> torch.Tensor:
-    """comfy_kitchen.int8_linear's result, computed by the Triton kernels (see the module docstring)."""
+    """comfy_kitchen.int8_linear's result, computed by the Triton kernels (see the module docstring); `Compiling`
+    where they are compiling ahead (nothing launched)."""
     out_dtype = out_dtype or torch.bfloat16
     x2d = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_rows(x2d, convrot, convrot_groupsize, input_act)
-    out = gemm(q, scale, weight, weight_scale, bias, out_dtype, tma=_tma(x.device))
+    q, scale, rows = _rows_launch(x2d, convrot, convrot_groupsize, input_act)
+    out, product = _gemm_launch(q, scale, weight, weight_scale, bias, out_dtype, tma=_tma(x.device))
+    run_when_compiled(rows, product)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -175,67 +182,128 @@ def hadamard(group_size: int, device: torch.device) -> torch.Tensor:
     return kitchen_hadamard(KRON if group_size == KRON * KRON else group_size, device)
 
 
+class Compiling(Exception):
+    """A call's kernels are compiling ahead (quant/compile_ahead.py); its caller computes it another way."""
+
+
+@dataclass
+class Launch:
+    """One kernel launch of a call, prepared: `launch(config, warmup)` launches it with a config (or, with
+    `warmup`, compiles it as that launch would), chosen for `kernel` at `shape` on `device` (`config_for`)."""
+    kernel: str
+    shape: dict
+    device: torch.device
+    launch: Callable[[dict, bool], object]
+    variant: str = ""  # another kernel with the same configs (the GEMM with a LoRA in its epilogue: "+lora")
+
+    @property
+    def key(self) -> tuple:
+        return (self.kernel + self.variant, *_chosen_key(self.kernel, self.shape, self.device)[1:])
+
+    def warm(self) -> object:
+        return self.launch(config_for(self.kernel, self.shape, self.device), True)
+
+    def run(self) -> None:
+        _run(self)
+
+
+def run_when_compiled(*launches: Launch | None) -> None:
+    """Each launch (None: nothing to launch), in order, once every one is compiled; else `Compiling`, nothing
+    launched, with the compiles of those not compiled handed to the pool (all of them, not only the first)."""
+    compiling = [launch.key for launch in launches if launch is not None and launch.key not in _LAUNCHED
+                 and not compile_ahead.ready(launch.warm, launch.device)]
+    if compiling:
+        kernels = ", ".join(f"{kernel} at {shape}" for kernel, _, shape in compiling)
+        compile_ahead.said_once(f"INT8: the Triton kernels compile on a thread pool ({kernels} first); comfy-kitchen's "
+                                f"int8_linear computes a call until its kernels are ready")
+        raise Compiling(kernels)
+    for launch in launches:
+        if launch is not None:
+            launch.run()
+
+
 def quantize_rows(x: torch.Tensor, convrot: bool, group_size: int,
                   input_act: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [M, K], fp32 [M, 1]) for a 2-D activation [M, K] ([M, 2K] with SwiGLU): activation, rotation,
     per-row quantization in one kernel."""
+    q, scale, launch = _rows_launch(x, convrot, group_size, input_act)
+    if launch is not None:
+        launch.run()
+    return q, scale
+
+
+def _rows_launch(x: torch.Tensor, convrot: bool, group_size: int,
+                 input_act: str | None) -> tuple[torch.Tensor, torch.Tensor, Launch | None]:
+    """quantize_rows' outputs, allocated, and its launch (None for no rows)."""
     swiglu = input_act == "swiglu"
     rows, k = x.shape[0], x.shape[1] // (2 if swiglu else 1)
     q = torch.empty(rows, k, device=x.device, dtype=torch.int8)
     scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
     if rows == 0:
-        return q, scale
+        return q, scale, None
     group = group_size if convrot else 16  # unrotated rows step in 16-wide groups (the matrix is loaded, not used)
     h = hadamard(group, x.device)
     args = dict(x_ptr=x, h_ptr=h, q_ptr=q, scale_ptr=scale, M=rows, stride_x=x.stride(0), stride_q=q.stride(0),
                 K=k, G=group, HG=KRON if group == KRON * KRON else group, SWIGLU=swiglu, ROTATE=convrot)
 
-    def launch(config: dict) -> None:
+    def launch(config: dict, warmup: bool = False):
         meta, run = _split(config)
-        _rotate_quantize_kernel[(triton.cdiv(rows, meta["ROWS"]),)](**args, **meta, **run)
+        grid = (triton.cdiv(rows, meta["ROWS"]),)
+        if warmup:
+            return _rotate_quantize_kernel.warmup(**args, **meta, **run, grid=grid)
+        _rotate_quantize_kernel[grid](**args, **meta, **run)
 
-    _run("activation", {"M_BUCKET": rows_bucket(rows), "K": k, "G": group, "SWIGLU": swiglu, "ROTATE": convrot},
-         x.device, launch)
-    return q, scale
+    shape = {"M_BUCKET": rows_bucket(rows), "K": k, "G": group, "SWIGLU": swiglu, "ROTATE": convrot}
+    return q, scale, Launch("activation", shape, x.device, launch)
 
 
 def gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
          bias: torch.Tensor | None, out_dtype: torch.dtype, tma: bool) -> torch.Tensor:
     """(a [M, K] int8 . weight [N, K]^T int8) * a_scale [M, 1] * weight_scale ([N] or one) + bias, in out_dtype."""
+    out, launch = _gemm_launch(a, a_scale, weight, weight_scale, bias, out_dtype, tma)
+    if launch is not None:
+        launch.run()
+    return out
+
+
+def _gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, tma: bool) -> tuple[torch.Tensor, Launch | None]:
+    """gemm's output, allocated, and its launch (None for no rows)."""
     m, k = a.shape
     n = weight.shape[0]
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0:
-        return out
+        return out, None
     w_scale = weight_scale.reshape(-1).float()
     common = dict(out_ptr=out, a_scale_ptr=a_scale, w_scale_ptr=w_scale,
                   bias_ptr=bias if bias is not None else w_scale, M=m, N=n, K=k, stride_out=out.stride(0),
                   PER_CHANNEL=w_scale.numel() > 1, HAS_BIAS=bias is not None)
 
-    def launch(config: dict) -> None:
+    def launch(config: dict, warmup: bool = False):
         meta, run = _split(config)
         tiles = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
         if tma:
-            _gemm_tma_kernel[tiles](
+            kernel, operands = _gemm_tma_kernel, dict(
                 a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),
-                w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]]),
-                **common, **meta, **run)
+                w_desc=TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]]))
         else:
-            _gemm_kernel[tiles](a_ptr=a, w_ptr=weight, stride_a=a.stride(0), stride_w=weight.stride(0), **common,
-                                **meta, **run)
+            kernel, operands = _gemm_kernel, dict(a_ptr=a, w_ptr=weight, stride_a=a.stride(0),
+                                                  stride_w=weight.stride(0))
+        if warmup:
+            return kernel.warmup(**operands, **common, **meta, **run, grid=tiles)
+        kernel[tiles](**operands, **common, **meta, **run)
 
-    _run("gemm_tma" if tma else "gemm", {"M_BUCKET": rows_bucket(m), "N": n, "K": k}, a.device, launch)
-    return out
+    return out, Launch("gemm_tma" if tma else "gemm", {"M_BUCKET": rows_bucket(m), "N": n, "K": k}, a.device, launch)
 
 
-def _run(kernel: str, shape: dict, device: torch.device, launch) -> None:
-    """`launch` with the config chosen for `kernel` at `shape`; a GEMM config this GPU has not the shared memory
-    or registers for (a shipped or rule config on a card it was not measured on) gives way, for the process, to
-    the smallest tiles (`gemm_small`), said once."""
-    first = _chosen_key(kernel, shape, device) not in _CHOSEN
-    config = config_for(kernel, shape, device, launch)
+def _run(launch: Launch) -> None:
+    """The launch with the config chosen for its kernel at its shape; a GEMM config this GPU has not the shared
+    memory or registers for (a shipped or rule config on a card it was not measured on) gives way, for the process,
+    to the smallest tiles (`gemm_small`), said once."""
+    kernel, shape, device = launch.kernel, launch.shape, launch.device
+    config = config_for(kernel, shape, device, launch.launch)
     try:
-        witness.launch(TALLY, first, launch, config)
+        witness.launch(TALLY, launch.key not in _LAUNCHED, launch.launch, config)
     except OutOfResources as exc:
         small = None if kernel == "activation" else gemm_small(shape)
         if small is None or small == config:
@@ -243,7 +311,8 @@ def _run(kernel: str, shape: dict, device: torch.device, launch) -> None:
         log.warning("INT8 Triton %s at %s: %s does not run on this GPU (%s); %s instead", kernel,
                     shape_text(kernel, shape), config, exc, small)
         _CHOSEN[_chosen_key(kernel, shape, device)] = (small, "fallback")
-        launch(small)
+        launch.launch(small)
+    _LAUNCHED.add(launch.key)
 
 
 def _split(config: dict) -> tuple[dict, dict]:

@@ -89,6 +89,14 @@ def pytest_runtest_setup(item):
         pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def triton_launches_compile_in_place(request, monkeypatch):
+    """A GPU test launches the kernel it tests: Triton compiles it at its launch, never on a pool while another
+    computes the call (tests/test_compile_ahead.py turns that back on where it tests it; off CUDA it is off)."""
+    if request.node.get_closest_marker("gpu"):
+        monkeypatch.setenv("BIGDIT_TRITON_COMPILE_AHEAD", "0")
+
+
 # ---- integration fixtures: a real ComfyUI server and tiny Wan and H3 models --
 
 @pytest.fixture(scope="session")

@@ -60,12 +60,14 @@ def test_the_files_are_named_as_the_template_names_them():
         "lora": ("loras", "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors")}
 
 
-def test_pack_fast_no_read_ahead_is_pack_fast_with_the_switch_off():
-    """The same graph and server arguments; only the server's environment turns the pack's read-ahead off."""
-    fast, ahead = whole_job.CONFIGS["pack_fast"], whole_job.CONFIGS["pack_fast_no_read_ahead"]
-    assert (ahead.prompt, ahead.nodes, ahead.comfy_args) == (fast.prompt, fast.nodes, fast.comfy_args)
-    assert fast.env == () and dict(ahead.env) == {"BIGDIT_READ_AHEAD": "0"}
-    assert "pack_fast_no_read_ahead" in whole_job.PACK_CONFIGS  # compared with the references in the summary
+@pytest.mark.parametrize("name,switch", [("pack_fast_no_read_ahead", "BIGDIT_READ_AHEAD"),
+                                         ("pack_fast_compile_in_place", "BIGDIT_TRITON_COMPILE_AHEAD")])
+def test_a_switch_config_is_pack_fast_with_the_switch_off(name, switch):
+    """The same graph and server arguments; only the server's environment turns the pack's feature off."""
+    fast, off = whole_job.CONFIGS["pack_fast"], whole_job.CONFIGS[name]
+    assert (off.prompt, off.nodes, off.comfy_args) == (fast.prompt, fast.nodes, fast.comfy_args)
+    assert fast.env == () and dict(off.env) == {switch: "0"}
+    assert name in whole_job.PACK_CONFIGS  # compared with the references in the summary
 
 
 def test_pack_fast_no_lora_sets_the_loras_strength_to_zero_and_nothing_else():

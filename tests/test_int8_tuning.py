@@ -200,12 +200,13 @@ def test_a_gemm_config_this_gpu_cannot_run_gives_way_to_the_smallest_tiles(monke
         if config["BLOCK_N"] > 64:
             raise OutOfResources(147456, 101376, "shared memory")
         ran.append(config)
-    it._run("gemm", shape, cpu, launch)
-    it._run("gemm", shape, cpu, launch)
+    it._run(it.Launch("gemm", shape, cpu, launch))
+    it._run(it.Launch("gemm", shape, cpu, launch))
     assert ran == [it.gemm_small(shape)] * 2 and it.fits("gemm", it.gemm_small(shape), shape)
     assert sum("does not run on this GPU" in r.message for r in caplog.records) == 1
     with pytest.raises(OutOfResources):  # the smallest tiles failing too is the kernels' failure
-        it._run("gemm", {"M_BUCKET": 4096, "N": 2048, "K": 1024 + 16}, cpu, lambda config: launch({"BLOCK_N": 128}))
+        it._run(it.Launch("gemm", {"M_BUCKET": 4096, "N": 2048, "K": 1024 + 16}, cpu,
+                          lambda config: launch({"BLOCK_N": 128})))
 
 
 # -- the kernel choice ---------------------------------------------------------------------------------------------
@@ -322,17 +323,18 @@ def test_a_kernels_first_launch_at_each_shape_is_timed_and_reported(monkeypatch)
     """The first launch at a shape (where Triton compiles what its cache lacks) is timed on the host and the run
     report says how long those launches took; later launches at the shape are not counted again."""
     monkeypatch.setattr(it, "_CHOSEN", {})
+    monkeypatch.setattr(it, "_LAUNCHED", set())
     monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
     ticks = iter([10.0, 12.5, 20.0, 20.25])  # two first launches: 2.5 s and 0.25 s
     monkeypatch.setattr(witness, "perf_counter", lambda: next(ticks))
     run, cpu = witness.RunWitness({}), torch.device("cpu")
     first, second = ({"M_BUCKET": 4096, "N": 2048, "K": k} for k in (1024, 2048))
     for shape in (first, first, second, first, second):
-        it._run("gemm", shape, cpu, lambda config: witness.count_kernel(it.TALLY, "triton"))
+        it._run(it.Launch("gemm", shape, cpu, lambda config: witness.count_kernel(it.TALLY, "triton")))
     text = run.take().render_kernels()
     assert text == "ran int8: triton x5 calls (first launches at 2 shapes: 2.8 s, compiling what Triton's cache " \
                    "lacked)", text
-    it._run("gemm", first, cpu, lambda config: witness.count_kernel(it.TALLY, "triton"))
+    it._run(it.Launch("gemm", first, cpu, lambda config: witness.count_kernel(it.TALLY, "triton")))
     assert run.take().render_kernels() == "ran int8: triton x1 calls"  # no first launch in this run
     assert next(ticks, None) is None  # exactly the two first launches were timed
 

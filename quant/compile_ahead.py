@@ -1,0 +1,96 @@
+"""Triton kernels compiled side by side on a thread pool instead of one after another at their first launches.
+
+A kernel's first launch in a process compiles it where Triton's on-disk cache lacks it (about a second each, one
+after another: the first step of H3's turbo job on an H100 paid 9.6 s for its INT8 kernels) and otherwise loads it
+(milliseconds). `ready(warm, device)` runs `warm` (the kernel's `warmup` with the launch's own arguments, so the
+same specialization) under Triton's `AsyncCompileMode`, which hands the compile to a pool of one thread per CPU
+(Triton's compiler passes and ptxas run outside Python's lock), and at its first check waits up to `WAIT_S`: a
+kernel its cache holds is ready by then; one still compiling is not, and the caller computes that call another way (the INT8 linear:
+comfy-kitchen's kernel, the host's own) until it is. A first step's kernels thus compile together while it runs.
+
+The mode is entered in a copy of the caller's context, so no other launch of the caller compiles asynchronously;
+a launch of a kernel whose compile finished takes it from Triton's cache (Triton stored it under the launch's key).
+
+Off, every launch compiling in place as Triton does: where BIGDIT_TRITON_COMPILE_AHEAD=0 (results then do not
+depend on which kernels were compiled yet), where the user asked for tuning (a search times the kernels
+themselves), while a CUDA graph is captured (it would keep the other kernel), while torch.compile traces, off CUDA
+(Triton's interpreter compiles nothing), and where Triton has no `AsyncCompileMode` (before 3.4).
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import Callable
+
+import torch
+
+from ..pack_logging import pack_logger
+from . import tuning
+
+log = pack_logger(__name__)
+
+ENV = "BIGDIT_TRITON_COMPILE_AHEAD"
+WAIT_S = 0.1  # a kernel loaded from Triton's cache is ready within it (about 30 ms each on the H100 runs)
+
+try:
+    from triton import AsyncCompileMode, FutureKernel
+except Exception:  # no Triton, or one without asynchronous compiles
+    AsyncCompileMode = FutureKernel = None
+
+_pool: ThreadPoolExecutor | None = None
+_said = False
+_waited: weakref.WeakSet = weakref.WeakSet()  # pending kernels a call waited for already: later calls do not
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on `device` may compile ahead now (see the module's docstring)."""
+    return (AsyncCompileMode is not None and device.type == "cuda"
+            and os.environ.get(ENV, "1").strip() != "0" and not tuning.search_asked()
+            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
+
+
+def said_once(message: str) -> None:
+    """`message` logged at INFO once per process: a first step's kernels all compile ahead at once."""
+    global _said
+    if not _said:
+        _said = True
+        log.info("%s (%s=0: each launch compiles in place)", message, ENV)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="bigdit-triton-compile")
+    return _pool
+
+
+def ready(warm: Callable[[], object], device: torch.device) -> bool:
+    """Whether the kernel `warm` warms up is compiled for its launch; where compiling ahead is on and it is not,
+    its compile is handed to the pool (once: Triton keeps the pending kernel under the launch's key) and False
+    returned. A compile that failed counts as ready: the launch then raises its error, as a launch in place would."""
+    if not enabled(device):
+        return True
+
+    def submit():
+        AsyncCompileMode(_executor()).__enter__()  # active in this copied context only, never left in the caller's
+        return warm()
+
+    try:
+        kernel = contextvars.copy_context().run(submit)
+    except Exception as exc:  # another mode active, or a warm-up Triton refuses: the launch compiles in place
+        log.debug("Triton compile ahead: not taken (%s: %s)", type(exc).__name__, exc)
+        return True
+    if not isinstance(kernel, FutureKernel) or kernel.future.done():
+        return True
+    if kernel in _waited:
+        return False
+    _waited.add(kernel)
+    try:
+        kernel.future.result(timeout=WAIT_S)
+    except FutureTimeout:
+        return False
+    except Exception:
+        return True
+    return True
