@@ -130,6 +130,18 @@ def test_the_second_job_changes_the_prompt_and_the_seed_only():
     assert tiny["140:131"]["inputs"]["seed"] == whole_job.SECOND_JOB["tiny_conditioning_seed"]
 
 
+def test_the_third_job_is_the_second_with_the_loras_strength_changed():
+    for config in ("template", "pack_fast"):
+        second, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
+                                        job=2)
+        third, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
+                                       job=3)
+        changed = {k for k in second if second[k] != third[k]}
+        assert changed == {"140:134", "92", "bench_video", "bench_audio"}, (config, changed)
+        assert third["140:134"]["inputs"]["strength_model"] == whole_job.LORA_CHANGE != \
+            second["140:134"]["inputs"]["strength_model"]
+
+
 def test_loads_say_what_ran_and_what_each_cache_said():
     graph, _ = whole_job.job_graph(whole_job.CONFIGS["pack"], "turbo", object_info(), "QuantizedCLIPLoader", None)
     outputs = {"140:127": {"text": ["quantized 200/208 linear layers: fp8 x200\nmore"], "report": [
@@ -471,13 +483,14 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
     # the servers inherit BIGDIT_READ_AHEAD=0: the read-ahead's background reads belong to no stage, and the floors
     # checked below are of the stages' own reads (with it on, a stage's read floor is not a floor: see the docs)
     run = subprocess.run([str(host.python), str(TESTS / "bench" / "whole_job.py"), "--tiny", "--comfyui",
-                          str(host.comfyui), "--configs", "template,pack", "--between-jobs", "free",
+                          str(host.comfyui), "--configs", "template,pack", "--between-jobs", "free", "--lora-change",
                           "--work", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "BIGDIT_READ_AHEAD": "0"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
     by = {(r["config"], r["job"]): r for r in data["results"]}
-    assert sorted(by) == [("pack", 1), ("pack", 2), ("template", 1), ("template", 2)]
+    assert sorted(by) == [(config, job) for config in ("pack", "template") for job in (1, 2, 3)]
+    assert by[("pack", 3)]["lora_strength"] == by[("template", 3)]["lora_strength"] == whole_job.LORA_CHANGE
     assert all(r["status"] == "ok" for r in by.values()), {k: r.get("error") for k, r in by.items()}
     assert set(data["files"]) >= {"dit", "video_vae", "audio_vae", "lora"} and "text_encoder" not in data["files"]
     disk = data["machine"]["disk"]
@@ -497,7 +510,7 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         assert rec["model_input"] == {"context": [1, 16, 256], "rows": {"text": 16, "audio": 74, "video": 28}}
         assert rec["host_rss_peak_gib"] > 0 and rec["ram"]["enforced"] is False
         assert rec["ram_budgets"]["32g"] == {"unreclaimable_fits": True, "rss_fits": True}
-        assert rec["between_jobs" if job == 2 else "job"] == ("free" if job == 2 else 1)
+        assert rec["between_jobs" if job >= 2 else "job"] == ("free" if job >= 2 else 1)
         # every loader ran in both jobs (the second after ComfyUI's cache was freed)
         assert all(item["ran"] for item in rec["loads"]) and len(rec["loads"]) == 4
         profile = rec["profile"]
@@ -559,7 +572,7 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
     assert not list((tmp_path / "w").rglob("*.safetensors")) and not list((tmp_path / "w").rglob("*.mp4"))
     printed = subprocess.run([sys.executable, str(TESTS / "bench" / "job_profile.py"), str(out), "--config", "pack"],
                              capture_output=True, text=True, timeout=60)
-    assert printed.returncode == 0 and printed.stdout.count("  profile ") == 2, printed.stderr
+    assert printed.returncode == 0 and printed.stdout.count("  profile ") == 3, printed.stderr
 
 
 # ---- the memory limit (on a model of /sys/fs/cgroup: a write the kernel refuses is a folder in the way) -----

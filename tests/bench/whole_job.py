@@ -19,7 +19,9 @@ see that size; with --ram-cgroup the server also runs in a memory cgroup of that
 us make one, and the JSON says which was done), with ComfyUI's default cache. Each server runs two jobs, as a
 user repeats one: the first, then a second with another prompt and seed (SECOND_JOB, the same for every
 configuration, so that each job's latent compares with the reference's same job); each job is its own record
-(`job`: 1 or 2). Between them nothing is done (--between-jobs keep: ComfyUI keeps the loaders' outputs while their
+(`job`: 1 or 2). With --lora-change a third job follows the second: the same prompt and seed with the LoRA's strength
+changed (LORA_CHANGE; where the graph has no LoRA, skipped), whose model_load stage is what a strength change costs
+(`job`: 3). Between them nothing is done (--between-jobs keep: ComfyUI keeps the loaders' outputs while their
 inputs are the same, so the second job loads nothing unless its RAM cache let them go), or with
 --between-jobs free ComfyUI's "Free model and node cache" (POST /free), so that the second job loads everything
 again. The pack's configurations run with the quantize-once cache on, as users have it, in a fresh folder of
@@ -177,6 +179,7 @@ SECOND_JOB = {"prompt": "A red fox trots across a snowy meadow at dawn, its brea
                         "crunching footsteps and distant birdsong.",
               "seed": 424242424242, "tiny_conditioning_seed": 1}
 BETWEEN_JOBS = ("keep", "free")
+LORA_CHANGE = 0.75  # the third job's LoRA strength (--lora-change): the template's is 1.0
 
 #: seconds between two samples of the server's memory, I/O and the device (a stage's bytes are counted from the samples
 #: at or before its start and end, so a stage can be given what was read up to one interval before it started)
@@ -301,7 +304,7 @@ def second_job(graph: dict) -> None:
 
 
 def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tiny_text_dim: int | None, job: int = 1):
-    """(graph, inputs left out) of one configuration and setting, its first or second job."""
+    """(graph, inputs left out) of one configuration and setting, its first, second or third job."""
     graph = copy.deepcopy(load_prompt(config.prompt, setting))
     changes = dict(config.nodes)
     if encoder == "CLIPLoader":
@@ -310,8 +313,11 @@ def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tin
     instrument(graph, f"{config.name}_{setting}_job{job}")
     if tiny_text_dim:
         tinier(graph, tiny_text_dim)
-    if job == 2:
+    if job >= 2:
         second_job(graph)
+    if job == 3:
+        for key in nodes_of(graph, "LoraLoaderModelOnly"):
+            graph[key]["inputs"]["strength_model"] = LORA_CHANGE
     return graph, left_out
 
 
@@ -801,7 +807,7 @@ class Job:
                 "prompt": config.prompt, "nodes": {k: list(v) if isinstance(v, tuple) else v
                                                    for k, v in config.nodes.items()},
                 "comfy_args": list(config.comfy_args), "env": dict(config.env)}
-        recs = [{**base, "job": job, "status": None} for job in (1, 2)]
+        recs = [{**base, "job": job, "status": None} for job in ((1, 2, 3) if opts.lora_change else (1, 2))]
         why = self.over_budget(self.estimate(setting, "job1"))
         if why:
             for rec in recs:
@@ -851,17 +857,23 @@ class Job:
                         rec["encoder_loader"] = encoder
             for job, rec in enumerate(recs, 1):
                 current = rec
-                if job == 2:
-                    why = "the first job did not finish" if recs[0]["status"] != "ok" else \
+                if job >= 2:
+                    why = "the job before did not finish" if recs[job - 2]["status"] != "ok" else \
                         self.over_budget(self.estimate(setting, "job2"))
                     if why:
-                        rec.update(status="skipped", error=why)
+                        for skipped in recs[job - 1:]:
+                            skipped.update(status="skipped", error=why)
                         break
                 t_job = time.monotonic()
-                if job == 2:
-                    rec["between_jobs"] = self.between_jobs(server)
                 graph, rec["left_out"] = job_graph(config, setting, object_info, encoder,
                                                    e2e_models.TINY_H3.text_dim if opts.tiny else None, job)
+                if job == 3 and not nodes_of(graph, "LoraLoaderModelOnly"):
+                    rec.update(status="skipped", error="no LoRA in this graph")
+                    break
+                if job >= 2:
+                    rec["between_jobs"] = self.between_jobs(server)
+                if job == 3:
+                    rec["lora_strength"] = LORA_CHANGE
                 why = unoffered_choice(graph, object_info)
                 if why:
                     for skipped in recs[job - 1:]:
@@ -874,7 +886,7 @@ class Job:
                     rec.update(status="error", error=self.here(e.message[:3000]), failed_node=e.node_type,
                                traceback=self.here(e.traceback[-3000:]))
                 phase = time.monotonic() - (t0 if job == 1 else t_job)
-                self.phases.setdefault(setting, {}).setdefault(f"job{job}", []).append(phase)
+                self.phases.setdefault(setting, {}).setdefault(f"job{min(job, 2)}", []).append(phase)
                 self.record(rec)
             current = None
             if self.needs_encoder_check():
@@ -1225,6 +1237,8 @@ def parse_args(argv=None):
     parser.add_argument("--between-jobs", default="keep", choices=BETWEEN_JOBS,
                         help="before each server's second job: keep (nothing, as a user queues the next prompt) or "
                              "free (ComfyUI's 'Free model and node cache': the second job loads everything again)")
+    parser.add_argument("--lora-change", action="store_true",
+                        help=f"a third job: the second's with the LoRA at strength {LORA_CHANGE}")
     parser.add_argument("--cpu", action="store_true", help="run ComfyUI with --cpu")
     parser.add_argument("--work", default=None, help="server folder and files (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON path (the .log goes beside it)")
