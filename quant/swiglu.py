@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..pack_logging import pack_logger
+from . import compile_ahead
 from .kitchen_api import apply_input_act
 
 try:
@@ -22,6 +23,7 @@ except Exception:  # missing or broken Triton: kitchen's eager activation
 log = pack_logger(__name__)
 BLOCK = 1024
 _failed: str | None = None
+_launched: set[tuple] = set()  # (device, width, strides) launched before: compiled (quant/compile_ahead.py)
 
 
 if triton is not None:
@@ -37,23 +39,33 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a 2-D [rows, 2 * width] CUDA input's halves, [rows, width] in its dtype."""
+def swiglu(x: torch.Tensor, ahead: bool = False) -> torch.Tensor | None:
+    """silu(gate) * up of a 2-D [rows, 2 * width] CUDA input's halves, [rows, width] in its dtype; with `ahead`,
+    None (nothing launched) while the kernel compiles ahead."""
     rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, width, device=x.device, dtype=x.dtype)
     if rows:
-        _swiglu_kernel[(rows, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), out.stride(0), BLOCK=BLOCK)
+        grid, args = (rows, triton.cdiv(width, BLOCK)), (x, out, width, x.stride(0), out.stride(0))
+        key = (str(x.device), x.dtype, width, x.stride(0), out.stride(0))
+        if ahead and key not in _launched and not compile_ahead.ready(
+                lambda: _swiglu_kernel.warmup(*args, BLOCK=BLOCK, grid=grid), x.device):
+            return None
+        _swiglu_kernel[grid](*args, BLOCK=BLOCK)
+        _launched.add(key)
     return out
 
 
 def activated(x: torch.Tensor, input_act: str | None) -> torch.Tensor:
     """`x` with its input activation applied, as kitchen's apply_input_act gives it: SwiGLU on CUDA in one pass
-    (eager calls; a trace keeps kitchen's, which the compiler fuses itself), everything else by kitchen."""
+    (eager calls; a trace keeps kitchen's, which the compiler fuses itself; kitchen's while the kernel compiles
+    ahead), everything else by kitchen."""
     global _failed
     if (input_act == "swiglu" and triton is not None and _failed is None and x.is_cuda and x.stride(-1) == 1
             and x.shape[-1] % 2 == 0 and not torch.compiler.is_compiling()):
         try:
-            return swiglu(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
+            out = swiglu(x.reshape(-1, x.shape[-1]), ahead=True)
+            if out is not None:
+                return out.reshape(*x.shape[:-1], x.shape[-1] // 2)
         except Exception as exc:  # a Triton that imports but cannot compile for this GPU
             _failed = f"{type(exc).__name__}: {exc}"
             log.warning("SwiGLU: the one-pass Triton kernel failed (%s); comfy-kitchen's eager SwiGLU computes it "

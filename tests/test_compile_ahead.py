@@ -226,3 +226,28 @@ def test_on_cuda_a_lora_layer_compiling_runs_kitchen_and_the_branch_not_the_gemm
     assert not any(key[0] == "gemm_tma" for key in it._LAUNCHED if key[2][1:] == (1280, 3328))
     out = until("triton+lora", lambda: q.method.apply(q, x, None, low_rank=(h, up, 0.5)))
     assert rel(first, ref) < 2e-2 and rel(out, ref) <= 1.1 * rel(first, ref), (rel(out, ref), rel(first, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_swiglu_is_kitchens_while_its_kernel_compiles_then_the_kernels(tmp_path, monkeypatch):
+    """The one-pass SwiGLU at a width no other test launches: kitchen's eager activation while it compiles (the same
+    roundings), then the kernel."""
+    from bigdit.quant import swiglu
+    from bigdit.quant.kitchen_api import apply_input_act
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(swiglu, "_failed", None)
+    launched = []
+    real = swiglu._swiglu_kernel
+    monkeypatch.setattr(swiglu, "_swiglu_kernel", type("Kernel", (), {
+        "warmup": staticmethod(real.warmup),
+        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    x = torch.randn(300, 2 * 3000 + 8, device="cuda", dtype=torch.bfloat16)[:, :6000]  # rows 6008 apart
+    ref = apply_input_act(x, "swiglu")
+    assert torch.equal(swiglu.activated(x, "swiglu"), ref) and launched == []
+    deadline = time.monotonic() + 240
+    while not launched:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        out = swiglu.activated(x, "swiglu")
+    assert out.shape == ref.shape and torch.allclose(out.float(), ref.float(), rtol=2 ** -6, atol=1e-38)  # 2 ulps

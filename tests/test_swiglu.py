@@ -81,7 +81,7 @@ def test_a_failing_kernel_falls_back_to_kitchen_with_one_warning(monkeypatch, ca
     from bigdit.quant import swiglu
     from bigdit.quant.kitchen_api import apply_input_act
 
-    def broken(x):
+    def broken(x, ahead=False):
         raise RuntimeError("no kernel for this GPU")
 
     monkeypatch.setattr(swiglu, "swiglu", broken)
