@@ -225,7 +225,7 @@ def test_on_cuda_a_lora_layer_compiling_runs_kitchen_and_the_branch_not_the_gemm
     assert dict(witness.TALLY.calls) == {("int8", "kitchen"): 1}, dict(witness.TALLY.calls)
     assert not any(key[0] == "gemm_tma" for key in it._LAUNCHED if key[2][1:] == (1280, 3328))
     out = until("triton+lora", lambda: q.method.apply(q, x, None, low_rank=(h, up, 0.5)))
-    assert rel(first, ref) < 2e-2 and rel(out, ref) <= 1.1 * rel(first, ref), (rel(out, ref), rel(first, ref))
+    assert rel(first, ref) < 5e-2 and rel(out, ref) <= 1.1 * rel(first, ref), (rel(out, ref), rel(first, ref))
 
 
 @pytest.mark.gpu
