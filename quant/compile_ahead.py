@@ -3,8 +3,8 @@
 A kernel's first launch in a process compiles it where Triton's on-disk cache lacks it (about a second each, one
 after another: the first step of H3's turbo job on an H100 paid 9.6 s for its INT8 kernels) and otherwise loads it
 (milliseconds). `ready(warm, device)` runs `warm` (the kernel's `warmup` with the launch's own arguments, so the
-same specialization) under Triton's `AsyncCompileMode`, which hands the compile to a pool of one thread per CPU
-(Triton's compiler passes and ptxas run outside Python's lock), and at its first check waits up to `WAIT_S`: a
+same specialization) under Triton's `AsyncCompileMode`, which hands the compile to a pool of threads (`WORKERS`;
+Triton's compiler passes and ptxas run outside Python's lock), and at its first check waits up to `WAIT_S`: a
 kernel its cache holds is ready by then; one still compiling is not, and the caller computes that call another way (the INT8 linear:
 comfy-kitchen's kernel, the host's own) until it is. A first step's kernels thus compile together while it runs.
 
@@ -32,6 +32,9 @@ from . import tuning
 log = pack_logger(__name__)
 
 ENV = "BIGDIT_TRITON_COMPILE_AHEAD"
+# one CPU left to the host's own thread; a compile holds 50-85 MiB (12 of H3's INT8 kernels for sm90 on a CPU: +84
+# MiB on one thread, +102 on two, 10.0 and 4.9 s)
+WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 WAIT_S = 0.1  # a kernel loaded from Triton's cache is ready within it (about 30 ms each on the H100 runs)
 
 try:
@@ -62,7 +65,7 @@ def said_once(message: str) -> None:
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="bigdit-triton-compile")
+        _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bigdit-triton-compile")
     return _pool
 
 
