@@ -5,8 +5,9 @@ after another: the first step of H3's turbo job on an H100 paid 9.6 s for its IN
 (milliseconds). `ready(warm, device)` runs `warm` (the kernel's `warmup` with the launch's own arguments, so the
 same specialization) under Triton's `AsyncCompileMode`, which hands the compile to a pool of threads (`WORKERS`;
 Triton's compiler passes and ptxas run outside Python's lock), and at its first check waits up to `WAIT_S`: a
-kernel its cache holds is ready by then; one still compiling is not, and the caller computes that call another way (the INT8 linear:
-comfy-kitchen's kernel, the host's own) until it is. A first step's kernels thus compile together while it runs.
+kernel its cache holds is ready by then; one still compiling is not, and the caller computes that call another way
+(the INT8 linear: comfy-kitchen's kernel, the host's own) until it is. Once one was not, no first check waits again
+in the process: a cache that lacks one kernel mostly lacks the others. A first step's kernels thus compile together while it runs.
 
 The mode is entered in a copy of the caller's context, so no other launch of the caller compiles asynchronously;
 a launch of a kernel whose compile finished takes it from Triton's cache (Triton stored it under the launch's key).
@@ -44,6 +45,7 @@ except Exception:  # no Triton, or one without asynchronous compiles
 
 _pool: ThreadPoolExecutor | None = None
 _said = False
+_cold = False  # a first check's wait ran out: later first checks do not wait
 _waited: weakref.WeakSet = weakref.WeakSet()  # pending kernels a call waited for already: later calls do not
 
 
@@ -87,12 +89,14 @@ def ready(warm: Callable[[], object], device: torch.device) -> bool:
         return True
     if not isinstance(kernel, FutureKernel) or kernel.future.done():
         return True
-    if kernel in _waited:
+    global _cold
+    if _cold or kernel in _waited:
         return False
     _waited.add(kernel)
     try:
         kernel.future.result(timeout=WAIT_S)
     except FutureTimeout:
+        _cold = True  # Triton's cache lacks this one, so likely the rest of a first run's: no more waits
         return False
     except Exception:
         return True

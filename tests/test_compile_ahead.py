@@ -28,6 +28,7 @@ def on(monkeypatch):
     monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(compile_ahead, "_pool", None)
+    monkeypatch.setattr(compile_ahead, "_cold", False)
     yield
     if compile_ahead._pool is not None:
         compile_ahead._pool.shutdown(wait=True)
@@ -69,6 +70,9 @@ def test_a_kernel_still_compiling_is_not_ready_and_only_its_first_check_waits(tm
     assert compile_ahead.ready(lambda: kernel, CUDA) is False  # a later call sees it pending, without waiting
     assert compile_ahead.WAIT_S * 0.9 <= first and time.perf_counter() - start < compile_ahead.WAIT_S / 2
     assert _async_compile.active_mode.get() is None  # the mode never reached the caller's own launches
+    start = time.perf_counter()  # another kernel compiling after that: its first check does not wait either
+    assert compile_ahead.ready(warm_up("activation-2048", lambda: go.wait(60) and "compiled", seen), CUDA) is False
+    assert time.perf_counter() - start < compile_ahead.WAIT_S / 2
     go.set()
     compiled = kernel.future.result(timeout=120)
     assert compiled.asm["ptx"] and compile_ahead.ready(lambda: kernel, CUDA) is True
