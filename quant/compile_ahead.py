@@ -9,8 +9,10 @@ kernel its cache holds is ready by then; one still compiling is not, and the cal
 (the INT8 linear: comfy-kitchen's kernel, the host's own) until it is. Once one was not, no first check waits again
 in the process: a cache that lacks one kernel mostly lacks the others. A first step's kernels thus compile together while it runs.
 
-The mode is entered in a copy of the caller's context, so no other launch of the caller compiles asynchronously;
-a launch of a kernel whose compile finished takes it from Triton's cache (Triton stored it under the launch's key).
+One mode serves every check, so a kernel compiles once however many calls ask for it before it is ready; it is
+entered in a copy of the caller's context, so no other launch of the caller compiles asynchronously. A check that
+finds the compile finished puts the kernel into the JIT's cache under the launch's key (Triton does so only when
+the pending kernel's result is asked for, and 3.6 keeps no pending kernel there), where the launch then finds it.
 
 Off, every launch compiling in place as Triton does: where BIGDIT_TRITON_COMPILE_AHEAD=0 (results then do not
 depend on which kernels were compiled yet), where the user asked for tuning (a search times the kernels
@@ -44,6 +46,7 @@ except Exception:  # no Triton, or one without asynchronous compiles
     AsyncCompileMode = FutureKernel = None
 
 _pool: ThreadPoolExecutor | None = None
+_async = None  # the AsyncCompileMode on _pool (`_mode`)
 _said = False
 _cold = False  # a first check's wait ran out: later first checks do not wait
 _waited: weakref.WeakSet = weakref.WeakSet()  # pending kernels a call waited for already: later calls do not
@@ -64,11 +67,14 @@ def said_once(message: str) -> None:
         log.info("%s (%s=0: each launch compiles in place)", message, ENV)
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
+def _mode():
+    """The one mode every check enters: it hands a kernel's compile to the pool once (keyed by Triton's compile key),
+    and gives the same pending kernel back while it compiles."""
+    global _pool, _async
+    if _async is None:
         _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bigdit-triton-compile")
-    return _pool
+        _async = AsyncCompileMode(_pool)
+    return _async
 
 
 def ready(warm: Callable[[], object], device: torch.device) -> bool:
@@ -79,7 +85,7 @@ def ready(warm: Callable[[], object], device: torch.device) -> bool:
         return True
 
     def submit():
-        AsyncCompileMode(_executor()).__enter__()  # active in this copied context only, never left in the caller's
+        _mode().__enter__()  # active in this copied context only, never left in the caller's
         return warm()
 
     try:
@@ -87,8 +93,11 @@ def ready(warm: Callable[[], object], device: torch.device) -> bool:
     except Exception as exc:  # another mode active, or a warm-up Triton refuses: the launch compiles in place
         log.debug("Triton compile ahead: not taken (%s: %s)", type(exc).__name__, exc)
         return True
-    if not isinstance(kernel, FutureKernel) or kernel.future.done():
+    if not isinstance(kernel, FutureKernel):
         return True
+    if kernel.future.done():
+        kernel.result(ignore_errors=True)  # into the JIT's cache, where the launch finds it (a failure: it compiles
+        return True                        # in place and raises the error)
     global _cold
     if _cold or kernel in _waited:
         return False
@@ -99,5 +108,6 @@ def ready(warm: Callable[[], object], device: torch.device) -> bool:
         _cold = True  # Triton's cache lacks this one, so likely the rest of a first run's: no more waits
         return False
     except Exception:
-        return True
+        pass
+    kernel.result(ignore_errors=True)
     return True

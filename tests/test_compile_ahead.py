@@ -28,6 +28,7 @@ def on(monkeypatch):
     monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(compile_ahead, "_pool", None)
+    monkeypatch.setattr(compile_ahead, "_async", None)
     monkeypatch.setattr(compile_ahead, "_cold", False)
     yield
     if compile_ahead._pool is not None:
@@ -44,12 +45,15 @@ def activation_source(k: int) -> ASTSource:
         constexprs={"K": k, "G": 256, "HG": it.KRON, "SWIGLU": False, "ROTATE": True, "ROWS": 1, "WIDTH": k})
 
 
-def warm_up(key, compile_fn, seen: list):
-    """What Triton's JIT does for a kernel its cache lacks while a mode is active: the mode compiles it."""
+def warm_up(key, compile_fn, seen: list, cache: dict | None = None):
+    """What Triton 3.6's JIT does while a mode is active: a kernel its cache (`cache`) holds is returned, else the
+    mode compiles it and the kernel goes into the cache when its result is asked for."""
     def warm():
+        if cache is not None and key in cache:
+            return cache[key]
         mode = _async_compile.active_mode.get()
         seen.append(mode)
-        return mode.submit(key, compile_fn, lambda kernel: None)
+        return mode.submit(key, compile_fn, lambda kernel: cache.__setitem__(key, kernel) if cache is not None else None)
     return warm
 
 
@@ -61,13 +65,15 @@ def test_a_kernel_still_compiling_is_not_ready_and_only_its_first_check_waits(tm
         go.wait(60)
         return triton.compile(activation_source(1024), target=GPUTarget("cuda", 90, 32))
 
-    warm = warm_up("activation-1024", compile_fn, seen)
+    cache = {}  # the JIT's cache, as Triton 3.6 fills it: when the pending kernel's result is asked for
+    warm = warm_up("activation-1024", compile_fn, seen, cache)
     start = time.perf_counter()
     assert compile_ahead.ready(warm, CUDA) is False
     first = time.perf_counter() - start
     kernel = seen[0].future_kernels["activation-1024"]
     start = time.perf_counter()
-    assert compile_ahead.ready(lambda: kernel, CUDA) is False  # a later call sees it pending, without waiting
+    assert compile_ahead.ready(warm, CUDA) is False  # a later call sees it pending, without waiting
+    assert seen[1] is seen[0] and len(seen[0].future_kernels) == 1  # one mode: the same compile, not a second
     assert compile_ahead.WAIT_S * 0.9 <= first and time.perf_counter() - start < compile_ahead.WAIT_S / 2
     assert _async_compile.active_mode.get() is None  # the mode never reached the caller's own launches
     start = time.perf_counter()  # another kernel compiling after that: its first check does not wait either
@@ -75,7 +81,9 @@ def test_a_kernel_still_compiling_is_not_ready_and_only_its_first_check_waits(tm
     assert time.perf_counter() - start < compile_ahead.WAIT_S / 2
     go.set()
     compiled = kernel.future.result(timeout=120)
-    assert compiled.asm["ptx"] and compile_ahead.ready(lambda: kernel, CUDA) is True
+    assert compiled.asm["ptx"] and "activation-1024" not in cache
+    assert compile_ahead.ready(warm, CUDA) is True and cache["activation-1024"] is compiled  # put where launches look
+    assert compile_ahead.ready(warm, CUDA) is True and len(seen) == 4  # from the cache: nothing submitted again
     assert any(path.is_dir() for path in tmp_path.iterdir())  # it landed in Triton's cache, where launches find it
 
 
