@@ -243,12 +243,13 @@ def test_on_cuda_a_lora_layer_compiling_runs_kitchen_and_the_branch_not_the_gemm
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_swiglu_is_kitchens_while_its_kernel_compiles_then_the_kernels(tmp_path, monkeypatch):
-    """The one-pass SwiGLU at a width no other test launches: kitchen's eager activation while it compiles (the same
-    roundings), then the kernel."""
+    """The one-pass SwiGLU at a width no other test launches, in a process whose cache missed a kernel before (so no
+    check waits): kitchen's eager activation while it compiles (the same roundings), then the kernel."""
     from bigdit.quant import swiglu
     from bigdit.quant.kitchen_api import apply_input_act
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(swiglu, "_failed", None)
+    monkeypatch.setattr(compile_ahead, "_cold", True)  # as after a first miss: its one small compile may beat the wait
     launched = []
     real = swiglu._swiglu_kernel
     monkeypatch.setattr(swiglu, "_swiglu_kernel", type("Kernel", (), {
