@@ -35,8 +35,8 @@ from . import tuning
 log = pack_logger(__name__)
 
 ENV = "BIGDIT_TRITON_COMPILE_AHEAD"
-# one CPU left to the host's own thread; a compile holds 50-85 MiB (12 of H3's INT8 kernels for sm90 on a CPU: +84
-# MiB on one thread, +102 on two, 10.0 and 4.9 s)
+# one CPU left to the host's own thread; compiles are small in RAM (tests/bench/triton_compile.py: 9 of H3's INT8
+# kernels for sm90 grew a process by 84 MiB one after another, 31 MiB more on two threads)
 WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 WAIT_S = 0.1  # a kernel loaded from Triton's cache is ready within it (about 30 ms each on the H100 runs)
 

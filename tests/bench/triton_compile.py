@@ -6,7 +6,8 @@ compiles, for a CUDA target (Hopper by default: no GPU needed), the kernels one 
 (the activation pass, the TMA GEMM, and the GEMM with a LoRA's up projection in its epilogue) at its four shapes,
 with the configs the pack ships for that target (else its rule), into an empty Triton cache: first one after
 another, then all at once on a thread pool of one worker per CPU (Triton's compiler passes and ptxas run
-outside Python's lock); kernels two shapes share (the same K and config) count once, into another empty cache. It prints and writes the seconds of each and their ratio.
+outside Python's lock); kernels two shapes share (the same K and config) count once, into another empty cache. It prints and writes the seconds of each, their ratio, and how much the process's resident memory grew
+during each (sampled every 5 ms: what a pool of compiles costs the host's RAM).
 
     python tests/bench/triton_compile.py [--arch 90] [--out FILE]
 """
@@ -14,6 +15,7 @@ import argparse
 import datetime
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -76,15 +78,28 @@ def sources(arch: int) -> list[tuple[str, ASTSource, dict]]:
     return out
 
 
-def compile_all(jobs, target, workers: int) -> float:
-    """Seconds to compile every job into a new, empty Triton cache, on `workers` threads (1: one after another)."""
+def compile_all(jobs, target, workers: int) -> tuple[float, float]:
+    """(seconds, MiB the resident memory grew at its peak) to compile every job into a new, empty Triton cache, on
+    `workers` threads (1: one after another)."""
+    import psutil
     folder = os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bigdit-triton-compile-")
+    process, done = psutil.Process(), threading.Event()
+    base = peak = process.memory_info().rss
+
+    def sample():
+        nonlocal peak
+        while not done.wait(0.005):
+            peak = max(peak, process.memory_info().rss)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda job: triton.compile(job[1], target=target, options=job[2]), jobs))
     seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
     assert len(os.listdir(folder)) >= len(jobs), "the kernels did not land in the new cache: not compiled here"
-    return seconds
+    return seconds, (peak - base) / 2 ** 20
 
 
 def main():
@@ -99,15 +114,16 @@ def main():
         unique[key] = (f"{unique[key][0]}, {label}" if key in unique else label, src, options)
     jobs = list(unique.values())
     workers = os.cpu_count() or 1
-    sequential = compile_all(jobs, target, 1)
-    parallel = compile_all(jobs, target, workers)
-    print(f"{len(jobs)} kernels for sm{args.arch}: {sequential:.2f} s one after another, {parallel:.2f} s on "
-          f"{workers} threads ({sequential / parallel:.2f}x)")
+    sequential, sequential_mib = compile_all(jobs, target, 1)
+    parallel, parallel_mib = compile_all(jobs, target, workers)
+    print(f"{len(jobs)} kernels for sm{args.arch}: {sequential:.2f} s one after another (+{sequential_mib:.0f} MiB "
+          f"resident), {parallel:.2f} s on {workers} threads (+{parallel_mib:.0f} MiB; {sequential / parallel:.2f}x)")
     write_json(Path(args.out) if args.out else RESULTS / f"triton-compile-sm{args.arch}-{gpu_slug()}-{datetime.date.today()}.json", {
         "bench": "tests/bench/triton_compile.py", "triton": triton.__version__, "target": f"sm{args.arch}",
         "cpus": workers, "kernels": [label for label, _, _ in jobs], "rows": ROWS,
         "seconds": {"one after another": round(sequential, 3), f"{workers} threads": round(parallel, 3)},
-        "ratio": round(sequential / parallel, 3)})
+        "ratio": round(sequential / parallel, 3),
+        "resident_growth_mib": {"one after another": round(sequential_mib), f"{workers} threads": round(parallel_mib)}})
 
 
 if __name__ == "__main__":
