@@ -34,6 +34,7 @@ from ..dtypes import dtype_name
 from ..hardware import time_ms
 from ..pack_logging import pack_logger
 from . import registry
+from ..units import next_pow2
 from .base import Backend, KernelCall, Unsupported, dims
 from .kernels import Sdpa, SdpaCudnn, SdpaFlash, _sdpa
 from .options import NO_OPTIONS, CallOptions
@@ -93,10 +94,7 @@ def use_store(store: DecisionStore | None) -> None:
     _STORE = store
 
 
-def seq_bucket(length: int) -> int:
-    """A sequence length to the next power of two: each new prompt length would otherwise be measured again, in the
-    first step of its job, and kernels rank alike within a bucket (as the INT8 kernels' rows_bucket)."""
-    return 1 << max(0, (length - 1).bit_length())
+seq_bucket = next_pow2  # each new prompt length would otherwise be measured again, in the first step of its job
 
 
 def _dims_key(t: torch.Tensor, layout: str, exact: bool) -> tuple[int, int, int, int]:

@@ -45,6 +45,7 @@ import torch
 
 from ..hardware import cuda_capability, time_ms
 from ..pack_logging import pack_logger
+from ..units import next_pow2
 from . import compile_ahead, tuning, witness
 from .kernel_select import rows_bucket
 
@@ -328,10 +329,6 @@ def shape_text(kernel: str, shape: dict) -> str:
     return ",".join(f"{key}={int(shape[key])}" for key in SHAPE_KEYS[kernel])
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
 def fits(kernel: str, config, shape: dict) -> bool:
     """Whether `config` (a dict, as stored) is one `kernel` can run at `shape`: its keys, and the widths the kernel
     assumes (an activation step holds whole groups and, where the rotation is one full-matrix product, 16 of them;
@@ -342,10 +339,10 @@ def fits(kernel: str, config, shape: dict) -> bool:
         if set(config) != {"ROWS", "WIDTH", *LAUNCH}:
             return False
         k, g, rotate = shape["K"], shape["G"], shape["ROTATE"]
-        return (g <= config["WIDTH"] <= _next_pow2(k) and config["WIDTH"] % g == 0
+        return (g <= config["WIDTH"] <= next_pow2(k) and config["WIDTH"] % g == 0
                 and (not rotate or g == KRON * KRON or config["ROWS"] * config["WIDTH"] // g >= 16))
     return (set(config) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", *LAUNCH}
-            and config["BLOCK_K"] <= max(16, _next_pow2(shape["K"])))
+            and config["BLOCK_K"] <= max(16, next_pow2(shape["K"])))
 
 
 def activation_rule(shape: dict) -> dict:
@@ -353,7 +350,7 @@ def activation_rule(shape: dict) -> dict:
     as the H200's winners (4 for a row of 8192, 16 for 16384), rows per program to give a rotation of small
     groups its 16 groups."""
     k, g, rotate = shape["K"], shape["G"], shape["ROTATE"]
-    width = max(g, _next_pow2(k)) if k <= 16384 else max(g, 1024)
+    width = max(g, next_pow2(k)) if k <= 16384 else max(g, 1024)
     rows = 1 if k <= 16384 else 2
     if rotate and g != KRON * KRON:
         rows = max(rows, -(-16 * g // width))
@@ -364,7 +361,7 @@ def gemm_rule(shape: dict, tma: bool, shared_memory: int) -> dict:
     """The GEMM's config by rule: the largest tile (128x256x128 first, as won on the H200 at H3's shapes) whose
     pipeline of at least 3 stages (at most 4) fits the GPU's shared memory, row tiles of 64 below 128 rows."""
     m, n, k = shape["M_BUCKET"], shape["N"], shape["K"]
-    block_k_max = 128 if k >= 128 else max(16, _next_pow2(k))
+    block_k_max = 128 if k >= 128 else max(16, next_pow2(k))
     tiles = [(128, 256, 128, 8), (128, 128, 128, 8), (128, 128, 64, 8), (64, 128, 64, 4), (64, 64, 64, 4),
              (64, 64, 32, 4)]
     if m < 128:

@@ -19,14 +19,13 @@ import torch
 
 from ..hardware import time_ms
 from ..pack_logging import pack_logger
+from ..units import next_pow2
 from . import tuning
 
 log = pack_logger(__name__)
 
 
-def rows_bucket(rows: int) -> int:
-    """Row counts are bucketed to the next power of two so a batch change re-measures once."""
-    return 1 << max(0, (rows - 1).bit_length())
+rows_bucket = next_pow2  # a batch change re-measures once
 
 
 def _time_ms(fn: Callable[[], object], iters: int) -> float:
