@@ -171,6 +171,14 @@ def test_an_int8_call_while_its_kernels_compile_is_kitchens_and_turns_nothing_of
 
 # -- on the GPU: a kernel no test compiled before, in an empty Triton cache ---------------------------------------
 
+@pytest.fixture
+def cold_int8(tmp_path, monkeypatch):
+    """An empty Triton cache, the INT8 Triton path not turned off by an earlier test, and a fresh tally."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(it, "_failure", None)
+    monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
+
+
 def cold_layer(k: int, n: int):
     """An INT8 ConvRot layer `k` wide (the kernels' K is a constant: no other test compiles this one)."""
     from torch import nn
@@ -198,14 +206,11 @@ def rel(a, b):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_kitchen_computes_while_the_kernels_compile_then_the_compiled_kernels_run(tmp_path, monkeypatch):
+def test_on_cuda_kitchen_computes_while_the_kernels_compile_then_the_compiled_kernels_run(cold_int8, monkeypatch):
     """The first call's kernels compile on the pool while kitchen computes it; once compiled, the Triton kernels
     compute the layer, their first launch a load (no compile), with the same result as launched in place."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the Triton kernels are the default from sm80")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(it, "_failure", None)
-    monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
     layer, q = cold_layer(4864, 1536)
     x = torch.randn(777, 4864, device="cuda", dtype=torch.bfloat16)
     first = q(x)
@@ -220,14 +225,11 @@ def test_on_cuda_kitchen_computes_while_the_kernels_compile_then_the_compiled_ke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_a_lora_layer_compiling_runs_kitchen_and_the_branch_not_the_gemm_without_it(tmp_path, monkeypatch):
+def test_on_cuda_a_lora_layer_compiling_runs_kitchen_and_the_branch_not_the_gemm_without_it(cold_int8):
     """With a LoRA's part beside it, a layer whose fused kernels compile runs kitchen's GEMM and the addmm (the
     Triton GEMM without the LoRA is neither launched nor compiled), then the fused kernel."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the fused LoRA GEMM is measured on Hopper")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(it, "_failure", None)
-    monkeypatch.setattr(witness, "TALLY", witness.KernelTally())
     layer, q = cold_layer(3328, 1280)
     x = torch.randn(600, 3328, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(600, 48, device="cuda", dtype=torch.bfloat16)
