@@ -7,7 +7,8 @@ a logger call breaks the graph), so each such kernel is a
 shape and dtype: the compiled graph calls it as one node, and the dispatch
 runs inside it at run time, as in eager mode. Each INT8 linear counts its calls
 in the run witness (quant/witness.py) from inside, so that a compiled model's
-report says which kernel ran too.
+report says which kernel ran too. A W4A8 layer on the INT8 kernels is one op too:
+kitchen's decode of its codes, then the INT8 linear.
 
 Eager calls (not compiling) go straight to the kernel, as before this module
 existed: the same code, the same numbers, without the custom op's dispatch
@@ -74,6 +75,53 @@ def _split_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 @_split_op.register_fake
 def _(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act, rows_per_call):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def w4a8_decoder(device: torch.device):
+    """comfy-kitchen's decode of W4A8's 4-bit codes onto the int8 grid (round(clamp(level * s_rel, +-127)), as its
+    W4A8 linear decodes them) for tensors on `device`: its Triton kernel on CUDA, its eager one elsewhere (Triton's
+    interpreter has no libdevice rint); None where this comfy-kitchen has it not."""
+    try:
+        if device.type == "cuda":
+            from comfy_kitchen.backends.triton.w4a8_int8 import _dequant_int4_grouped_to_int8
+        else:
+            from comfy_kitchen.backends.eager.w4a8_int8 import _dequant_int4_grouped_to_int8
+    except ImportError:
+        return None
+    return _dequant_int4_grouped_to_int8
+
+
+def _triton_w4a8_linear(x, qdata, s_rel, s_channel, codebook, bias, out_dtype, group_size, convrot_groupsize,
+                        input_act):
+    """A W4A8 layer's output: its codes decoded onto the int8 grid, then the int8 linear with the row scales
+    s_channel, as comfy-kitchen's W4A8 computes it; on int8_triton's kernels where they take the call, else kitchen's
+    int8_linear. The caller checked w4a8_decoder."""
+    weight = w4a8_decoder(x.device)(qdata, s_rel, codebook, group_size)
+    if not int8_triton.available(x, weight, s_channel, bias, out_dtype, True, convrot_groupsize, input_act):
+        return _kitchen_int8_linear(x, weight, s_channel, bias, out_dtype, True, convrot_groupsize, input_act)
+    return int8_triton.linear_or_kitchen(x, weight, s_channel, bias, out_dtype, True, convrot_groupsize, input_act,
+                                         kitchen=_kitchen_int8_linear)
+
+
+@torch.library.custom_op("bigdit::w4a8_linear_triton", mutates_args=())
+def _w4a8_op(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor,
+             codebook: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype, group_size: int,
+             convrot_groupsize: int, input_act: str | None) -> torch.Tensor:
+    return _triton_w4a8_linear(x, qdata, s_rel, s_channel, codebook, bias, out_dtype, group_size, convrot_groupsize,
+                               input_act)
+
+
+@_w4a8_op.register_fake
+def _(x, qdata, s_rel, s_channel, codebook, bias, out_dtype, group_size, convrot_groupsize, input_act):
+    return x.new_empty((x.shape[0], qdata.shape[0]), dtype=out_dtype)
+
+
+def w4a8_linear_triton(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor,
+                       codebook: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype, *,
+                       group_size: int, convrot_groupsize: int, input_act: str | None) -> torch.Tensor:
+    """_triton_w4a8_linear on a 2-D `x`, as one op while torch.compile traces."""
+    return (_w4a8_op if torch.compiler.is_compiling() else _triton_w4a8_linear)(
+        x, qdata, s_rel, s_channel, codebook, bias, out_dtype, group_size, convrot_groupsize, input_act)
 
 
 #: comfy_kitchen.int8_linear (its backend dispatch included)

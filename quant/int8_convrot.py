@@ -52,6 +52,11 @@ _chooser = KernelChooser(CONVROT, force_env="BIGDIT_INT8_KERNEL",
                          known=("kitchen", "kitchen_split", "triton", "dequant"), version=KERNEL_VERSION)
 
 
+def pinned_kernel() -> str | None:
+    """The INT8 kernel BIGDIT_INT8_KERNEL pins ("auto" or None: none)."""
+    return _chooser.forced()
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     return int(value) if value else None

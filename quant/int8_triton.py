@@ -88,6 +88,13 @@ def _interpreter_on() -> bool:
 _INTERPRETED = _interpreter_on()
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on `device`'s tensors (CUDA, or CPU under Triton's interpreter) and have not failed
+    for good in this process."""
+    on = device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
+    return on and triton is not None and _failure is None
+
+
 def unavailable_reason(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None, out_dtype: torch.dtype | None, convrot: bool, group_size: int,
                        input_act: str | None) -> str | None:

@@ -12,16 +12,25 @@ Marker: {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256}
 
 Kitchen's linear decodes the codes to int8 and runs its INT8 ConvRot linear, which rotates and
 quantizes the activations per token, on every device (its eager reference on CPU): the numbers are
-upstream ComfyUI's. Upstream 0.33.0's loader does not read weight_correction; the pack passes it to
+upstream ComfyUI's. Where the pack's INT8 kernels are the default (quant/int8_triton.py, CUDA from sm80),
+kitchen's decode kernel writes the int8 weight and those kernels compute the linear, as for an INT8 ConvRot
+layer; for ConvRot groups other than 256 too, which kitchen's CUDA W4A8 refuses. The decoded weight is
+transient (one layer's, while its call runs), not a copy the model keeps.
+
+Upstream 0.33.0's loader does not read weight_correction; the pack passes it to
 kitchen, which applies it (a file with it computes here as kitchen means, not as that loader does).
 """
 from __future__ import annotations
 
 import torch
 
+from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
+from . import compiled_ops, int8_triton
 from .descriptor import Contract, MarkerParam, QuantFormat, power_of_4
+from .int8_convrot import TRITON_FROM, pinned_kernel
 from .kitchen_layout import KitchenLayoutMethod
+from .linear_method import output_dtype
 from .registry import register_format
 
 NAME = "asym_w4a8_int8"
@@ -80,6 +89,22 @@ class W4A8Int8Method(KitchenLayoutMethod):
                 tensors[role] = value
         return tensors
 
+    def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        """On the pack's INT8 kernels where they are the default (unless BIGDIT_INT8_KERNEL pins another) and the
+        layer has no zero points (kitchen's decode has none: its linear computes those eagerly), else comfy-kitchen's
+        W4A8 linear."""
+        t = layer.tensors_for(x)
+        if ("weight_correction" in t or self.convrot_groupsize not in int8_triton.GROUP_SIZES
+                or pinned_kernel() not in (None, "auto", "triton")
+                or not int8_triton.runs_on(x.device) or (x.is_cuda and not cuda_at_least(x.device, TRITON_FROM))
+                or compiled_ops.w4a8_decoder(x.device) is None):
+            return super().apply(layer, x, input_act)
+        out = compiled_ops.w4a8_linear_triton(
+            x.reshape(-1, x.shape[-1]), t["weight"], t["weight_s_rel"], t["weight_s_channel"], t.get("weight_codebook"),
+            t.get("bias"), output_dtype(x, layer.compute_dtype), group_size=self.group_size,
+            convrot_groupsize=self.convrot_groupsize, input_act=input_act)
+        return out.reshape(*x.shape[:-1], layer.out_features)
+
     def layout_params(self, tensors, layer, dtype):
         return self.layout_class().Params(
             scale=tensors["weight_s_rel"], s_channel=tensors["weight_s_channel"],
@@ -100,7 +125,8 @@ class W4A8Int8Format(QuantFormat):
     rotation_group = True
     fit_rank = 0  # the more accurate 4-bit format (INT8 activations)
     summary = ("4-bit weights in groups of 16 (a 16-level codebook, fp8 group scales) decoded to INT8, INT8 "
-               "activations with ConvRot: about 0.56 bytes per weight (comfy-kitchen's INT8 GEMM, sm80+)")
+               "activations with ConvRot: about 0.56 bytes per weight (INT8 GEMMs, sm80+: the pack's Triton "
+               "kernels, else comfy-kitchen's)")
     kitchen_layouts = (LAYOUT,)
     contract = Contract(
         required=frozenset({"weight", "weight_s_rel", "weight_s_channel"}),

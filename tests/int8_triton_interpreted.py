@@ -371,8 +371,53 @@ def method_low_rank():
         assert rel <= 2 ** -7, (k, n, rank, dtype, rel)
 
 
+def w4a8_method():
+    """W4A8Int8Method.apply on the kernels (the interpreter standing in for CUDA): the codes decoded by kitchen,
+    then the INT8 path, against kitchen's own W4A8 linear on the same tensors: errors from the float reference (the
+    layer's dequantized weight) no worse than 1.1x kitchen's, for ConvRot groups 256 and 64 (kitchen's CUDA W4A8
+    takes 256 only), SwiGLU and a bias; pinned to kitchen, a layer with zero points, and under torch.compile."""
+    import os
+    from bigdit.quant import witness
+    from bigdit.quant.kitchen_layout import KitchenLayoutMethod
+    from bigdit.quant.linear import quantized_layer
+    from bigdit.quant.w4a8_int8 import W4A8Int8Method
+    torch.manual_seed(6)
+    for rotation, act, dtype in ((256, None, torch.bfloat16), (64, "swiglu", torch.float16)):
+        k, n = 512, 96
+        method = W4A8Int8Method(16, rotation)
+        layer = quantized_layer(method, torch.randn(n, k) * k ** -0.5, k, n, (torch.randn(n) * 0.1).to(dtype), dtype,
+                                torch.device("cpu"), torch.device("cpu"))
+        x = activations(37, k, dtype, act == "swiglu", seed=4).reshape(1, 37, -1)
+        ref = torch.nn.functional.linear(apply_input_act(x, act).double(), method.dequantize(layer).double(),
+                                         layer.bias.double())
+        before = witness.TALLY.calls[it.TALLY, "triton"]
+        ours = method.apply(layer, x, act)
+        assert witness.TALLY.calls[it.TALLY, "triton"] == before + 1, witness.TALLY.calls
+        theirs = KitchenLayoutMethod.apply(method, layer, x, act)
+        assert ours.shape == theirs.shape == (1, 37, n) and ours.dtype == theirs.dtype == dtype
+        label = (rotation, act, dtype, rel(ours, ref), rel(theirs, ref))
+        assert rel(ours, ref) <= 1.1 * rel(theirs, ref) and rel(ours, ref) < 0.05, label
+        os.environ["BIGDIT_INT8_KERNEL"] = "kitchen"
+        assert torch.equal(method.apply(layer, x, act), theirs), label
+        del os.environ["BIGDIT_INT8_KERNEL"]
+        # zero points: kitchen's eager linear computes them
+        layer.weight_correction = torch.nn.Parameter(torch.zeros(k // 16, n), requires_grad=False)
+        assert torch.equal(method.apply(layer, x, act), KitchenLayoutMethod.apply(method, layer, x, act)), label
+        del layer.weight_correction
+        assert witness.TALLY.calls[it.TALLY, "triton"] == before + 1, witness.TALLY.calls
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v: method.apply(layer, v, act), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), ours)
+    t = layer.tensors_for(x)
+    torch.library.opcheck(torch.ops.bigdit.w4a8_linear_triton.default,
+                          (x.reshape(37, -1), t["weight"], t["weight_s_rel"].float(),  # fp8 has no CPU compare
+                           t["weight_s_channel"],
+                           t.get("weight_codebook"), t["bias"], dtype, 16, 64, act),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
-                                  method_and_compile, shipped_configs, gemm_low_rank, method_low_rank)}
+                                  method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method)}
 
 NEEDS_RUNTIME_BOUNDS_IN_HELPERS = {"gemm_low_rank", "method_low_rank"}
 
