@@ -7,10 +7,12 @@ bf16 F.linear (for fc2 also SwiGLU + F.linear, the model's bf16 path); comfy-kit
 pack's Triton path (quant/int8_triton.py: rotation, activation quantization and dequantization included);
 Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unless the tuning store says
 otherwise); raw torch._int_mm (cuBLASLt, no
-rotation nor quantization: a ceiling); the pack's FP8 method. Each: ms (CUDA events, warmed up, median
-of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
+rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_int8`, group 16) as the pack runs
+it (kitchen's decode, then the INT8 kernels) and as comfy-kitchen's own linear runs it. Each: ms (CUDA events,
+warmed up, median of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
 peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The configs the
-kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per layer says whether the target (>= 1.5x bf16) is met.
+kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per
+layer says whether the target (>= 1.5x bf16) is met, one whether W4A8 runs at least W4A8_TARGET of the INT8 method.
 
     python tests/bench/int8_linear.py [--rows 32700] [--out FILE]
 """
@@ -26,9 +28,11 @@ from probes import chooser
 from bigdit.quant import int8_triton
 from bigdit.quant.fp8 import Fp8Method
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
+from bigdit.quant.kitchen_layout import KitchenLayoutMethod
 from bigdit.quant.kitchen_api import apply_input_act
 from bigdit.quant.kernel_select import rows_bucket
 from bigdit.quant.quantize_pass import quantize_linear
+from bigdit.quant.w4a8_int8 import W4A8Int8Method
 
 SHAPES = {  # name: (K, N, input activation)
     "qkv_proj": (5376, 21504, None),
@@ -38,10 +42,11 @@ SHAPES = {  # name: (K, N, input activation)
 }
 GROUP = 256
 TARGET = 1.5
+W4A8_TARGET = 0.9  # W4A8 on the INT8 kernels against the INT8 method, per layer
 # dense tensor-core peaks (TFLOP/s, TOPS), from the vendors' datasheets
 PEAKS = {"H200": {"bf16": 989, "int8": 1979, "fp8": 1979}, "H100": {"bf16": 989, "int8": 1979, "fp8": 1979}}
 KINDS = {"bf16": "bf16", "bf16_model": "bf16", "kitchen": "int8", "triton": "int8", "method": "int8",
-         "int_mm": "int8", "fp8": "fp8"}
+         "int_mm": "int8", "fp8": "fp8", "w4a8": "int8", "w4a8_kitchen": "int8"}
 
 
 def peaks() -> dict | None:
@@ -76,6 +81,7 @@ def bench_shape(name, k, n, act, rows):
     ref = F.linear(apply_input_act(x.float(), act), linear.weight.float())
     int8 = quantize_linear(linear, Int8ConvRotMethod(GROUP), torch.device("cuda"))
     fp8 = quantize_linear(linear, Fp8Method(), torch.device("cuda"))
+    w4a8 = quantize_linear(linear, W4A8Int8Method(16, GROUP), torch.device("cuda"))
     weight, w_scale = int8.weight, int8.weight_scale
 
     def kitchen():
@@ -91,6 +97,8 @@ def bench_shape(name, k, n, act, rows):
         "method": lambda: int8(x, input_act=act),
         "int_mm": lambda: torch._int_mm(qx, weight.t()),
         "fp8": lambda: fp8(x, input_act=act),
+        "w4a8": lambda: w4a8(x, input_act=act),
+        "w4a8_kitchen": lambda: KitchenLayoutMethod.apply(w4a8.method, w4a8, x, act),
     }
     if act:
         runs["bf16_model"] = lambda: F.linear(apply_input_act(x, act), linear.weight)
@@ -113,7 +121,7 @@ def bench_shape(name, k, n, act, rows):
     key = (str(x.device), rows_bucket(rows), x.shape[-1], n, torch.bfloat16, act)
     row["method_choice"] = next(c for (device, shape), c in chooser().choices.items() if (device, *shape[:-1]) == key)
     row["tuned"] = tuned_configs(k, n, act == "swiglu")
-    del int8, fp8, linear, x, xin, ref, qx
+    del int8, fp8, w4a8, linear, x, xin, ref, qx
     torch.cuda.empty_cache()
     return row
 
@@ -128,7 +136,7 @@ def main():
     peak = peaks()
     print(f"{gpu}: " + (f"dense peaks bf16 {peak['bf16']} TFLOP/s, int8/fp8 {peak['int8']} TOPS" if peak
                         else "dense peak unknown for this GPU (peak fractions left out)"))
-    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8")
+    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8", "w4a8", "w4a8_kitchen")
     print(f"{'layer':9} " + " ".join(f"{c:>22}" for c in cands) + "   (ms, x bf16 F.linear, % of peak)")
     results = []
     for name, (k, n, act) in SHAPES.items():
@@ -150,8 +158,16 @@ def main():
               f"{r['triton_err_over_kitchen']:.3f}x kitchen's; the method chose {r['method_choice']} "
               f"({r['method']['ratio_to_bf16']:.2f}x)")
     print(f"target met on {'all' if met_all else 'not all'} layers")
+    for r in results:
+        share = r["method"]["ms"] / r["w4a8"]["ms"]
+        over_kitchen = r["w4a8_kitchen"]["ms"] / r["w4a8"]["ms"]
+        print(f"{r['shape']:9} w4a8 {r['w4a8']['ms']:.3f} ms = {share:.2f}x the INT8 method's speed (target >= "
+              f"{W4A8_TARGET}x {'met' if share >= W4A8_TARGET else 'MISSED'}), {over_kitchen:.2f}x "
+              f"comfy-kitchen's W4A8 linear; error {r['w4a8']['rel_err']:.2e} against kitchen's "
+              f"{r['w4a8_kitchen']['rel_err']:.2e}")
     write_json(Path(args.out) if args.out else default_out("int8_linear"), {
-        "bench": "int8_linear", "env": environment(), "group_size": GROUP, "target": TARGET, "peaks": peak,
+        "bench": "int8_linear", "env": environment(), "group_size": GROUP, "target": TARGET,
+        "w4a8_target": W4A8_TARGET, "peaks": peak,
         "rows": results, "method_timings_ms": {str(k): v for k, v in chooser().timings.items()}})
 
 
