@@ -26,7 +26,7 @@ import torch
 
 from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
-from . import compiled_ops, int8_triton
+from . import compiled_ops, int8_lora, int8_triton
 from .descriptor import Contract, MarkerParam, QuantFormat, power_of_4
 from .int8_convrot import TRITON_FROM, pinned_kernel
 from .kitchen_layout import KitchenLayoutMethod
@@ -89,21 +89,47 @@ class W4A8Int8Method(KitchenLayoutMethod):
                 tensors[role] = value
         return tensors
 
-    def apply(self, layer, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        """On the pack's INT8 kernels where they are the default (unless BIGDIT_INT8_KERNEL pins another) and the
-        layer has no zero points (kitchen's decode has none: its linear computes those eagerly), else comfy-kitchen's
-        W4A8 linear."""
+    fuses_low_rank = True  # apply(low_rank=...): on the INT8 kernels, a LoRA's up projection in the GEMM's epilogue
+
+    def _on_int8_kernels(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> bool:
+        """Where the pack's INT8 kernels are the default (unless BIGDIT_INT8_KERNEL pins another) and the layer has
+        no zero points (kitchen's decode has none: its linear computes those eagerly)."""
+        return ("weight_correction" not in t and self.convrot_groupsize in int8_triton.GROUP_SIZES
+                and pinned_kernel() in (None, "auto", "triton") and int8_triton.runs_on(x.device)
+                and (not x.is_cuda or cuda_at_least(x.device, TRITON_FROM))
+                and compiled_ops.w4a8_decoder(x.device) is not None)
+
+    def apply(self, layer, x: torch.Tensor, input_act: str | None = None,
+              low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """The layer's output on the pack's INT8 kernels (`_on_int8_kernels`), else comfy-kitchen's W4A8 linear; with
+        `low_rank` (h, up, alpha: a LoRA branch's part) plus alpha * h @ up^T, in the INT8 GEMM's epilogue where the
+        layer runs those kernels eagerly on CUDA, else by an addmm."""
         t = layer.tensors_for(x)
-        if ("weight_correction" in t or self.convrot_groupsize not in int8_triton.GROUP_SIZES
-                or pinned_kernel() not in (None, "auto", "triton")
-                or not int8_triton.runs_on(x.device) or (x.is_cuda and not cuda_at_least(x.device, TRITON_FROM))
-                or compiled_ops.w4a8_decoder(x.device) is None):
-            return super().apply(layer, x, input_act)
-        out = compiled_ops.w4a8_linear_triton(
-            x.reshape(-1, x.shape[-1]), t["weight"], t["weight_s_rel"], t["weight_s_channel"], t.get("weight_codebook"),
-            t.get("bias"), output_dtype(x, layer.compute_dtype), group_size=self.group_size,
-            convrot_groupsize=self.convrot_groupsize, input_act=input_act)
-        return out.reshape(*x.shape[:-1], layer.out_features)
+        x2d, n = x.reshape(-1, x.shape[-1]), layer.out_features
+        out = None
+        if not self._on_int8_kernels(t, x):
+            out = super().apply(layer, x, input_act).reshape(-1, n)
+        elif low_rank is not None and int8_lora.fusable(x2d, *low_rank[:2]):
+            weight = compiled_ops.w4a8_decoder(x.device)(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
+                                                         self.group_size)
+            args = (x2d, weight, t["weight_s_channel"], t.get("bias"), output_dtype(x, layer.compute_dtype))
+            try:
+                fused = int8_lora.linear_low_rank(*args, True, self.convrot_groupsize, input_act, *low_rank)
+            except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
+                out = compiled_ops.int8_linear(*args, convrot=True, convrot_groupsize=self.convrot_groupsize,
+                                               input_act=input_act)
+            else:
+                if fused is not None:
+                    return fused.reshape(*x.shape[:-1], n)
+        if out is None:
+            out = compiled_ops.w4a8_linear_triton(
+                x2d, t["weight"], t["weight_s_rel"], t["weight_s_channel"], t.get("weight_codebook"), t.get("bias"),
+                output_dtype(x, layer.compute_dtype), group_size=self.group_size,
+                convrot_groupsize=self.convrot_groupsize, input_act=input_act)
+        if low_rank is not None:
+            h, up, alpha = low_rank
+            out = out.addmm_(h, up.t(), alpha=alpha)
+        return out.reshape(*x.shape[:-1], n)
 
     def layout_params(self, tensors, layer, dtype):
         return self.layout_class().Params(

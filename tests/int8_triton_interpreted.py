@@ -375,7 +375,8 @@ def w4a8_method():
     """W4A8Int8Method.apply on the kernels (the interpreter standing in for CUDA): the codes decoded by kitchen,
     then the INT8 path, against kitchen's own W4A8 linear on the same tensors: errors from the float reference (the
     layer's dequantized weight) no worse than 1.1x kitchen's, for ConvRot groups 256 and 64 (kitchen's CUDA W4A8
-    takes 256 only), SwiGLU and a bias; pinned to kitchen, a layer with zero points, and under torch.compile."""
+    takes 256 only), SwiGLU and a bias; pinned to kitchen, a layer with zero points, under torch.compile; a LoRA's
+    part in the GEMM's epilogue (as Int8ConvRotMethod's, method_low_rank) and, where not fusable, by the addmm."""
     import os
     from bigdit.quant import witness
     from bigdit.quant.kitchen_layout import KitchenLayoutMethod
@@ -405,6 +406,19 @@ def w4a8_method():
         assert torch.equal(method.apply(layer, x, act), KitchenLayoutMethod.apply(method, layer, x, act)), label
         del layer.weight_correction
         assert witness.TALLY.calls[it.TALLY, "triton"] == before + 1, witness.TALLY.calls
+    if runtime_bounds_in_helpers() is None:  # the LoRA's part: in the GEMM's epilogue, else the addmm
+        from bigdit.quant import int8_lora
+        xa = apply_input_act(x, act)  # QuantLinear activates the input once where a LoRA branch is attached
+        h, up = torch.randn(37, 24).to(dtype), (torch.randn(n, 24) * 0.05).to(dtype)
+        plain = method.apply(layer, xa)
+        unfused = plain.reshape(37, n).float() + 0.5 * (h.float() @ up.float().T)
+        fusable, int8_lora.fusable = int8_lora.fusable, lambda *_: True  # CPU tensors in place of CUDA ones
+        fused = method.apply(layer, xa, low_rank=(h, up, 0.5))
+        int8_lora.fusable = fusable
+        assert witness.TALLY.calls[it.TALLY, "triton+lora"] == 1, witness.TALLY.calls
+        assert fused.shape == (1, 37, n) and rel(fused.reshape(37, n), unfused) <= 2 ** -7
+        assert torch.equal(method.apply(layer, xa, low_rank=(h, up, 0.5)),
+                           plain.reshape(37, n).addmm(h, up.t(), alpha=0.5).reshape(1, 37, n))
     torch._dynamo.reset()
     compiled = torch.compile(lambda v: method.apply(layer, v, act), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), ours)

@@ -1,12 +1,14 @@
 """The INT8 GEMM with a LoRA's up projection in its epilogue (quant/int8_lora.py) on the GPU, in bfloat16 (the
 interpreter's checks in tests/int8_triton_interpreted.py take float16): against the GEMM followed by the addmm
-it replaces, at MiniMax-H3 pruned's qkv and fc2 widths, through the layer's forward with a lone LoRA branch."""
+it replaces, at MiniMax-H3 pruned's qkv and fc2 widths, through the layer's forward with a lone LoRA branch; an INT8
+ConvRot layer and a W4A8 one (its codes decoded for the call, quant/w4a8_int8.py)."""
 import pytest
 import torch
 
 from bigdit.quant import int8_lora, int8_triton, witness
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.linear import QuantLinear, quantized_layer
+from bigdit.quant.w4a8_int8 import W4A8Int8Method
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -36,11 +38,13 @@ class BranchedLinear(QuantLinear):
 
 @pytest.mark.skipif(int8_triton.triton is None, reason="Triton is not installed")
 @pytest.mark.parametrize("k,n,rank,input_act", [(5376, 21504, 384, None), (14336, 5376, 128, "swiglu")])
-def test_fused_lora_matches_the_gemm_and_addmm(k, n, rank, input_act):
+@pytest.mark.parametrize("method", [lambda: Int8ConvRotMethod(256), lambda: W4A8Int8Method(16, 256)],
+                         ids=["int8_convrot", "asym_w4a8_int8"])
+def test_fused_lora_matches_the_gemm_and_addmm(k, n, rank, input_act, method):
     torch.manual_seed(0)
     device = torch.device("cuda")
     weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-    layer = quantized_layer(Int8ConvRotMethod(256), weight, k, n, None, torch.bfloat16, device, device,
+    layer = quantized_layer(method(), weight, k, n, None, torch.bfloat16, device, device,
                             layer_type=BranchedLinear)
     layer.branch = Branch(torch.randn(rank, k, device=device, dtype=torch.bfloat16) * k ** -0.5,
                           torch.randn(n, rank, device=device, dtype=torch.bfloat16) * 0.05, 0.7)
