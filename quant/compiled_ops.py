@@ -91,12 +91,23 @@ def w4a8_decoder(device: torch.device):
     return _dequant_int4_grouped_to_int8
 
 
+W4A8_TALLY = "w4a8"  # W4A8 layers whose codes were decoded for the INT8 kernels ("ran w4a8: decoded to int8 x200")
+
+
+def w4a8_decoded(qdata: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None,
+                 group_size: int) -> torch.Tensor:
+    """The int8 weight of a W4A8 layer's codes (w4a8_decoder's, which the caller checked), counted in the run
+    witness."""
+    witness.count_kernel(W4A8_TALLY, "decoded to int8")
+    return w4a8_decoder(qdata.device)(qdata, s_rel, codebook, group_size)
+
+
 def _triton_w4a8_linear(x, qdata, s_rel, s_channel, codebook, bias, out_dtype, group_size, convrot_groupsize,
                         input_act):
     """A W4A8 layer's output: its codes decoded onto the int8 grid, then the int8 linear with the row scales
     s_channel, as comfy-kitchen's W4A8 computes it; on int8_triton's kernels where they take the call, else kitchen's
-    int8_linear. The caller checked w4a8_decoder."""
-    weight = w4a8_decoder(x.device)(qdata, s_rel, codebook, group_size)
+    int8_linear."""
+    weight = w4a8_decoded(qdata, s_rel, codebook, group_size)
     if not int8_triton.available(x, weight, s_channel, bias, out_dtype, True, convrot_groupsize, input_act):
         return _kitchen_int8_linear(x, weight, s_channel, bias, out_dtype, True, convrot_groupsize, input_act)
     return int8_triton.linear_or_kitchen(x, weight, s_channel, bias, out_dtype, True, convrot_groupsize, input_act,

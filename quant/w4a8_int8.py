@@ -110,8 +110,8 @@ class W4A8Int8Method(KitchenLayoutMethod):
         if not self._on_int8_kernels(t, x):
             out = super().apply(layer, x, input_act).reshape(-1, n)
         elif low_rank is not None and int8_lora.fusable(x2d, *low_rank[:2]):
-            weight = compiled_ops.w4a8_decoder(x.device)(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
-                                                         self.group_size)
+            weight = compiled_ops.w4a8_decoded(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
+                                               self.group_size)
             args = (x2d, weight, t["weight_s_channel"], t.get("bias"), output_dtype(x, layer.compute_dtype))
             try:
                 fused = int8_lora.linear_low_rank(*args, True, self.convrot_groupsize, input_act, *low_rank)

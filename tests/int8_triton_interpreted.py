@@ -392,8 +392,10 @@ def w4a8_method():
         ref = torch.nn.functional.linear(apply_input_act(x, act).double(), method.dequantize(layer).double(),
                                          layer.bias.double())
         before = witness.TALLY.calls[it.TALLY, "triton"]
+        decoded = witness.TALLY.calls[compiled_ops.W4A8_TALLY, "decoded to int8"]
         ours = method.apply(layer, x, act)
         assert witness.TALLY.calls[it.TALLY, "triton"] == before + 1, witness.TALLY.calls
+        assert witness.TALLY.calls[compiled_ops.W4A8_TALLY, "decoded to int8"] == decoded + 1, witness.TALLY.calls
         theirs = KitchenLayoutMethod.apply(method, layer, x, act)
         assert ours.shape == theirs.shape == (1, 37, n) and ours.dtype == theirs.dtype == dtype
         label = (rotation, act, dtype, rel(ours, ref), rel(theirs, ref))
