@@ -105,14 +105,14 @@ class W4A8Int8Method(KitchenLayoutMethod):
         `low_rank` (h, up, alpha: a LoRA branch's part) plus alpha * h @ up^T, in the INT8 GEMM's epilogue where the
         layer runs those kernels eagerly on CUDA, else by an addmm."""
         t = layer.tensors_for(x)
-        x2d, n = x.reshape(-1, x.shape[-1]), layer.out_features
+        x2d, n, out_dtype = x.reshape(-1, x.shape[-1]), layer.out_features, output_dtype(x, layer.compute_dtype)
         out = None
         if not self._on_int8_kernels(t, x):
             out = super().apply(layer, x, input_act).reshape(-1, n)
         elif low_rank is not None and int8_lora.fusable(x2d, *low_rank[:2]):
             weight = compiled_ops.w4a8_decoded(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
                                                self.group_size)
-            args = (x2d, weight, t["weight_s_channel"], t.get("bias"), output_dtype(x, layer.compute_dtype))
+            args = (x2d, weight, t["weight_s_channel"], t.get("bias"), out_dtype)
             try:
                 fused = int8_lora.linear_low_rank(*args, True, self.convrot_groupsize, input_act, *low_rank)
             except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
@@ -124,7 +124,7 @@ class W4A8Int8Method(KitchenLayoutMethod):
         if out is None:
             out = compiled_ops.w4a8_linear_triton(
                 x2d, t["weight"], t["weight_s_rel"], t["weight_s_channel"], t.get("weight_codebook"), t.get("bias"),
-                output_dtype(x, layer.compute_dtype), group_size=self.group_size,
+                out_dtype, group_size=self.group_size,
                 convrot_groupsize=self.convrot_groupsize, input_act=input_act)
         if low_rank is not None:
             h, up, alpha = low_rank
