@@ -432,8 +432,36 @@ def w4a8_method():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def w4a8_fused_gemm():
+    """The bench's fused-decode W4A8 GEMM (tests/bench/w4a8_fused.py) against kitchen's decode then the INT8 GEMM:
+    the decoded operand is bit-equal, so the outputs are equal; with a codebook and without (uniform levels), fp8
+    group scales over their whole range (subnormals, negatives), per-channel scales and a bias."""
+    sys.path.insert(0, str(PACK_ROOT / "tests" / "bench"))
+    import w4a8_fused
+    torch.manual_seed(8)
+    m, n, k, group = 37, 96, 512, 16
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    a_scale = torch.rand(m, 1) * 1e-2
+    qdata = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8)
+    s_bytes = torch.randint(0, 256, (n, k // group), dtype=torch.uint8)
+    s_bytes[(s_bytes & 0x7F) == 0x7F] = 0x38  # no NaN codes (e4m3fn's 0x7f, 0xff): 1.0 in their place
+    s_rel = s_bytes.view(torch.float8_e4m3fn)
+    s_channel = torch.rand(n) * 1e-2
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    decoder = compiled_ops.w4a8_decoder(torch.device("cpu"))
+    for codebook in (torch.linspace(-1.2, 1.0, 16), None):
+        decoded = decoder(qdata, s_rel, codebook, group)
+        want = it.gemm(a, a_scale, decoded, s_channel, bias, torch.bfloat16, tma=False)
+        for config in w4a8_fused.configs()[:2]:
+            config = dict(config, BLOCK_M=32, BLOCK_N=32)  # small tiles: the interpreter's speed
+            got = w4a8_fused.gemm_w4(a, a_scale, qdata, s_rel, codebook, s_channel, bias, group, torch.bfloat16,
+                                     config)
+            assert torch.equal(got, want), (codebook is None, config, (got.float() - want.float()).abs().max())
+
+
 CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
-                                  method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method)}
+                                  method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method,
+                                  w4a8_fused_gemm)}
 
 NEEDS_RUNTIME_BOUNDS_IN_HELPERS = {"gemm_low_rank", "method_low_rank"}
 

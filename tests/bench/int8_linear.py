@@ -8,7 +8,8 @@ pack's Triton path (quant/int8_triton.py: rotation, activation quantization and 
 Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unless the tuning store says
 otherwise); raw torch._int_mm (cuBLASLt, no
 rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_int8`, group 16) as the pack runs
-it (kitchen's decode, then the INT8 kernels) and as comfy-kitchen's own linear runs it. Each: ms (CUDA events,
+it (kitchen's decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, kitchen's decode alone, and with
+the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs, named). Each: ms (CUDA events,
 warmed up, median of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
 peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The configs the
 kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per
@@ -24,8 +25,9 @@ import torch.nn.functional as F
 
 from _pack import cuda_time_ms, default_out, environment, write_json
 from probes import chooser
+import w4a8_fused
 
-from bigdit.quant import int8_triton
+from bigdit.quant import compiled_ops, int8_triton
 from bigdit.quant.fp8 import Fp8Method
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.kitchen_layout import KitchenLayoutMethod
@@ -46,7 +48,7 @@ W4A8_TARGET = 0.9  # W4A8 on the INT8 kernels against the INT8 method, per layer
 # dense tensor-core peaks (TFLOP/s, TOPS), from the vendors' datasheets
 PEAKS = {"H200": {"bf16": 989, "int8": 1979, "fp8": 1979}, "H100": {"bf16": 989, "int8": 1979, "fp8": 1979}}
 KINDS = {"bf16": "bf16", "bf16_model": "bf16", "kitchen": "int8", "triton": "int8", "method": "int8",
-         "int_mm": "int8", "fp8": "fp8", "w4a8": "int8", "w4a8_kitchen": "int8"}
+         "int_mm": "int8", "fp8": "fp8", "w4a8": "int8", "w4a8_kitchen": "int8", "w4a8_fused": "int8"}
 
 
 def peaks() -> dict | None:
@@ -70,6 +72,18 @@ def tuned_configs(k, n, swiglu):
     mm = [f"{config} ({source})" for (kernel, _, shape), (config, source) in chosen
           if kernel == gemm and shape[1:3] == (n, k)]
     return {"activation": act, "gemm": mm, "gemm_kernel": "tma" if tma else "pointer"}
+
+
+def fastest_fused(x, layer, act):
+    """The fused-decode kernel's fastest config at this shape (each timed once, warmed up), None where none runs."""
+    timings = []
+    for config in w4a8_fused.configs():
+        try:
+            w4a8_fused.linear(x, layer, act, config)
+            timings.append((cuda_time_ms(lambda: w4a8_fused.linear(x, layer, act, config)), config))
+        except Exception as exc:  # shared memory or registers this GPU lacks
+            print(f"  w4a8_fused {config}: {type(exc).__name__}: {str(exc)[:200]}")
+    return min(timings, key=lambda t: t[0])[1] if timings else None
 
 
 def bench_shape(name, k, n, act, rows):
@@ -100,6 +114,9 @@ def bench_shape(name, k, n, act, rows):
         "w4a8": lambda: w4a8(x, input_act=act),
         "w4a8_kitchen": lambda: KitchenLayoutMethod.apply(w4a8.method, w4a8, x, act),
     }
+    fused_config = fastest_fused(x, w4a8, act)
+    if fused_config is not None:
+        runs["w4a8_fused"] = lambda: w4a8_fused.linear(x, w4a8, act, fused_config)
     if act:
         runs["bf16_model"] = lambda: F.linear(apply_input_act(x, act), linear.weight)
     row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act}
@@ -117,6 +134,11 @@ def bench_shape(name, k, n, act, rows):
         del out
     for cand in runs:
         row[cand]["ratio_to_bf16"] = row["bf16"]["ms"] / row[cand]["ms"]
+    t = w4a8.tensors_for(x)
+    decode = compiled_ops.w4a8_decoder(x.device)
+    row["w4a8_decode"] = {"ms": cuda_time_ms(lambda: decode(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
+                                                            16))}
+    row["w4a8_fused_config"] = fused_config
     row["triton_err_over_kitchen"] = row["triton"]["rel_err"] / row["kitchen"]["rel_err"]
     key = (str(x.device), rows_bucket(rows), x.shape[-1], n, torch.bfloat16, act)
     row["method_choice"] = next(c for (device, shape), c in chooser().choices.items() if (device, *shape[:-1]) == key)
@@ -136,13 +158,13 @@ def main():
     peak = peaks()
     print(f"{gpu}: " + (f"dense peaks bf16 {peak['bf16']} TFLOP/s, int8/fp8 {peak['int8']} TOPS" if peak
                         else "dense peak unknown for this GPU (peak fractions left out)"))
-    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8", "w4a8", "w4a8_kitchen")
+    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8", "w4a8", "w4a8_kitchen", "w4a8_fused")
     print(f"{'layer':9} " + " ".join(f"{c:>22}" for c in cands) + "   (ms, x bf16 F.linear, % of peak)")
     results = []
     for name, (k, n, act) in SHAPES.items():
         r = bench_shape(name, k, n, act, args.rows)
         results.append(r)
-        cells = " ".join(f"{r[c]['ms']:7.3f} {r[c]['ratio_to_bf16']:5.2f}x "
+        cells = " ".join("(none)".rjust(22) if c not in r else f"{r[c]['ms']:7.3f} {r[c]['ratio_to_bf16']:5.2f}x "
                          f"{100 * r[c].get('peak_fraction', float('nan')):4.0f}%" for c in cands)
         print(f"{name:9} {cells}", flush=True)
     print()
@@ -164,7 +186,12 @@ def main():
         print(f"{r['shape']:9} w4a8 {r['w4a8']['ms']:.3f} ms = {share:.2f}x the INT8 method's speed (target >= "
               f"{W4A8_TARGET}x {'met' if share >= W4A8_TARGET else 'MISSED'}), {over_kitchen:.2f}x "
               f"comfy-kitchen's W4A8 linear; error {r['w4a8']['rel_err']:.2e} against kitchen's "
-              f"{r['w4a8_kitchen']['rel_err']:.2e}")
+              f"{r['w4a8_kitchen']['rel_err']:.2e}; kitchen's decode alone {r['w4a8_decode']['ms']:.3f} ms")
+        if "w4a8_fused" in r:
+            fused = r["w4a8_fused"]
+            print(f"{'':9} codes decoded in the GEMM's main loop: {fused['ms']:.3f} ms = "
+                  f"{r['method']['ms'] / fused['ms']:.2f}x the INT8 method's speed, {r['w4a8']['ms'] / fused['ms']:.2f}x "
+                  f"the pack's W4A8 ({r['w4a8_fused_config']}); error {fused['rel_err']:.2e}")
     write_json(Path(args.out) if args.out else default_out("int8_linear"), {
         "bench": "int8_linear", "env": environment(), "group_size": GROUP, "target": TARGET,
         "w4a8_target": W4A8_TARGET, "peaks": peak,
