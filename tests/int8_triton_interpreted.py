@@ -459,9 +459,31 @@ def w4a8_fused_gemm():
             assert torch.equal(got, want), (codebook is None, config, (got.float() - want.float()).abs().max())
 
 
+def persistent_gemm():
+    """The bench's persistent INT8 GEMM (tests/bench/int8_gemm_persistent.py) bit-equal to the pack's TMA GEMM, with
+    fewer programs than tiles (each walks several), rows and columns ending mid-tile, each of its configs' options."""
+    sys.path.insert(0, str(PACK_ROOT / "tests" / "bench"))
+    import int8_gemm_persistent
+    torch.manual_seed(9)
+    m, n, k = 70, 96, 256
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_scale, w_scale, bias = torch.rand(m, 1) * 1e-2, torch.rand(n, 1) * 1e-2, torch.randn(n, dtype=torch.bfloat16)
+    want = it.gemm(a, a_scale, w, w_scale, bias, torch.bfloat16, tma=True)
+    seen = set()
+    for config in int8_gemm_persistent.configs():
+        options = (config["FLATTEN"], config["WARP_SPECIALIZE"])
+        if options in seen:
+            continue
+        seen.add(options)
+        config = dict(config, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2)  # small tiles: 3 x 3 of them
+        got = int8_gemm_persistent.gemm(a, a_scale, w, w_scale, bias, torch.bfloat16, config, programs=4)
+        assert torch.equal(got, want), (options, (got.float() - want.float()).abs().max())
+
+
 CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
                                   method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method,
-                                  w4a8_fused_gemm)}
+                                  w4a8_fused_gemm, persistent_gemm)}
 
 NEEDS_RUNTIME_BOUNDS_IN_HELPERS = {"gemm_low_rank", "method_low_rank"}
 

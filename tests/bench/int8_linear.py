@@ -9,7 +9,9 @@ Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unl
 otherwise); raw torch._int_mm (cuBLASLt, no
 rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_int8`, group 16) as the pack runs
 it (kitchen's decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, kitchen's decode alone, and with
-the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs, named). Each: ms (CUDA events,
+the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs, named); the INT8
+GEMM alone (activations quantized beforehand), the pack's and as a persistent kernel (tests/bench/int8_gemm_persistent.py,
+the fastest of its configs, named). Each: ms (CUDA events,
 warmed up, median of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
 peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The configs the
 kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 from _pack import cuda_time_ms, default_out, environment, write_json
 from probes import chooser
+import int8_gemm_persistent
 import w4a8_fused
 
 from bigdit.quant import compiled_ops, int8_triton
@@ -48,7 +51,8 @@ W4A8_TARGET = 0.9  # W4A8 on the INT8 kernels against the INT8 method, per layer
 # dense tensor-core peaks (TFLOP/s, TOPS), from the vendors' datasheets
 PEAKS = {"H200": {"bf16": 989, "int8": 1979, "fp8": 1979}, "H100": {"bf16": 989, "int8": 1979, "fp8": 1979}}
 KINDS = {"bf16": "bf16", "bf16_model": "bf16", "kitchen": "int8", "triton": "int8", "method": "int8",
-         "int_mm": "int8", "fp8": "fp8", "w4a8": "int8", "w4a8_kitchen": "int8", "w4a8_fused": "int8"}
+         "int_mm": "int8", "fp8": "fp8", "w4a8": "int8", "w4a8_kitchen": "int8", "w4a8_fused": "int8",
+         "gemm": "int8", "gemm_persistent": "int8"}
 
 
 def peaks() -> dict | None:
@@ -86,6 +90,25 @@ def fastest_fused(x, layer, act):
     return min(timings, key=lambda t: t[0])[1] if timings else None
 
 
+def fastest_persistent(q, scale, weight, w_scale):
+    """The persistent GEMM's fastest config at this shape, None where none runs (a Triton without its options)."""
+    programs = torch.cuda.get_device_properties(q.device).multi_processor_count
+    timings = []
+    for config in int8_gemm_persistent.configs():
+        def run():
+            return int8_gemm_persistent.gemm(q, scale, weight, w_scale, None, torch.bfloat16, config, programs)
+        try:
+            run()
+            timings.append((cuda_time_ms(run), config))
+        except Exception as exc:
+            print(f"  gemm_persistent {config}: {type(exc).__name__}: {str(exc)[:200]}")
+    if not timings:
+        return None
+    config = min(timings, key=lambda t: t[0])[1]
+    return config, lambda: int8_gemm_persistent.gemm(q, scale, weight, w_scale, None, torch.bfloat16, config,
+                                                      programs)
+
+
 def bench_shape(name, k, n, act, rows):
     torch.manual_seed(0)
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -114,15 +137,13 @@ def bench_shape(name, k, n, act, rows):
         "w4a8": lambda: w4a8(x, input_act=act),
         "w4a8_kitchen": lambda: KitchenLayoutMethod.apply(w4a8.method, w4a8, x, act),
     }
-    fused_config = fastest_fused(x, w4a8, act)
-    if fused_config is not None:
-        runs["w4a8_fused"] = lambda: w4a8_fused.linear(x, w4a8, act, fused_config)
     if act:
         runs["bf16_model"] = lambda: F.linear(apply_input_act(x, act), linear.weight)
     row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act}
     flops = 2 * rows * k * n
     peak = peaks()
-    for cand, fn in runs.items():
+
+    def measure(cand, fn):
         out = fn()  # the first call compiles (with BIGDIT_INT8_TUNE=1: searches configs, measures the choice)
         ms = cuda_time_ms(fn)
         cell = {"ms": ms, "tflops": flops / ms / 1e9}
@@ -131,7 +152,22 @@ def bench_shape(name, k, n, act, rows):
         if cand != "int_mm":  # random int8 operands: nothing to compare
             cell["rel_err"] = rel(out, ref)
         row[cand] = cell
-        del out
+
+    for cand, fn in runs.items():
+        measure(cand, fn)
+    # the experiments last: a kernel of theirs that fails on this GPU leaves the pack's paths measured
+    q, q_scale = int8_triton.quantize_rows(x.reshape(-1, x.shape[-1]), True, GROUP, act)
+    runs["gemm"] = lambda: int8_triton.gemm(q, q_scale, weight, w_scale, None, torch.bfloat16,
+                                            tma=int8_triton._tma(x.device))
+    measure("gemm", runs["gemm"])
+    persistent = fastest_persistent(q, q_scale, weight, w_scale)
+    if persistent is not None:
+        runs["gemm_persistent"] = persistent[1]
+        measure("gemm_persistent", runs["gemm_persistent"])
+    fused_config = fastest_fused(x, w4a8, act)
+    if fused_config is not None:
+        runs["w4a8_fused"] = lambda: w4a8_fused.linear(x, w4a8, act, fused_config)
+        measure("w4a8_fused", runs["w4a8_fused"])
     for cand in runs:
         row[cand]["ratio_to_bf16"] = row["bf16"]["ms"] / row[cand]["ms"]
     t = w4a8.tensors_for(x)
@@ -139,11 +175,12 @@ def bench_shape(name, k, n, act, rows):
     row["w4a8_decode"] = {"ms": cuda_time_ms(lambda: decode(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
                                                             16))}
     row["w4a8_fused_config"] = fused_config
+    row["gemm_persistent_config"] = persistent[0] if persistent is not None else None
     row["triton_err_over_kitchen"] = row["triton"]["rel_err"] / row["kitchen"]["rel_err"]
     key = (str(x.device), rows_bucket(rows), x.shape[-1], n, torch.bfloat16, act)
     row["method_choice"] = next(c for (device, shape), c in chooser().choices.items() if (device, *shape[:-1]) == key)
     row["tuned"] = tuned_configs(k, n, act == "swiglu")
-    del int8, fp8, w4a8, linear, x, xin, ref, qx
+    del int8, fp8, w4a8, linear, x, xin, ref, qx, q, q_scale, runs
     torch.cuda.empty_cache()
     return row
 
@@ -158,7 +195,8 @@ def main():
     peak = peaks()
     print(f"{gpu}: " + (f"dense peaks bf16 {peak['bf16']} TFLOP/s, int8/fp8 {peak['int8']} TOPS" if peak
                         else "dense peak unknown for this GPU (peak fractions left out)"))
-    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8", "w4a8", "w4a8_kitchen", "w4a8_fused")
+    cands = ("bf16", "kitchen", "triton", "method", "int_mm", "fp8", "w4a8", "w4a8_kitchen", "w4a8_fused", "gemm",
+             "gemm_persistent")
     print(f"{'layer':9} " + " ".join(f"{c:>22}" for c in cands) + "   (ms, x bf16 F.linear, % of peak)")
     results = []
     for name, (k, n, act) in SHAPES.items():
@@ -180,6 +218,13 @@ def main():
               f"{r['triton_err_over_kitchen']:.3f}x kitchen's; the method chose {r['method_choice']} "
               f"({r['method']['ratio_to_bf16']:.2f}x)")
     print(f"target met on {'all' if met_all else 'not all'} layers")
+    for r in results:
+        if "gemm_persistent" in r:
+            g, p = r["gemm"], r["gemm_persistent"]
+            print(f"{r['shape']:9} INT8 GEMM alone {g['ms']:.3f} ms ({100 * g.get('peak_fraction', float('nan')):.0f}% "
+                  f"of peak); persistent {p['ms']:.3f} ms ({100 * p.get('peak_fraction', float('nan')):.0f}%, "
+                  f"{g['ms'] / p['ms']:.2f}x; {r['gemm_persistent_config']}); FP8 method "
+                  f"{100 * r['fp8'].get('peak_fraction', float('nan')):.0f}%")
     for r in results:
         share = r["method"]["ms"] / r["w4a8"]["ms"]
         over_kitchen = r["w4a8_kitchen"]["ms"] / r["w4a8"]["ms"]
