@@ -304,10 +304,10 @@ def _calls_count_to(out_ptr, n):
     _count_to(out_ptr, n)
 
 
-def runtime_bounds_in_helpers() -> str | None:
-    """Why this Triton's interpreter cannot run int8_lora's epilogue (a loop bounded by a runtime argument inside a
-    jit function another one calls: Triton 3.6's interpreter hands the helper a 1-element array where a scalar was
-    passed, which a GPU's compiler never sees), or None where it can."""
+def runtime_loop_bounds() -> str | None:
+    """Why this Triton's interpreter cannot run a loop bounded by a runtime argument (int8_lora's epilogue, in a jit
+    function another one calls; the bench's persistent GEMM: Triton 3.6's interpreter hands a kernel a 1-element
+    array where a scalar was passed, which a GPU's compiler never sees), or None where it can."""
     out = torch.zeros(1)
     try:
         _calls_count_to[(1,)](out, 3)
@@ -408,7 +408,7 @@ def w4a8_method():
         assert torch.equal(method.apply(layer, x, act), KitchenLayoutMethod.apply(method, layer, x, act)), label
         del layer.weight_correction
         assert witness.TALLY.calls[it.TALLY, "triton"] == before + 1, witness.TALLY.calls
-    if runtime_bounds_in_helpers() is None:  # the LoRA's part: in the GEMM's epilogue, else the addmm
+    if runtime_loop_bounds() is None:  # the LoRA's part: in the GEMM's epilogue, else the addmm
         from bigdit.quant import int8_lora
         xa = apply_input_act(x, act)  # QuantLinear activates the input once where a LoRA branch is attached
         h, up = torch.randn(37, 24).to(dtype), (torch.randn(n, 24) * 0.05).to(dtype)
@@ -485,14 +485,13 @@ CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_li
                                   method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method,
                                   w4a8_fused_gemm, persistent_gemm)}
 
-NEEDS_RUNTIME_BOUNDS_IN_HELPERS = {"gemm_low_rank", "method_low_rank"}
+NEEDS_RUNTIME_LOOP_BOUNDS = {"gemm_low_rank", "method_low_rank", "persistent_gemm"}
 
 if __name__ == "__main__":
     assert it._INTERPRETED, "run with TRITON_INTERPRET=1"
-    why = runtime_bounds_in_helpers() if sys.argv[1] in NEEDS_RUNTIME_BOUNDS_IN_HELPERS else None
-    if why is not None:  # the GPU tests run the kernel (tests/test_int8_lora_gpu.py), another Triton's interpreter this
-        print(f"skip {sys.argv[1]}: this Triton's interpreter cannot run a loop bounded by a runtime argument in a "
-              f"called jit function ({why})")
+    why = runtime_loop_bounds() if sys.argv[1] in NEEDS_RUNTIME_LOOP_BOUNDS else None
+    if why is not None:  # the GPU runs the kernel (tests/test_int8_lora_gpu.py, the bench), another Triton's interpreter this
+        print(f"skip {sys.argv[1]}: this Triton's interpreter cannot run a loop bounded by a runtime argument ({why})")
         sys.exit(0)
     CHECKS[sys.argv[1]]()
     print("ok", sys.argv[1])
