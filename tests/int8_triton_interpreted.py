@@ -7,6 +7,7 @@ process of its own. Each CHECK asserts against a reference and prints "ok CHECK"
 where SwiGLU is folded in: the interpreter truncates fp32 to bfloat16 where a GPU rounds to nearest, and
 rounds float16 as the GPU does (the GPU tests cover bfloat16 SwiGLU).
 """
+import importlib
 import sys
 import types
 from pathlib import Path
@@ -432,12 +433,17 @@ def w4a8_method():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def _bench_module(name: str):
+    """A module of tests/bench/ (an experiment the bench times), imported."""
+    sys.path.insert(0, str(PACK_ROOT / "tests" / "bench"))
+    return importlib.import_module(name)
+
+
 def w4a8_fused_gemm():
     """The bench's fused-decode W4A8 GEMM (tests/bench/w4a8_fused.py) against kitchen's decode then the INT8 GEMM:
     the decoded operand is bit-equal, so the outputs are equal; with a codebook and without (uniform levels), fp8
     group scales over their whole range (subnormals, negatives), per-channel scales and a bias."""
-    sys.path.insert(0, str(PACK_ROOT / "tests" / "bench"))
-    import w4a8_fused
+    w4a8_fused = _bench_module("w4a8_fused")
     torch.manual_seed(8)
     m, n, k, group = 37, 96, 512, 16
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
@@ -462,8 +468,7 @@ def w4a8_fused_gemm():
 def persistent_gemm():
     """The bench's persistent INT8 GEMM (tests/bench/int8_gemm_persistent.py) bit-equal to the pack's TMA GEMM, with
     fewer programs than tiles (each walks several), rows and columns ending mid-tile, each of its configs' options."""
-    sys.path.insert(0, str(PACK_ROOT / "tests" / "bench"))
-    import int8_gemm_persistent
+    int8_gemm_persistent = _bench_module("int8_gemm_persistent")
     torch.manual_seed(9)
     m, n, k = 70, 96, 256
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8)

@@ -40,8 +40,7 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_sc
     n = weight.shape[0]
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     w_scale = weight_scale.reshape(-1).float()
-    meta = {key: value for key, value in config.items() if key not in int8_triton.LAUNCH}
-    run = {key: config[key] for key in int8_triton.LAUNCH if key in config}
+    meta, run = int8_triton._split(config)
     tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
     _gemm_persistent_kernel[(min(programs, tiles),)](
         TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),

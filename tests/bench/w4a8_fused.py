@@ -86,8 +86,7 @@ def gemm_w4(a: torch.Tensor, a_scale: torch.Tensor, qdata: torch.Tensor, s_rel: 
     s_bytes = s_rel.view(torch.uint8)
     w_scale = s_channel.reshape(-1).float()
     cb = codebook.float().contiguous() if codebook is not None else w_scale
-    meta = {key: value for key, value in config.items() if key not in int8_triton.LAUNCH}
-    run = {key: config[key] for key in int8_triton.LAUNCH if key in config}
+    meta, run = int8_triton._split(config)
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     _gemm_w4_kernel[grid](a, qdata, s_bytes, cb, out, a_scale, w_scale, bias if bias is not None else w_scale, m, n,
                           a.stride(0), qdata.stride(0), s_bytes.stride(0), out.stride(0), K=k, G=group_size,
