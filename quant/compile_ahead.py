@@ -13,6 +13,9 @@ One mode serves every check, so a kernel compiles once however many calls ask fo
 entered in a copy of the caller's context, so no other launch of the caller compiles asynchronously. A check that
 finds the compile finished puts the kernel into the JIT's cache under the launch's key (Triton does so only when
 the pending kernel's result is asked for, and 3.6 keeps no pending kernel there), where the launch then finds it.
+A compiled kernel's launcher is built on the pool too before it counts as ready: Triton 3.6 builds each launcher
+signature with the C compiler at a kernel's first launch (0.17-0.35 s each on a CPU here; two of them held an
+H100's first INT8 launches for 0.57 s), and puts it in its cache, where the launch then loads it.
 
 Off, every launch compiling in place as Triton does: where BIGDIT_TRITON_COMPILE_AHEAD=0 (results then do not
 depend on which kernels were compiled yet), where the user asked for tuning (a search times the kernels
@@ -24,7 +27,7 @@ from __future__ import annotations
 import contextvars
 import os
 import weakref
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Callable
 
 import torch
@@ -42,14 +45,16 @@ WAIT_S = 0.1  # a kernel loaded from Triton's cache is ready within it (about 30
 
 try:
     from triton import AsyncCompileMode, FutureKernel
+    from triton.runtime import driver
 except Exception:  # no Triton, or one without asynchronous compiles
-    AsyncCompileMode = FutureKernel = None
+    AsyncCompileMode = FutureKernel = driver = None
 
 _pool: ThreadPoolExecutor | None = None
 _async = None  # the AsyncCompileMode on _pool (`_mode`)
 _said = False
 _cold = False  # a first check's wait ran out: later first checks do not wait
 _waited: weakref.WeakSet = weakref.WeakSet()  # pending kernels a call waited for already: later calls do not
+_launchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pending kernel -> its launcher's build
 
 
 def enabled(device: torch.device) -> bool:
@@ -95,7 +100,8 @@ def ready(warm: Callable[[], object], device: torch.device) -> bool:
         return True
     if not isinstance(kernel, FutureKernel):
         return True
-    if kernel.future.done():
+    built = _launcher(kernel)
+    if built.done():
         kernel.result(ignore_errors=True)  # into the JIT's cache, where the launch finds it (a failure: it compiles
         return True                        # in place and raises the error)
     global _cold
@@ -103,11 +109,39 @@ def ready(warm: Callable[[], object], device: torch.device) -> bool:
         return False
     _waited.add(kernel)
     try:
-        kernel.future.result(timeout=WAIT_S)
+        built.result(timeout=WAIT_S)
     except FutureTimeout:
         _cold = True  # Triton's cache lacks this one, so likely the rest of a first run's: no more waits
         return False
-    except Exception:
-        pass
     kernel.result(ignore_errors=True)
     return True
+
+
+def _launcher(kernel) -> Future:
+    """The build of the pending `kernel`'s launcher, handed to the pool once its compile is done (once per kernel);
+    done once it ran, built or not (one not built is built by the launch)."""
+    built = _launchers.get(kernel)
+    if built is None:
+        built, pool = Future(), _mode().executor
+        _launchers[kernel] = built
+
+        def compiled(future: Future) -> None:
+            try:
+                pool.submit(_build_launcher, future, built)
+            except RuntimeError:  # the pool is shut down (the process exits)
+                built.set_result(None)
+        kernel.future.add_done_callback(compiled)
+    return built
+
+
+def _build_launcher(compiled: Future, built: Future) -> None:
+    """Builds the launcher of the kernel `compiled` holds into Triton's cache; a failed compile or build leaves it
+    to the launch (which then raises the error, as a launch in place would)."""
+    try:
+        if compiled.exception() is None:
+            kernel = compiled.result()
+            driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception as exc:
+        log.debug("Triton compile ahead: launcher not built ahead (%s: %s)", type(exc).__name__, exc)
+    finally:
+        built.set_result(None)

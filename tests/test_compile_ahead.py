@@ -6,6 +6,7 @@ what Triton's JIT does under an active AsyncCompileMode (hand the compile to the
 """
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -81,6 +82,7 @@ def test_a_kernel_still_compiling_is_not_ready_and_only_its_first_check_waits(tm
     assert time.perf_counter() - start < compile_ahead.WAIT_S / 2
     go.set()
     compiled = kernel.future.result(timeout=120)
+    compile_ahead._launchers[kernel].result(timeout=60)  # its launcher's build on the pool, after the compile
     assert compiled.asm["ptx"] and "activation-1024" not in cache
     assert compile_ahead.ready(warm, CUDA) is True and cache["activation-1024"] is compiled  # put where launches look
     assert compile_ahead.ready(warm, CUDA) is True and len(seen) == 4  # from the cache: nothing submitted again
@@ -91,6 +93,38 @@ def test_a_kernel_triton_loads_within_the_wait_is_ready_at_once():
     seen = []
     assert compile_ahead.ready(warm_up("quick", lambda: "compiled", seen), CUDA) is True
     assert seen[0] is not None
+
+
+class Launchers:
+    """Triton's driver where a GPU's is not: its launcher builds held until `go`, then recorded (or failing)."""
+
+    def __init__(self, fails: bool = False):
+        self.go, self.built, self.fails = threading.Event(), [], fails
+        self.active = self
+
+    def launcher_cls(self, src, metadata):
+        self.go.wait(60)
+        self.built.append((src, metadata, threading.current_thread().name))
+        if self.fails:
+            raise RuntimeError("no C compiler")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["built", "build fails"])
+def test_a_compiled_kernel_is_ready_once_its_launcher_was_built_on_the_pool(fails, monkeypatch):
+    """Triton 3.6 builds each launcher with the C compiler at a kernel's first launch: the pool builds it first,
+    once per kernel; a build that fails leaves it to the launch (which raises its error, as in place)."""
+    driver = Launchers(fails)
+    monkeypatch.setattr(compile_ahead, "driver", driver)
+    compiled, seen = types.SimpleNamespace(src="source", metadata="metadata"), []
+    warm = warm_up("launcher", lambda: compiled, seen)
+    assert compile_ahead.ready(warm, CUDA) is False  # compiled at once, its launcher still building
+    kernel = seen[0].future_kernels["launcher"]
+    assert kernel.future.done() and not driver.built
+    driver.go.set()
+    compile_ahead._launchers[kernel].result(timeout=60)
+    assert compile_ahead.ready(warm, CUDA) is True and compile_ahead.ready(warm, CUDA) is True
+    assert [(src, metadata) for src, metadata, _ in driver.built] == [("source", "metadata")]  # once
+    assert driver.built[0][2].startswith("bigdit-triton-compile")
 
 
 def test_a_failed_compile_a_refused_warm_up_and_a_compiled_kernel_count_as_ready():
