@@ -8,7 +8,7 @@ shape and dtype: the compiled graph calls it as one node, and the dispatch
 runs inside it at run time, as in eager mode. Each INT8 linear counts its calls
 in the run witness (quant/witness.py) from inside, so that a compiled model's
 report says which kernel ran too. A W4A8 layer on the INT8 kernels is one op too:
-kitchen's decode of its codes, then the INT8 linear.
+the decode of its codes, then the INT8 linear.
 
 Eager calls (not compiling) go straight to the kernel, as before this module
 existed: the same code, the same numbers, without the custom op's dispatch
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int8_triton, witness
+from . import int8_triton, w4a8_triton, witness
 
 
 def _kitchen(x, weight, weight_scale, bias, out_dtype, convrot, convrot_groupsize, input_act):
@@ -94,11 +94,18 @@ def w4a8_decoder(device: torch.device):
 W4A8_TALLY = "w4a8"  # W4A8 layers whose codes were decoded for the INT8 kernels ("ran w4a8: decoded to int8 x200")
 
 
+def w4a8_decodes(qdata: torch.Tensor, s_rel: torch.Tensor, group_size: int) -> bool:
+    """Whether `w4a8_decoded` takes a W4A8 layer's tensors: the pack's decode does, else comfy-kitchen's exists."""
+    return w4a8_triton.decodes(qdata, s_rel, group_size) or w4a8_decoder(qdata.device) is not None
+
+
 def w4a8_decoded(qdata: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None,
                  group_size: int) -> torch.Tensor:
-    """The int8 weight of a W4A8 layer's codes (w4a8_decoder's, which the caller checked), counted in the run
-    witness."""
+    """The int8 weight of a W4A8 layer's codes (`w4a8_decodes`, which the caller checked): the pack's decode kernel
+    (quant/w4a8_triton.py), else comfy-kitchen's; counted in the run witness."""
     witness.count_kernel(W4A8_TALLY, "decoded to int8")
+    if w4a8_triton.decodes(qdata, s_rel, group_size):
+        return w4a8_triton.decode(qdata, s_rel, codebook, group_size)
     return w4a8_decoder(qdata.device)(qdata, s_rel, codebook, group_size)
 
 

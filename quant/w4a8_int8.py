@@ -13,9 +13,9 @@ Marker: {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256}
 Kitchen's linear decodes the codes to int8 and runs its INT8 ConvRot linear, which rotates and
 quantizes the activations per token, on every device (its eager reference on CPU): the numbers are
 upstream ComfyUI's. Where the pack's INT8 kernels are the default (quant/int8_triton.py, CUDA from sm80),
-kitchen's decode kernel writes the int8 weight and those kernels compute the linear, as for an INT8 ConvRot
-layer; for ConvRot groups other than 256 too, which kitchen's CUDA W4A8 refuses. The decoded weight is
-transient (one layer's, while its call runs), not a copy the model keeps.
+the pack's decode kernel (quant/w4a8_triton.py, bit-equal to kitchen's) writes the int8 weight and those kernels
+compute the linear, as for an INT8 ConvRot layer; for ConvRot groups other than 256 too, which kitchen's CUDA W4A8
+refuses. The decoded weight is transient (one layer's, while its call runs), not a copy the model keeps.
 
 Upstream 0.33.0's loader does not read weight_correction; the pack passes it to
 kitchen, which applies it (a file with it computes here as kitchen means, not as that loader does).
@@ -93,11 +93,11 @@ class W4A8Int8Method(KitchenLayoutMethod):
 
     def _on_int8_kernels(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> bool:
         """Where the pack's INT8 kernels are the default (unless BIGDIT_INT8_KERNEL pins another) and the layer has
-        no zero points (kitchen's decode has none: its linear computes those eagerly)."""
+        no zero points (the decodes have none: kitchen's linear computes those eagerly)."""
         return ("weight_correction" not in t and self.convrot_groupsize in int8_triton.GROUP_SIZES
                 and pinned_kernel() in (None, "auto", "triton") and int8_triton.runs_on(x.device)
                 and (not x.is_cuda or cuda_at_least(x.device, TRITON_FROM))
-                and compiled_ops.w4a8_decoder(x.device) is not None)
+                and compiled_ops.w4a8_decodes(t["weight"], t["weight_s_rel"], self.group_size))
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None,
               low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:

@@ -439,6 +439,31 @@ def _bench_module(name: str):
     return importlib.import_module(name)
 
 
+def w4a8_decode():
+    """The pack's W4A8 decode (quant/w4a8_triton.py) bit-equal to comfy-kitchen's: with a codebook and without,
+    fp8 group scales over their whole range (subnormals, negatives) and fp32 ones, groups of 4, 16 and 48, rows and
+    columns ending mid-tile; counted as the INT8 path's decode."""
+    from bigdit.quant import w4a8_triton, witness
+    torch.manual_seed(10)
+    n, k = 70, 672
+    qdata = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8)
+    kitchen = compiled_ops.w4a8_decoder(torch.device("cpu"))
+    for group in (4, 16, 48):
+        s_bytes = torch.randint(0, 256, (n, k // group), dtype=torch.uint8)
+        s_bytes[(s_bytes & 0x7F) == 0x7F] = 0x38  # no NaN codes (e4m3fn's 0x7f, 0xff): 1.0 in their place
+        for s_rel in (s_bytes.view(torch.float8_e4m3fn), torch.rand(n, k // group) * 40 - 20):
+            for codebook in (torch.linspace(-1.2, 1.0, 16), None):
+                assert w4a8_triton.decodes(qdata, s_rel, group)
+                got, want = w4a8_triton.decode(qdata, s_rel, codebook, group), kitchen(qdata, s_rel, codebook, group)
+                label = (group, s_rel.dtype, codebook is None, (got.int() - want.int()).abs().max())
+                assert got.dtype == torch.int8 and got.shape == (n, k) and torch.equal(got, want), label
+    assert not w4a8_triton.decodes(qdata, torch.rand(n, k // 16, dtype=torch.float16), 16)  # a scale dtype it lacks
+    assert not w4a8_triton.decodes(qdata[:, :-1], torch.rand(n, k // 16), 16)  # codes and scales disagree
+    before = witness.TALLY.calls[compiled_ops.W4A8_TALLY, "decoded to int8"]
+    assert torch.equal(compiled_ops.w4a8_decoded(qdata, s_rel, None, 48), want)
+    assert witness.TALLY.calls[compiled_ops.W4A8_TALLY, "decoded to int8"] == before + 1
+
+
 def w4a8_fused_gemm():
     """The bench's fused-decode W4A8 GEMM (tests/bench/w4a8_fused.py) against kitchen's decode then the INT8 GEMM:
     the decoded operand is bit-equal, so the outputs are equal; with a codebook and without (uniform levels), fp8
@@ -488,7 +513,7 @@ def persistent_gemm():
 
 CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
                                   method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method,
-                                  w4a8_fused_gemm, persistent_gemm)}
+                                  w4a8_decode, w4a8_fused_gemm, persistent_gemm)}
 
 NEEDS_RUNTIME_LOOP_BOUNDS = {"gemm_low_rank", "method_low_rank", "persistent_gemm"}
 

@@ -8,7 +8,7 @@ pack's Triton path (quant/int8_triton.py: rotation, activation quantization and 
 Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unless the tuning store says
 otherwise); raw torch._int_mm (cuBLASLt, no
 rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_int8`, group 16) as the pack runs
-it (kitchen's decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, kitchen's decode alone, and with
+it (its decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, the pack's and kitchen's decodes alone, and with
 the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs, named); the INT8
 GEMM alone (activations quantized beforehand), the pack's and as a persistent kernel (tests/bench/int8_gemm_persistent.py,
 the fastest of its configs, named). Each: ms (CUDA events,
@@ -30,7 +30,7 @@ from probes import chooser
 import int8_gemm_persistent
 import w4a8_fused
 
-from bigdit.quant import compiled_ops, int8_triton
+from bigdit.quant import compiled_ops, int8_triton, w4a8_triton
 from bigdit.quant.fp8 import Fp8Method
 from bigdit.quant.int8_convrot import Int8ConvRotMethod
 from bigdit.quant.kitchen_layout import KitchenLayoutMethod
@@ -171,9 +171,10 @@ def bench_shape(name, k, n, act, rows):
     for cand in runs:
         row[cand]["ratio_to_bf16"] = row["bf16"]["ms"] / row[cand]["ms"]
     t = w4a8.tensors_for(x)
-    decode = compiled_ops.w4a8_decoder(x.device)
-    row["w4a8_decode"] = {"ms": cuda_time_ms(lambda: decode(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
-                                                            16))}
+    codes = (t["weight"], t["weight_s_rel"], t.get("weight_codebook"), 16)
+    kitchen_decode = compiled_ops.w4a8_decoder(x.device)
+    row["w4a8_decode"] = {"ms": cuda_time_ms(lambda: w4a8_triton.decode(*codes))}  # the pack's
+    row["w4a8_decode_kitchen"] = {"ms": cuda_time_ms(lambda: kitchen_decode(*codes))}
     row["w4a8_fused_config"] = fused_config
     row["gemm_persistent_config"] = persistent[0] if persistent is not None else None
     row["triton_err_over_kitchen"] = row["triton"]["rel_err"] / row["kitchen"]["rel_err"]
@@ -231,7 +232,8 @@ def main():
         print(f"{r['shape']:9} w4a8 {r['w4a8']['ms']:.3f} ms = {share:.2f}x the INT8 method's speed (target >= "
               f"{W4A8_TARGET}x {'met' if share >= W4A8_TARGET else 'MISSED'}), {over_kitchen:.2f}x "
               f"comfy-kitchen's W4A8 linear; error {r['w4a8']['rel_err']:.2e} against kitchen's "
-              f"{r['w4a8_kitchen']['rel_err']:.2e}; kitchen's decode alone {r['w4a8_decode']['ms']:.3f} ms")
+              f"{r['w4a8_kitchen']['rel_err']:.2e}; decode alone {r['w4a8_decode']['ms']:.3f} ms, kitchen's "
+              f"{r['w4a8_decode_kitchen']['ms']:.3f}")
         if "w4a8_fused" in r:
             fused = r["w4a8_fused"]
             print(f"{'':9} codes decoded in the GEMM's main loop: {fused['ms']:.3f} ms = "

@@ -1,30 +1,20 @@
 """An experiment for the per-layer bench (int8_linear.py): W4A8's INT8 GEMM with the 4-bit codes decoded in the
-kernel's main loop, against the pack's path (comfy-kitchen's decode into an int8 weight for the call, then the INT8
-GEMM). Kept out of the pack until a measurement says where it pays.
+kernel's main loop, against the pack's path (the codes decoded into an int8 weight for the call, then the INT8 GEMM).
 
 Each K step loads the tile's packed bytes [BLOCK_N, BLOCK_K/2] and its fp8 group scales [BLOCK_N, BLOCK_K/G], decodes
-them as kitchen's decode does (level = codebook[code], or code - 8 without one; round-half-even(clamp(level * s_rel,
-+-127))), so the int8 operand is bit-equal to the decoded weight's, and multiplies it with the activations' int8
-tile on tensor cores. What it saves: the decoded weight's write and read (N x K bytes each, per call). What it costs:
-the decode, once per row tile of the output instead of once per call.
+them as the pack's decode kernel does (quant/w4a8_triton.py, bit-equal to kitchen's), and multiplies the tile with the
+activations' int8 tile on tensor cores. What it saves: the decoded weight's write and read (N x K bytes each, per
+call). What it costs: the decode once per row tile of the output instead of once per call, and the GEMM's operand
+pipeline. On an H100 it ran at 0.04-0.06x the INT8 method at H3's four shapes, 15,000 and 32,700 rows
+(`int8-linear-exp-*-h100-2026-12-07.json`): kept out of the pack.
 """
 import torch
 import triton
 import triton.language as tl
 
 from bigdit.quant import int8_triton
-from bigdit.quant.int8_triton import _RNE, _epilogue, _tile
-
-
-@triton.jit
-def _e4m3(bits):
-    """fp8 e4m3fn bytes (int32 holding 0..255) as fp32, exactly: (8 + m) * 2^(e - 10), subnormals m * 2^-9."""
-    e = (bits >> 3) & 0xF
-    m = bits & 7
-    mant = tl.where(e == 0, m, m + 8).to(tl.float32)
-    power = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
-    value = mant * power
-    return tl.where((bits & 0x80) != 0, -value, value)
+from bigdit.quant.int8_triton import _epilogue, _tile
+from bigdit.quant.w4a8_triton import decoded_nibbles, e4m3
 
 
 @triton.jit
@@ -32,20 +22,10 @@ def _decoded(w_ptrs, s_ptrs, cb_ptr, mask_kh, mask_g, HAS_CB: tl.constexpr, BLOC
              BLOCK_K: tl.constexpr, G: tl.constexpr):
     """[BLOCK_N, BLOCK_K] int8: the weight tile decoded from its packed codes (low nibble the even column)."""
     byte = tl.load(w_ptrs, mask=mask_kh, other=0).to(tl.int32) & 0xFF
-    low = byte & 0xF
-    high = byte >> 4
-    if HAS_CB:
-        v_low = tl.load(cb_ptr + low)
-        v_high = tl.load(cb_ptr + high)
-    else:
-        v_low = (low - 8).to(tl.float32)
-        v_high = (high - 8).to(tl.float32)
-    s = _e4m3(tl.load(s_ptrs, mask=mask_g, other=0).to(tl.int32) & 0xFF)  # [BLOCK_N, BLOCK_K / G]
+    s = e4m3(tl.load(s_ptrs, mask=mask_g, other=0).to(tl.int32) & 0xFF)  # [BLOCK_N, BLOCK_K / G]
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // G, G // 2)), (BLOCK_N, BLOCK_K // 2))
-    # clamp before the rounding add: it keeps the product and the add from fusing into one FMA
-    q_low = (tl.clamp(v_low * s, -127.0, 127.0) + _RNE) - _RNE
-    q_high = (tl.clamp(v_high * s, -127.0, 127.0) + _RNE) - _RNE
-    return tl.reshape(tl.join(q_low.to(tl.int8), q_high.to(tl.int8)), (BLOCK_N, BLOCK_K))
+    q_low, q_high = decoded_nibbles(byte, s, cb_ptr, HAS_CB)
+    return tl.reshape(tl.join(q_low, q_high), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
