@@ -103,13 +103,15 @@ def headline() -> str:
 # The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
 # its configurations (the reference, template_sage, first); each setting's runs came from one GPU machine.
 R = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json"
+R7 = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-07.json"
 JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations shown: all where None)
-    ("turbo, 64 GiB, first run", "turbo", 64, ("whole-job-turbo-drop-held" + R,), None),
-    ("turbo, 64 GiB, restarted", "turbo", 64, ("whole-job-turbo-restarted" + R,), ("template_sage", "pack_fast")),
-    ("turbo, 32 GiB, restarted", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,), None),
+    ("turbo, 64 GiB, first run", "turbo", 64, ("whole-job-turbo-compile-ahead" + R7,), ("template_sage", "pack_fast")),
+    ("turbo, 64 GiB, restarted", "turbo", 64, ("whole-job-turbo-restarted" + R7,), ("template_sage", "pack_fast")),
+    ("turbo, 32 GiB, restarted, earlier code", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,), None),
     ("default, 64 GiB, earlier code", "default", 64, ("whole-job-default-template" + R, "whole-job-default-pack" + R),
      None),
 )
+JOB_NAMES = {3: "job 3, LoRA at 0.75"}  # whole_job.py --lora-change: the second job's prompt, the LoRA's strength changed
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
               "pack": "`pack` (the shipped example)", "pack_fast": "`pack_fast`",
               "pack_fast_no_read_ahead": "`pack_fast`, no read-ahead"}
@@ -122,14 +124,16 @@ def job_table() -> str:
     for label, setting, ram_gib, names, configs in JOB_RUNS:
         records = [r for name in names for r in load(name)["results"] if r.get("status") == "ok"
                    and (configs is None or r["config"] in configs)]
-        for job in (1, 2):
+        for job in (1, 2, 3):
             ran = [r for r in records if r["job"] == job and r["setting"] == setting and r["ram_gib"] == ram_gib]
+            if not ran:
+                continue
             reference = next(r for r in ran if r["config"] == "template_sage")
             for r in ran:
                 stages, sampling = r["stages"], r["sampling"]
                 cosine = ((r.get("latent") or {}).get("vs_template_sage") or {}).get("video", {}).get("cosine")
                 lines.append(
-                    f"| {label}, job {job} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
+                    f"| {label}, {JOB_NAMES.get(job, f'job {job}')} | {JOB_LABELS[r['config']]} | {r['wall_s']:.1f} | "
                     f"{reference['wall_s'] / r['wall_s']:.2f}x | {stages.get('encoder', 0):.1f} | "
                     f"{stages.get('model_load', 0):.1f} | {stages.get('sampling', 0):.1f} "
                     f"({sampling['step_seconds'][0]:.1f}) | {sampling['step_s']:.2f} | "

@@ -58,8 +58,9 @@ def test_readme_job_table_is_the_table_from_the_whole_job_runs():
     assert marker in text and text.index(marker) < text.index("<!-- headline:")  # the README's first table
     assert text.split(marker, 1)[1].startswith(doc_tables.job_table() + "\n")
     table = doc_tables.job_table()
-    assert "| turbo, 64 GiB, first run, job 2 | `pack_fast` | 20.2 | 1.29x | 0.6 | 0.2 | 11.0 (1.5) | 1.36 | 3.7 |" in table
-    assert "| turbo, 32 GiB, restarted, job 1 | `pack_fast` | 50.5 | 1.27x |" in table
+    assert "| turbo, 64 GiB, first run, job 2 | `pack_fast` | 21.9 | 1.26x | 0.7 | 0.2 | 11.3 (1.7) | 1.37 | 4.0 |" in table
+    assert "| turbo, 64 GiB, first run, job 3, LoRA at 0.75 | `pack_fast` | 20.8 | 1.32x | 0.0 | 0.3 |" in table
+    assert "| turbo, 32 GiB, restarted, earlier code, job 1 | `pack_fast` | 50.5 | 1.27x |" in table
     assert "| turbo, 64 GiB, restarted, job 1 | `pack_fast`, no read-ahead |" not in table  # it compiled the cache
 
 
