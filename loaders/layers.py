@@ -17,7 +17,7 @@ from ..dtypes import torch_dtype
 from ..quant.descriptor import Contract, QuantFormat
 from ..quant.registry import format_spec
 from .errors import CheckpointError
-from .safetensors_header import FLOAT_HEADER_DTYPES, HeaderReader, TensorInfo
+from .safetensors_header import DTYPE_SIZES, FLOAT_HEADER_DTYPES, HeaderReader, TensorInfo
 
 # Called now and then during long inspections; raising from it (e.g. on a user's interrupt) stops them.
 Check = Callable[[], None] | None
@@ -116,6 +116,22 @@ def _decoded(tensor: torch.Tensor, encoding: str) -> torch.Tensor:
     return tensor.double()
 
 
+# The smallest code that is NaN or negative: below it, an 8-bit float's codes order as its values.
+_ORDERED_BELOW = {"F8_E4M3": 0x7F, "F8_E8M0": 0xFF}
+
+
+def _ordered_range(read: HeaderReader, key: str, encoding: str) -> tuple[float, float] | None:
+    """(smallest, largest) value of an 8-bit float scale from its smallest and largest code alone, where no code is
+    NaN or negative; None otherwise (the scale is read and decoded whole, to say what is wrong)."""
+    if encoding not in _ORDERED_BELOW or DTYPE_SIZES[read.header.tensors[key].dtype] != 1:
+        return None
+    low, high = read.byte_range(key)
+    if high >= _ORDERED_BELOW[encoding]:
+        return None
+    values = _decoded(torch.tensor([low, high], dtype=torch.uint8), encoding)
+    return float(values[0]), float(values[1])
+
+
 def check_scales(layer: LayerFormat, read: HeaderReader, problems: Problems,
                  names: dict[str, str] | None = None) -> None:
     """Refuse scales no quantizer writes: NaN/Inf, zero or negative per-tensor/channel scales,
@@ -137,19 +153,23 @@ def check_scales(layer: LayerFormat, read: HeaderReader, problems: Problems,
         key = layer.tensors.get(role)
         if key is None or read.header.tensors[key].nbytes == 0:
             continue
-        tensor = read(key)
-        if tensor.element_size() > 1:
-            encoding = "float"    # a role stored as fp8 bytes or as floats (e.g. W4A8's group scales)
-        if non_finite(tensor, encoding):
-            problems.add(f"non-finite (NaN/Inf) values in {named(role)}", layer.name)
-            return
-        values = _decoded(tensor, encoding)
-        smallest = float(values.min())
+        ordered = _ordered_range(read, key, encoding)  # block scales: gigabytes in a big file, mostly this way
+        if ordered is not None:
+            smallest, largest = ordered
+        else:
+            tensor = read(key)
+            if tensor.element_size() > 1:
+                encoding = "float"    # a role stored as fp8 bytes or as floats (e.g. W4A8's group scales)
+            if non_finite(tensor, encoding):
+                problems.add(f"non-finite (NaN/Inf) values in {named(role)}", layer.name)
+                return
+            values = _decoded(tensor, encoding)
+            smallest, largest = float(values.min()), float(values.max())
         if smallest < 0 or (smallest == 0 and encoding == "float"):
             problems.add(f"{'negative' if smallest < 0 else 'zero'} values in {named(role)} "
                          f"(min {smallest:g}): no quantizer writes them", layer.name)
             return
-        scales[role] = float(values.max())
+        scales[role] = largest
     if contract.scale_role not in scales:
         return
     largest = 1.0

@@ -156,6 +156,13 @@ def bad_nan_block_scale(src, workdir, dst):
     return edit_checkpoint(path, dst, {f"{LAYER}.weight_scale": block})
 
 
+def bad_negative_block_scale(src, workdir, dst):
+    path = _nvfp4_file(src, workdir)
+    block = _tensor(path, f"{LAYER}.weight_scale").clone()
+    block.view(torch.uint8)[3, 0] = 0xB8  # E4M3FN -1.0: the byte range is read first, a sign bit sends it to the decode
+    return edit_checkpoint(path, dst, {f"{LAYER}.weight_scale": block})
+
+
 def bad_missing_companion(src, workdir, dst):
     return edit_checkpoint(_nvfp4_file(src, workdir), dst, drop=[f"{LAYER}.weight_scale_2"])
 
@@ -287,6 +294,7 @@ BAD_FILES = {
     "oversized metadata": (bad_oversized_metadata, "oversized metadata", "'notes'"),
     "NaN scale": (bad_nan_scale, "non-finite (NaN/Inf) values in int8_tensorwise weight_scale", LAYER),
     "NaN block scale": (bad_nan_block_scale, "non-finite (NaN/Inf) values in nvfp4 weight_scale", LAYER),
+    "negative block scale": (bad_negative_block_scale, "negative values in nvfp4 weight_scale (min -1)", LAYER),
     "missing companion": (bad_missing_companion, "missing tensor(s) weight_scale_2", LAYER),
     "unknown companion": (bad_unknown_companion, "unsupported companion tensor(s) for nvfp4: weight_zero_point", LAYER),
     "conflicting markers": (bad_conflicting_markers, "conflicting markers", LAYER),

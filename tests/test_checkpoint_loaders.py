@@ -615,6 +615,29 @@ def test_bad_file_is_refused_naming_file_and_layer(plain_file, tmp_path, case):
     assert words in message and layer in message, message
 
 
+@pytest.mark.parametrize("encoding, dtype", [("F8_E4M3", torch.float8_e4m3fn), ("F8_E8M0", torch.float8_e8m0fnu)])
+def test_an_8bit_scales_range_from_its_codes_is_its_decoded_range(tmp_path, encoding, dtype):
+    """Block scales' extremes are read from the bytes in place (a text encoder holds about 2 GB of them): where no code
+    is NaN or negative, the same values as decoding every scale; otherwise the decode decides (None)."""
+    from bigdit.loaders.layers import _ordered_range
+    torch.manual_seed(0)
+    below = 0x7F if encoding == "F8_E4M3" else 0xFF
+    cases = {"random": torch.randint(0, below, (64, 48)), "every code": torch.arange(below),
+             "one code": torch.full((5, 3), 0x38), "NaN": torch.tensor([0x10, below]),
+             "sign bit": torch.tensor([0x38, 0xB8])}  # E4M3FN: -1.0; E8M0 has no sign: 2^57
+    for name, codes in cases.items():
+        codes = codes.to(torch.uint8)
+        path = tmp_path / f"{name}.safetensors"
+        save({"s": codes.view(dtype)}, path)
+        with HeaderReader(read_header(path)) as read:
+            got = _ordered_range(read, "s", encoding)
+        values = codes.view(dtype).float()
+        if name == "NaN" or (name == "sign bit" and encoding == "F8_E4M3"):
+            assert got is None, name
+        else:
+            assert got == (float(values.min()), float(values.max())), name
+
+
 def test_unconsumed_marker_abandons_the_load(plain_file, tmp_path):
     sd, _ = load(_int8_file(plain_file, tmp_path))
     # A marked layer the model does not have (e.g. a checkpoint of a deeper model).
