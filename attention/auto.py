@@ -15,7 +15,12 @@ keyed by the GPU, torch's version, the call's shape and its candidates'
 labels, and a later process runs it without measuring (a prompt of another
 length in the same power of two runs it too, in the process or later): an exact kernel
 as kept, an approximate one after the probe of that call is within its bound
-(else all are measured again).
+(else all are measured again). Where nothing is kept, the decisions the pack ships
+for the GPU's family (`auto_shipped.json`: timings measured on such a GPU at
+MiniMax-H3's shapes, batch and lengths to the next power of two) decide in the same
+way, where they timed every kernel that takes the call: a first run then compiles
+and times no kernel it will not use (SageAttention's and comfy-kitchen's Triton
+kernels compile at their first call: about 5 s of an H100's first VAE decode).
 
 Nothing is measured where there is one candidate (a CPU: SDPA) or while a
 CUDA graph is captured: there the cached decision runs, else the first exact
@@ -25,13 +30,15 @@ kernel that takes the call. Under torch.compile the measurement runs eagerly
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from ..dtypes import dtype_name
-from ..hardware import time_ms
+from ..hardware import cuda_capability, time_ms
 from ..pack_logging import pack_logger
 from . import registry
 from ..units import next_pow2
@@ -48,6 +55,7 @@ MAX_ERROR = 0.05
 PROBE_HEADS = 4
 PROBE_QUERIES = 1024
 TARGET_MS = 60.0  # timed calls per kernel and round: about this long, between 1 and 10 calls
+SHIPPED_FILE = Path(__file__).with_name("auto_shipped.json")
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Decision:
     rejected: dict = field(default_factory=dict)  # label -> why it did not compete
     unmeasured: str = ""                          # why nothing was measured
     kept: bool = False                            # from the store: measured by an earlier process
+    shipped: str = ""                             # from the pack's table for this GPU family ("sm90")
 
     def text(self) -> str:
         if self.unmeasured:
@@ -66,8 +75,9 @@ class Decision:
         ranked = sorted(self.timings, key=self.timings.get)
         parts = [f"{name} {self.timings[name]:.2f} ms" + (f" (err {self.errors[name]:.3f})"
                                                             if name in self.errors else "") for name in ranked]
-        text = f"{self.shape}: {self.label}" + (" (kept from an earlier measurement)" if self.kept else "") + \
-            "; " + ", ".join(parts)
+        source = (" (kept from an earlier measurement)" if self.kept else
+                  f" (shipped for {self.shipped}, not measured here)" if self.shipped else "")
+        text = f"{self.shape}: {self.label}{source}; " + ", ".join(parts)
         if self.rejected:
             text += "; not used: " + ", ".join(f"{name} ({why})" for name, why in self.rejected.items())
         return text
@@ -114,6 +124,37 @@ def stored_shape(q, k, v, layout, mask, candidates) -> str:
 def store_version() -> str:
     """The kept decisions' version: what an entry holds, and torch's (its SDPA kernels)."""
     return hashlib.sha256(f"{STORE_VERSION}\0{torch.__version__}".encode()).hexdigest()[:16]
+
+
+def _load_shipped() -> dict[str, dict[str, dict[str, float]]]:
+    """{family: {shipped_shape: {label: ms}}}: the decisions' timings the pack ships (none where unreadable)."""
+    try:
+        families = json.loads(SHIPPED_FILE.read_text())["families"]
+        return {family: {shape: {label: float(ms) for label, ms in timings.items()} for shape, timings in shapes.items()}
+                for family, shapes in families.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("attention auto: the shipped decisions (%s) do not read (%s); it measures", SHIPPED_FILE, e)
+        return {}
+
+
+SHIPPED = _load_shipped()
+
+
+def gpu_family(device: torch.device) -> str | None:
+    """A CUDA device's compute capability as the shipped table names it ("sm90"); None elsewhere."""
+    capability = cuda_capability(device)
+    return None if capability is None else f"sm{capability[0]}{capability[1]}"
+
+
+def shipped_shape(q, k, layout, mask) -> str | None:
+    """A call's key in the shipped table: batch and lengths to the next power of two, heads, head size, dtype
+    ("1x32x2048x64 float16"); None for a masked call or a traced length."""
+    b, h, s, d = dims(q, layout)
+    hk, sk = dims(k, layout)[1:3]
+    if mask is not None or not all(isinstance(n, int) for n in (b, s, sk)):
+        return None
+    text = f"{next_pow2(b)}x{h}x{seq_bucket(s)}x{d} {dtype_name(q.dtype)}"
+    return text if (hk, sk) == (h, s) else f"{text}, keys {hk}x{seq_bucket(sk)}"
 
 
 def shape_key(q, k, v, layout, mask) -> tuple:
@@ -169,6 +210,18 @@ def probe(q, k, v, layout, mask):
     if mask is not None:  # SDPA-style (B|1, H|1, Sq|1, Sk)
         mask = _probe_index(_probe_index(_probe_index(mask, 0, first), 1, heads), 2, rows)
     return pq, pk, pv, mask
+
+
+def _within_bound(impl, q, k, v, layout, mask, scale, options) -> dict | None:
+    """{label: error} for an approximate kernel whose probe of this call is within its bound ({} for an exact
+    one); None where it is not, or fails (then every kernel is measured)."""
+    if impl.max_error is None:
+        return {}
+    try:
+        error = probe_error(impl, q, k, v, layout, mask, scale, options)
+    except Exception:  # noqa: BLE001 - see measure_times: measure them all
+        return None
+    return {impl.label: error} if error <= min(impl.max_error, MAX_ERROR) else None
 
 
 def probe_error(impl, q, k, v, layout, mask, scale, options) -> float:
@@ -240,7 +293,8 @@ class Auto(Backend):
     @torch.compiler.disable
     def _measure(self, key, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
         where = (q.device, store_version(), stored_shape(q, k, v, layout, mask, accepted))
-        decision = self._kept(where, accepted, shape, q, k, v, layout, mask, scale, options)
+        decision = (self._kept(where, accepted, shape, q, k, v, layout, mask, scale, options)
+                    or self._shipped(accepted, shape, q, k, v, layout, mask, scale, options))
         if decision is None:
             decision = self._decide(accepted, shape, q, k, v, layout, mask, scale, options)
             if _STORE is not None and decision.timings:
@@ -268,15 +322,21 @@ class Auto(Backend):
         label, timings = entry["label"], entry.get("timings")
         timings = {name: float(ms) for name, ms in timings.items() if isinstance(ms, (int, float))} \
             if isinstance(timings, dict) else {}
-        impl, errors = accepted[label][0], {}
-        if impl.max_error is not None:  # its error on this call's data, as when it was measured
-            try:
-                errors[label] = probe_error(impl, q, k, v, layout, mask, scale, options)
-            except Exception:  # noqa: BLE001 - see measure_times: measure them all
-                return None
-            if not errors[label] <= min(impl.max_error, MAX_ERROR):
-                return None
-        return Decision(label, shape, timings=timings, errors=errors, kept=True)
+        errors = _within_bound(accepted[label][0], q, k, v, layout, mask, scale, options)
+        return None if errors is None else Decision(label, shape, timings=timings, errors=errors, kept=True)
+
+    def _shipped(self, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision | None:
+        """The shipped table's decision for this GPU family and call, where it timed every kernel that took the
+        call: the fastest of those (an approximate one where the probe of this call is within its bound); else
+        None (measure)."""
+        family = gpu_family(q.device)
+        timings = SHIPPED.get(family, {}).get(shipped_shape(q, k, layout, mask)) if family else None
+        if not timings or not set(accepted) <= set(timings):
+            return None
+        timings = {label: timings[label] for label in accepted}
+        label = min(timings, key=timings.get)
+        errors = _within_bound(accepted[label][0], q, k, v, layout, mask, scale, options)
+        return None if errors is None else Decision(label, shape, timings=timings, errors=errors, shipped=family)
 
     def _decide(self, accepted, shape, q, k, v, layout, mask, scale, options) -> Decision:
         rejected, errors = {}, {}

@@ -286,3 +286,56 @@ def test_a_kept_decision_for_other_candidates_or_an_unreadable_store_measures(ke
     with caplog.at_level(logging.WARNING, logger="bigdit.attention.auto"):
         assert registry.create("auto").kernel_call(q, k, v).label == "auto:other"
     assert "other" in RAN and "the kept decisions could not be read (OSError: unreadable)" in caplog.text
+
+
+def shipping(monkeypatch, timings: dict):
+    """auto on a GPU of family sm90 (standing in for CUDA: a CPU's device has no family) whose shipped table holds
+    `timings` for qkv()'s call."""
+    monkeypatch.setattr(auto, "gpu_family", lambda device: "sm90")
+    monkeypatch.setattr(auto, "SHIPPED", {"sm90": {"1x2x128x64 float32": timings}})
+
+
+def test_a_shipped_decision_runs_on_a_first_run_without_measuring(kernels, monkeypatch):
+    shipping(monkeypatch, {"fast": 20.0, "slow": 40.0, "sdpa": 100.0, "absent": 5.0})
+    store = Store()
+    auto.use_store(store)
+    backend = kernels(Kernel("fast", 20.0), Kernel("slow", 40.0))
+    q, k, v = qkv()
+    call = backend.kernel_call(q, k, v)
+    assert call.label == "auto:fast" and RAN == [] and not store.entries  # nothing timed, nothing kept as measured
+    assert backend.take_choices() == ["1x2x128x64 float32: fast (shipped for sm90, not measured here); fast 20.00 ms, "
+                                      "slow 40.00 ms, sdpa 100.00 ms"]  # "absent": not a kernel here
+    assert torch.equal(call.run(), F.scaled_dot_product_attention(q, k, v))
+    new_process(monkeypatch)
+    assert kernels(Kernel("slow", 40.0)).kernel_call(q, k, v).label == "auto:slow" and RAN == []  # of those here
+
+
+def test_a_shipped_decision_that_did_not_time_a_kernel_here_or_fails_its_bound_measures(kernels, monkeypatch):
+    shipping(monkeypatch, {"fast": 20.0, "sdpa": 100.0})
+    backend = kernels(Kernel("fast", 20.0), Kernel("other", 10.0))  # "other" was not timed where it shipped
+    q, k, v = qkv()
+    assert backend.kernel_call(q, k, v).label == "auto:other" and "fast" in RAN and "other" in RAN
+    new_process(monkeypatch)
+    shipping(monkeypatch, {"int8": 10.0, "exact": 30.0, "sdpa": 100.0})
+    int8 = Kernel("int8", 10.0, error=0.03)
+    assert kernels(Kernel("exact", 30.0), int8).kernel_call(q, k, v).label == "auto:int8" and RAN == ["int8"]  # probe
+    new_process(monkeypatch)
+    int8.error = 0.09  # past its bound on this call: measured
+    backend = registry.create("auto")
+    assert backend.kernel_call(q, k, v).label == "auto:exact" and "exact" in RAN
+    assert "shipped" not in backend.take_choices()[0]
+
+
+def test_the_shipped_table_reads_names_kernels_the_pack_has_and_keys_h3s_calls():
+    assert auto.SHIPPED, auto.SHIPPED_FILE
+    labels = {impl.label for impl in registry.create("auto").kernels}  # every kernel auto weighs
+    for family, shapes in auto.SHIPPED.items():
+        for shape, timings in shapes.items():
+            assert set(timings) <= labels and all(ms > 0 for ms in timings.values()), (family, shape)
+    dit = torch.empty(1, 56, 15787, 128, dtype=torch.bfloat16)  # H3's DiT at 864x480, and its VAE's two batches
+    vae, tiles = torch.empty(1, 32, 1797, 64, dtype=torch.float16), torch.empty(14, 32, 1797, 64, dtype=torch.float16)
+    keys = [auto.shipped_shape(t, t, "BHSD", None) for t in (dit, vae, tiles)]
+    assert keys == ["1x56x16384x128 bfloat16", "1x32x2048x64 float16", "16x32x2048x64 float16"]
+    assert all(key in auto.SHIPPED["sm90"] for key in keys)
+    assert auto.shipped_shape(dit, dit, "BHSD", torch.zeros(1, 1, 15787, 15787, dtype=torch.bool)) is None
+    assert auto.shipped_shape(vae, dit, "BHSD", None) == "1x32x2048x64 float16, keys 56x16384"
