@@ -32,7 +32,8 @@ def decode(qdata: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | No
     n, k = qdata.shape[0], 2 * qdata.shape[1]
     out = torch.empty(n, k, device=qdata.device, dtype=torch.int8)
     fp8 = s_rel.dtype == torch.float8_e4m3fn
-    scales = s_rel.view(torch.uint8) if fp8 else s_rel
+    qdata = qdata.contiguous()  # rows at their stride, bytes next to each other (a file's tensors are)
+    scales = (s_rel.view(torch.uint8) if fp8 else s_rel).contiguous()
     cb = codebook.float().contiguous() if codebook is not None else out  # unread without a codebook
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k // 2, BLOCK_KH))
     _decode_kernel[grid](qdata, scales, cb, out, n, k // 2, qdata.stride(0), scales.stride(0), out.stride(0),
