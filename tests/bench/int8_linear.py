@@ -9,15 +9,16 @@ Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unl
 otherwise); raw torch._int_mm (cuBLASLt, no
 rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_int8`, group 16) as the pack runs
 it (its decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, the pack's and kitchen's decodes alone, and with
-the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs, named); the INT8
-GEMM alone (activations quantized beforehand), the pack's and as a persistent kernel (tests/bench/int8_gemm_persistent.py,
-the fastest of its configs, named). Each: ms (CUDA events,
+with --experiments the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs,
+named); the INT8 GEMM alone (activations quantized beforehand), the pack's and, with --experiments, as a persistent
+kernel (tests/bench/int8_gemm_persistent.py, the fastest of its configs, named). The two experiments lost on an H100
+(int8-linear-exp-*-h100-2026-12-07.json) and search several configs each: off by default. Each: ms (CUDA events,
 warmed up, median of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
 peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The configs the
 kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per
 layer says whether the target (>= 1.5x bf16) is met, one whether W4A8 runs at least W4A8_TARGET of the INT8 method.
 
-    python tests/bench/int8_linear.py [--rows 32700] [--out FILE]
+    python tests/bench/int8_linear.py [--rows 32700] [--experiments] [--out FILE]
 """
 import argparse
 from pathlib import Path
@@ -109,7 +110,7 @@ def fastest_persistent(q, scale, weight, w_scale):
                                                       programs)
 
 
-def bench_shape(name, k, n, act, rows):
+def bench_shape(name, k, n, act, rows, experiments=False):
     torch.manual_seed(0)
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     torch.nn.init.normal_(linear.weight, std=k ** -0.5)
@@ -160,11 +161,11 @@ def bench_shape(name, k, n, act, rows):
     runs["gemm"] = lambda: int8_triton.gemm(q, q_scale, weight, w_scale, None, torch.bfloat16,
                                             tma=int8_triton._tma(x.device))
     measure("gemm", runs["gemm"])
-    persistent = fastest_persistent(q, q_scale, weight, w_scale)
+    persistent = fastest_persistent(q, q_scale, weight, w_scale) if experiments else None
     if persistent is not None:
         runs["gemm_persistent"] = persistent[1]
         measure("gemm_persistent", runs["gemm_persistent"])
-    fused_config = fastest_fused(x, w4a8, act)
+    fused_config = fastest_fused(x, w4a8, act) if experiments else None
     if fused_config is not None:
         runs["w4a8_fused"] = lambda: w4a8_fused.linear(x, w4a8, act, fused_config)
         measure("w4a8_fused", runs["w4a8_fused"])
@@ -190,6 +191,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=32700)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--experiments", action="store_true", help="the persistent GEMM and the fused W4A8 decode too")
     args = ap.parse_args()
     chooser()  # starts recording the method's measurements
     gpu = torch.cuda.get_device_name()
@@ -201,7 +203,7 @@ def main():
     print(f"{'layer':9} " + " ".join(f"{c:>22}" for c in cands) + "   (ms, x bf16 F.linear, % of peak)")
     results = []
     for name, (k, n, act) in SHAPES.items():
-        r = bench_shape(name, k, n, act, args.rows)
+        r = bench_shape(name, k, n, act, args.rows, args.experiments)
         results.append(r)
         cells = " ".join("(none)".rjust(22) if c not in r else f"{r[c]['ms']:7.3f} {r[c]['ratio_to_bf16']:5.2f}x "
                          f"{100 * r[c].get('peak_fraction', float('nan')):4.0f}%" for c in cands)
