@@ -25,10 +25,16 @@ def cuda_capability(device) -> tuple[int, int] | None:
     return _capability(device.type, index)
 
 
+def gpu_family(device) -> str | None:
+    """A CUDA device's compute capability as reports and shipped tables name it ("sm90"); None elsewhere."""
+    capability = cuda_capability(device)
+    return None if capability is None else f"sm{capability[0]}{capability[1]}"
+
+
 def device_text(device: torch.device) -> str:
     """"cuda sm90", "cpu": a device as the reports name it."""
-    capability = cuda_capability(device) if device.type == "cuda" else None
-    return device.type + (f" sm{''.join(map(str, capability))}" if capability is not None else "")
+    family = gpu_family(device) if device.type == "cuda" else None
+    return device.type + (f" {family}" if family is not None else "")
 
 
 def cuda_at_least(device, minimum: tuple[int, int]) -> bool:

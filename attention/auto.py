@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from ..dtypes import dtype_name
-from ..hardware import cuda_capability, time_ms
+from ..hardware import gpu_family, time_ms
 from ..pack_logging import pack_logger
 from . import registry
 from ..units import next_pow2
@@ -139,12 +139,6 @@ def _load_shipped() -> dict[str, dict[str, dict[str, float]]]:
 
 
 SHIPPED = _load_shipped()
-
-
-def gpu_family(device: torch.device) -> str | None:
-    """A CUDA device's compute capability as the shipped table names it ("sm90"); None elsewhere."""
-    capability = cuda_capability(device)
-    return None if capability is None else f"sm{capability[0]}{capability[1]}"
 
 
 def shipped_shape(q, k, layout, mask) -> str | None:

@@ -86,8 +86,11 @@ class HeaderReader:
         start = self.header.data_start + info.begin
         data = self._map[start:start + info.nbytes] if info.nbytes else b""
         if len(data) != info.nbytes:    # the file shrank since its header was read
-            raise CheckpointError(self.header.path, f"truncated file: tensor {key!r} ends past the file's end", [key])
+            raise self._truncated(key)
         return data
+
+    def _truncated(self, key: str) -> CheckpointError:
+        return CheckpointError(self.header.path, f"truncated file: tensor {key!r} ends past the file's end", [key])
 
     def byte_range(self, key: str) -> tuple[int, int]:
         """(smallest, largest) byte of a non-empty tensor's stored bytes, read in place: no copy (a text encoder's
@@ -98,7 +101,7 @@ class HeaderReader:
         view = memoryview(self._map)[start:start + info.nbytes]
         try:
             if len(view) != info.nbytes:
-                raise CheckpointError(self.header.path, f"truncated file: tensor {key!r} ends past the file's end", [key])
+                raise self._truncated(key)
             codes = np.frombuffer(view, dtype=np.uint8)
             low, high = int(codes.min()), int(codes.max())
             del codes  # the mapping cannot close while an array holds it

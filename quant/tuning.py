@@ -24,6 +24,7 @@ import threading
 
 import torch
 
+from ..hardware import gpu_family
 from ..pack_logging import pack_logger
 
 try:  # POSIX; elsewhere Windows' byte-range lock, else none (the rename still keeps the file whole)
@@ -61,11 +62,9 @@ def source_digest(*objects: object) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu(index: int) -> tuple[str, str]:
+def _gpu_name(index: int) -> str:
     # torch.compile folds get_device_properties into a constant (as hardware.cuda_capability relies on)
-    props = torch.cuda.get_device_properties(index)
-    family = f"sm{props.major}{props.minor}"
-    return f"{props.name} {family}", family
+    return torch.cuda.get_device_properties(index).name
 
 
 def _index(device) -> int | None:
@@ -79,13 +78,7 @@ def device_key(device) -> str | None:
     """The store's key of a CUDA device: its name and compute capability ("NVIDIA H100 80GB HBM3 sm90"); None
     for any other device (nothing is tuned there)."""
     index = _index(device)
-    return None if index is None else _gpu(index)[0]
-
-
-def gpu_family(device) -> str | None:
-    """A CUDA device's compute capability as the shipped tables name it ("sm90"); None elsewhere."""
-    index = _index(device)
-    return None if index is None else _gpu(index)[1]
+    return None if index is None else f"{_gpu_name(index)} {gpu_family(device)}"
 
 
 def _entries(data) -> dict | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .int8_triton import triton
+from .int8_triton import runs_on, triton
 
 BLOCK_N, BLOCK_KH, NUM_WARPS = 32, 256, 4  # a tile: 32 rows x 512 columns (256 packed bytes a row)
 
@@ -20,7 +20,6 @@ BLOCK_N, BLOCK_KH, NUM_WARPS = 32, 256, 4  # a tile: 32 rows x 512 columns (256 
 def decodes(qdata: torch.Tensor, s_rel: torch.Tensor, group_size: int) -> bool:
     """Whether `decode` takes these tensors: 4-bit codes [N, K/2] (not kitchen's 6-bit planes), scales [N, K/G] in
     fp8 e4m3fn or fp32, an even group, on a device the kernel runs on (CUDA, or Triton's interpreter on CPU)."""
-    from .int8_triton import runs_on
     return (triton is not None and runs_on(qdata.device) and qdata.dtype == torch.int8 and qdata.dim() == 2
             and s_rel.dim() == 2 and group_size % 2 == 0 and s_rel.shape[0] == qdata.shape[0]
             and s_rel.shape[1] * group_size == 2 * qdata.shape[1]
