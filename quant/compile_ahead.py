@@ -14,8 +14,8 @@ entered in a copy of the caller's context, so no other launch of the caller comp
 finds the compile finished puts the kernel into the JIT's cache under the launch's key (Triton does so only when
 the pending kernel's result is asked for, and 3.6 keeps no pending kernel there), where the launch then finds it.
 A compiled kernel's launcher is built on the pool too before it counts as ready: Triton 3.6 builds each launcher
-signature with the C compiler at a kernel's first launch (0.17-0.35 s each on a CPU here; two of them held an
-H100's first INT8 launches for 0.57 s), and puts it in its cache, where the launch then loads it.
+signature with the C compiler at a kernel's first launch (an H100's two first INT8 launches after their compile
+took 0.57 s), and puts it in its cache, where the launch then loads it.
 
 Off, every launch compiling in place as Triton does: where BIGDIT_TRITON_COMPILE_AHEAD=0 (results then do not
 depend on which kernels were compiled yet), where the user asked for tuning (a search times the kernels
