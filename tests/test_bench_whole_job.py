@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,30 @@ def test_bytes_by_stage_is_what_the_cumulative_count_grew_by():
     assert read["queue"] == 0 and read["encoder"] == 1000 and read["model_load"] == 200 + 10
     assert read["sampling"] == 50 and sum(read.values()) == 1360 - 100
     assert whole_job.bytes_by_stage(segs, samples, 5)["model_load"] == 40
+
+
+def test_cgroup_memory_reads_anon_file_and_refaulted_bytes(tmp_path):
+    stat = tmp_path / "memory.stat"
+    stat.write_text("anon 1000\nfile 2000\nfile_mapped 50\nworkingset_refault_anon 7\nworkingset_refault_file 3\n")
+    assert whole_job.cgroup_memory(stat) == (1000, 2000, 3 * whole_job.PAGE)
+    assert whole_job.cgroup_memory(None) == (None, None, None)
+    assert whole_job.cgroup_memory(tmp_path / "gone") == (None, None, None)
+    stat.write_text("anon 1000\nfile 2000\n")  # a kernel without the counter
+    assert whole_job.cgroup_memory(stat) == (None, None, None)
+
+
+def test_monitor_samples_keep_their_columns_with_and_without_a_cgroup(tmp_path):
+    stat = tmp_path / "memory.stat"
+    stat.write_text("anon 10\nfile 20\nworkingset_refault_file 2\n")
+    for memory_stat, tail in ((stat, (10, 20, 2 * whole_job.PAGE)), (None, (None, None, None))):
+        monitor = whole_job.Monitor(os.getpid(), interval=0.01, memory_stat=memory_stat)
+        monitor.start()
+        time.sleep(0.05)
+        monitor.stop()
+        sample = monitor.samples[-1]
+        assert len(sample) == 9 and sample[2] > 0 and sample[3] >= 0 and sample[6:] == tail
+        # column 4 stays the disk's reads, which bytes_by_stage and the profile read
+        assert sample[4] is not None and sample[4] <= whole_job.io_bytes(monitor.pids)[0]
 
 
 # ---- the profile: FLOPs from upstream's classes, floors ------------------------------------------------------------

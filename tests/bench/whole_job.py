@@ -123,6 +123,7 @@ from comfy_e2e import (BenchServer, compare, gpu_name, gpu_slug, log_lines, pack
 from comfy_harness import PromptError, _validation_message, comfyui_version  # noqa: E402
 
 GIB = 1024 ** 3
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 PROMPTS = BENCH_DIR / "job_prompts"
 SETTINGS = ("turbo", "default")
 
@@ -375,6 +376,17 @@ def unreclaimable(pids) -> int:
     return total
 
 
+def cgroup_memory(memory_stat: Path | None) -> tuple:
+    """(anonymous, page-cache, refaulted page-cache bytes) of a cgroup v2's memory.stat; the last is cumulative:
+    file pages read again after the kernel evicted them (workingset_refault_file), the cost of reading a file
+    ahead beyond the room the job leaves. Nones where there is no such file."""
+    try:
+        fields = dict(line.split() for line in memory_stat.read_text().splitlines()) if memory_stat else {}
+        return int(fields["anon"]), int(fields["file"]), int(fields["workingset_refault_file"]) * PAGE
+    except (OSError, KeyError, ValueError):
+        return None, None, None
+
+
 def io_bytes(pids) -> tuple[int, int]:
     """(read, written) bytes the processes have had the storage layer fetch and send (/proc/<pid>/io: what came
     from the disk, not the page cache)."""
@@ -393,12 +405,12 @@ def io_bytes(pids) -> tuple[int, int]:
 class Monitor(threading.Thread):
     """Polls the device's used memory and the bytes the server's processes had the disk read and write (every
     `interval` s), and their memory (every 5th poll; the process tree is listed then too): samples (time, device
-    used, RSS, unreclaimable, bytes read from the disk, bytes written), the last two cumulative; one more sample
-    when stopped."""
+    used, RSS, unreclaimable, bytes read from the disk, bytes written, the cgroup's anon, file, refaulted file
+    bytes), reads, writes and refaults cumulative; one more sample when stopped."""
 
-    def __init__(self, pid: int, interval: float = SAMPLE_S):
+    def __init__(self, pid: int, interval: float = SAMPLE_S, memory_stat: Path | None = None):
         super().__init__(daemon=True)
-        self.pid, self.interval = pid, interval
+        self.pid, self.interval, self.memory_stat = pid, interval, memory_stat
         self.samples: list[tuple] = []
         self.stop_event = threading.Event()
         self.nvml_error = None
@@ -417,22 +429,24 @@ class Monitor(threading.Thread):
             return None
 
     def _memory(self) -> tuple:
-        """(RSS, unreclaimable) of the process tree, listed again."""
+        """(RSS, unreclaimable) of the process tree, listed again, and the memory cgroup's (anon, file, refaulted
+        file bytes) where it has one (cgroup_memory)."""
+        cgroup = cgroup_memory(self.memory_stat)
         try:
             procs = _tree(self.pid)
             self.pids = [p.pid for p in procs]
-            return sum(p.memory_info().rss for p in procs), unreclaimable(self.pids)
+            return sum(p.memory_info().rss for p in procs), unreclaimable(self.pids), *cgroup
         except Exception:  # the server is gone
             self.pids = []
-            return None, None
+            return None, None, *cgroup
 
     def _sample(self, memory: tuple) -> tuple:
         io = io_bytes(self.pids) if self.pids else (None, None)
-        return (time.time(), self.used() if self.used else None, *memory, *io)
+        return (time.time(), self.used() if self.used else None, *memory[:2], *io, *memory[2:])
 
     def run(self):
         self.used = self._nvml()
-        count, memory = 0, (None, None)
+        count, memory = 0, (None,) * 5
         while not self.stop_event.is_set():
             if count % 5 == 0:
                 memory = self._memory()
@@ -457,6 +471,7 @@ class MemoryLimit:
         self.launcher = ("systemd-run", "--scope", "--quiet", f"--unit={unit}", f"-pMemoryMax={cap}",
                          "-pMemorySwapMax=0", "--") if unit else ()
         self.preexec_fn = self._join if path else None
+        self.memory_stat = path / "memory.stat" if path and version == 2 else None  # Monitor samples it
 
     @classmethod
     def make(cls, cap: int, name: str, root=Path("/sys/fs/cgroup"), proc=Path("/proc")
@@ -602,7 +617,7 @@ def stage_seconds(segs) -> dict:
 
 
 def bytes_by_stage(segs, samples, column: int) -> dict:
-    """What a cumulative column (4: bytes read from the disk, 5: written) grew by in each stage: its last sample at
+    """What a cumulative column (4: bytes read from the disk, 5: written, 8: file pages refaulted) grew by in each stage: its last sample at
     or before a segment's end less its last at or before its start (samples every 20 ms)."""
     known = [(s[0], s[column]) for s in samples if s[column] is not None]
     times = [t for t, _ in known]
@@ -617,7 +632,8 @@ def bytes_by_stage(segs, samples, column: int) -> dict:
 
 
 def peaks_by_stage(segs, samples, column: int) -> dict:
-    """The largest sample of `column` (1: device, 2: RSS, 3: unreclaimable) in each stage, GiB."""
+    """The largest sample of `column` (1: device, 2: RSS, 3: unreclaimable, 6: the cgroup's anon, 7: its page
+    cache) in each stage, GiB."""
     starts = [s[0] for s in segs]
     peaks = {}
     for sample in samples:
@@ -648,6 +664,7 @@ class Job:
         # the budget counts from the device script's start where it says when (unpacking, building SageAttention)
         self.started = float(os.environ.get("E2E_STARTED") or time.time())
         self.latents = {}  # (setting, ram_gib, config, job) -> (video, audio)
+        self.memory_stat = None  # the current server's cgroup memory.stat (MemoryLimit), sampled by Monitor
         self.phases = {}  # setting -> {"job1": [seconds...], "job2": [...]}: estimate's measurements
         self.encoder_check = None
         version = comfyui_version(Path(opts.comfyui))
@@ -818,6 +835,7 @@ class Job:
         limit, why = (MemoryLimit.make(int(ram_gib * GIB), f"bigdit-job-{os.getpid()}-{len(self.payload['results'])}")
                       if opts.ram_cgroup else (None, "not asked (--ram-cgroup)"))
         ram = {"comfyui_sees_gib": ram_gib, "enforced": limit is not None, "how": limit.how if limit else why}
+        self.memory_stat = limit.memory_stat if limit is not None else None
         env = {"BIGDIT_BENCH_PROFILE": "0", **dict(config.env)}
         triton_dir = self.kept_folder("triton_cache", tag)
         triton_dir.mkdir(parents=True, exist_ok=True)
@@ -955,7 +973,7 @@ class Job:
         if not events.connected.wait(30) or events.error:
             raise RuntimeError(f"no websocket to follow the job: {events.error or 'no connection in 30 s'}")
         log_start = len(server.log_text())
-        monitor = Monitor(server.pid)
+        monitor = Monitor(server.pid, memory_stat=self.memory_stat)
         monitor.start()
         t_post = time.time()
         try:
@@ -1014,6 +1032,10 @@ class Job:
                    host_unreclaimable_peak_gib=max((s[3] for s in samples if s[3]), default=0) / GIB,
                    disk_read_by_stage=bytes_by_stage(segs, samples, 4),
                    disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples))
+        if any(s[8] is not None for s in samples):  # the server's memory cgroup (v2): what its page cache did
+            out["cgroup_by_stage"] = {"anon_peak_gib": peaks_by_stage(segs, samples, 6),
+                                      "file_peak_gib": peaks_by_stage(segs, samples, 7),
+                                      "file_refaulted_bytes": bytes_by_stage(segs, samples, 8)}
         # a machine of each size holds the job if what it cannot reclaim fits; the file pages it can drop and reread
         out["ram_budgets"] = {f"{gib}g": {"unreclaimable_fits": out["host_unreclaimable_peak_gib"] <= gib,
                                           "rss_fits": out["host_rss_peak_gib"] <= gib} for gib in RAM_BUDGETS_GIB}
