@@ -8,7 +8,7 @@ import torch
 from ..attention import Router, summary
 from ..pack_logging import pack_logger
 from .attention import KEY, install, not_reached
-from .read_ahead import release_held_when_sampling
+from .read_ahead import hook_sampling
 from .report import compiled_by_comfy, show_on_node
 from .tuning import use_tuning_store
 
@@ -57,6 +57,6 @@ def install_router(model, router: Router, node_id) -> tuple[object, str]:
     patched.add_callback_with_key(callbacks.ON_CLEANUP, CALLBACK_KEY, report)
     # a later report reads the statistics here: model.get_attachment(CALLBACK_KEY).stats
     patched.set_attachments(CALLBACK_KEY, router)
-    release_held_when_sampling(patched)
+    hook_sampling(patched)
     log.info("Set Attention Backend: %s%s", router.describe(), composed)
     return patched, text

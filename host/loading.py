@@ -14,7 +14,7 @@ from .file_backed import back_with_file
 from .lora_fold import install_lora_fold
 from .report import NodeRun, node_output, watch_quantized_layers
 from .offload import install_offload
-from .read_ahead import release_held_when_sampling
+from .read_ahead import hook_sampling
 from .tuning import use_tuning_store
 
 
@@ -87,11 +87,11 @@ def load_checkpoint(title: str, folder: str, file_name: str, *, clip_type: str |
 def attach_quantized(patcher, run: NodeRun, layers: dict, title: str) -> None:
     """What a model with the pack's quantized `layers` needs after each load and sampling: the count of the
     layers that ran on the node, a LoRA folded into the quantized weights, the host's paging of them under dynamic
-    VRAM, the text encoders read ahead dropped from the page cache as it starts sampling."""
+    VRAM, the read-ahead's hooks on its sampling (host/read_ahead.py's hook_sampling)."""
     watch_quantized_layers(patcher, run, layers, title)
     install_lora_fold(patcher, run)
     prepare_dynamic_vram(patcher)
-    release_held_when_sampling(patcher)
+    hook_sampling(patcher)
 
 
 def quantize_model_node(model, options: QuantizeOptions, title: str, node_id):

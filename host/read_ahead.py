@@ -6,8 +6,12 @@ logged, never the prompt's. The files: the values of the prompt's file inputs (F
 ComfyUI's models folder; the host's loaders and the pack's use these names), in the order a job needs them whole:
 text encoders and checkpoints, then LoRAs (their loaders read them whole before sampling starts), then diffusion
 models (under dynamic VRAM paged in during the first step; in the H3 turbo job the LoRA's loader read its file
-behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead), then VAEs. A file read ahead once is
-not read again by this server. When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8,
+behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead). VAEs last: where the prompt names a
+diffusion model, once a diffusion model the pack loaded or changed has returned from its first call (its weights
+are read by then, and the disk waits through the other steps), and only if the RAM then holds them; else as the
+prompt is queued. Read at the queue, an H3 turbo job's VAE was read during the first step, beside the DiT, and its
+pages were evicted before the decode, which read it again (whole_job at 64 GiB on an H100, 2026-12-07: 2.4-2.7 GiB
+read in the VAE stage with the read-ahead as without it). A file read ahead once is not read again by this server. When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8,
 SetAttentionBackend) starts sampling, the prompt's conditioning exists, so its text encoders were loaded:
 `release_held` drops their pages (ComfyUI holds their weights), whose room the job's next files need (in the H3
 turbo job at 64 GiB the read-ahead read 46.6 GiB for 39.2 GiB of files: the kernel dropped read-ahead pages not yet
@@ -34,15 +38,17 @@ log = pack_logger(__name__)
 FILE_INPUTS = {"clip_name": "text_encoders", **{f"clip_name{i}": "text_encoders" for i in range(1, 5)},
                "ckpt_name": "checkpoints", "unet_name": "diffusion_models", "lora_name": "loras", "vae_name": "vae"}
 ORDER = ("text_encoders", "checkpoints", "loras", "diffusion_models", "vae")
+AFTER_FIRST_STEP = frozenset({"vae"})  # read once a diffusion model's first call returned, where the prompt has one
+SAMPLED = frozenset({"checkpoints", "diffusion_models"})  # a prompt naming these runs a diffusion model
 HELD = frozenset({"text_encoders"})  # ComfyUI keeps a text encoder's weights in its own memory once loaded
 SWITCH = "BIGDIT_READ_AHEAD"
 CALLBACK_KEY = "bigdit_read_ahead"
 _handler: PromptReadAhead | None = None  # the server's handler, once installed
 
 
-def prompt_files(prompt: dict) -> list[AheadFile]:
-    """The model files `prompt` (API format) names that exist, each once, in ORDER."""
-    found: dict[str, tuple[int, AheadFile]] = {}
+def prompt_files(prompt: dict) -> list[tuple[str, AheadFile]]:
+    """(models folder, file) of the model files `prompt` (API format) names that exist, each once, in ORDER."""
+    found: dict[str, tuple[int, str, AheadFile]] = {}
     for node in prompt.values():
         inputs = node.get("inputs") if isinstance(node, dict) else None
         for name, value in (inputs.items() if isinstance(inputs, dict) else ()):
@@ -51,8 +57,8 @@ def prompt_files(prompt: dict) -> list[AheadFile]:
                 continue
             path = folder_paths.get_full_path(folder, value)
             if path and path not in found and os.path.isfile(path):
-                found[path] = (ORDER.index(folder), AheadFile(path, os.path.getsize(path), folder in HELD))
-    return [f for _, f in sorted(found.values(), key=lambda entry: entry[0])]
+                found[path] = (ORDER.index(folder), folder, AheadFile(path, os.path.getsize(path), folder in HELD))
+    return [(folder, f) for _, folder, f in sorted(found.values(), key=lambda entry: entry[0])]
 
 
 class PromptReadAhead:
@@ -61,6 +67,7 @@ class PromptReadAhead:
     def __init__(self, pack_nodes: set[str]):
         self.pack_nodes = frozenset(pack_nodes)
         self.reader = Reader(log)
+        self.deferred: list[AheadFile] = []  # the last prompt's files for after a diffusion model's first call
 
     def __call__(self, json_data):
         try:
@@ -73,16 +80,38 @@ class PromptReadAhead:
         return json_data
 
     def read_ahead(self, prompt: dict) -> None:
-        files = [f for f in prompt_files(prompt) if not self.reader.seen(f)]
+        named = prompt_files(prompt)
+        later = AFTER_FIRST_STEP if any(folder in SAMPLED for folder, _ in named) else frozenset()
+        named = [(folder, f) for folder, f in named if not self.reader.seen(f)]
+        self.deferred = [f for folder, f in named if folder in later]
+        files = [f for folder, f in named if folder not in later]
+        deferred = (f"; after a diffusion model's first step: {_names(self.deferred)}" if self.deferred else "")
+        if not files:
+            if deferred:
+                log.info("read-ahead: none now%s", deferred)
+            return
+        chosen, why = plan(files, ram_room())
+        if why:
+            log.info("read-ahead: none (%s)%s", why, deferred)
+            return
+        queued = self.reader.submit(chosen, "a queued prompt")
+        log.info("read-ahead: %d files, %s, queued: %s%s", len(queued), format_gib(sum(f.size for f in queued)),
+                 _names(queued), deferred)
+
+    def read_deferred(self) -> None:
+        """Read the deferred files where the RAM holds them now; they are not deferred again."""
+        files, self.deferred = [f for f in self.deferred if not self.reader.seen(f)], []
         if not files:
             return
         chosen, why = plan(files, ram_room())
         if why:
-            log.info("read-ahead: none (%s)", why)
+            log.info("read-ahead after a diffusion model's first step: none (%s): %s", why, _names(files))
             return
-        queued = self.reader.submit(chosen, "a queued prompt")
-        log.info("read-ahead: %d files, %s, queued: %s", len(queued), format_gib(sum(f.size for f in queued)),
-                 ", ".join(os.path.basename(f.path) for f in queued))
+        self.reader.submit(chosen, "a diffusion model's first step")
+
+
+def _names(files: list[AheadFile]) -> str:
+    return ", ".join(os.path.basename(f.path) for f in files)
 
 
 def release_held() -> None:
@@ -98,12 +127,27 @@ def release_held() -> None:
                  format_gib(sum(f.size for f in dropped)))
 
 
-def release_held_when_sampling(patcher) -> None:
-    """Have `patcher`'s sampling start with release_held (its conditioning is encoded by then); once, however many
-    of the pack's nodes the model passed through."""
+def after_first_call(executor, *args, **kwargs):
+    """The diffusion model's wrapper: its call, then the deferred files read (nothing once they are)."""
+    out = executor(*args, **kwargs)
+    if _handler is not None and _handler.deferred:
+        try:
+            _handler.read_deferred()
+        except Exception:  # noqa: BLE001 - sampling runs whatever happens here
+            log.exception("read-ahead after a diffusion model's first step failed; sampling runs without it")
+    return out
+
+
+def hook_sampling(patcher) -> None:
+    """Have `patcher`'s sampling start with release_held (its conditioning is encoded by then), and its diffusion
+    model's first call end with the deferred files read; once, however many of the pack's nodes the model passed
+    through."""
     pre_run = comfy.patcher_extension.CallbacksMP.ON_PRE_RUN
     patcher.remove_callbacks_with_key(pre_run, CALLBACK_KEY)
     patcher.add_callback_with_key(pre_run, CALLBACK_KEY, lambda _patcher: release_held())
+    diffusion_model = comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL
+    patcher.remove_wrappers_with_key(diffusion_model, CALLBACK_KEY)
+    patcher.add_wrapper_with_key(diffusion_model, CALLBACK_KEY, after_first_call)
 
 
 def install(pack_nodes: set[str]) -> bool:

@@ -6,7 +6,7 @@ whole. The same file named again is not read again; a prompt with no node of the
 SetVAEKernels) reads nothing ahead. On the session's server (BIGDIT_READ_AHEAD=0, as comfy_harness starts test
 servers) nothing is read ahead. Each test names a VAE file of its own (a copy of the tiny VAE). A text encoder
 read ahead has its page cache dropped as a diffusion model the pack loaded (or SetAttentionBackend changed) starts
-sampling, once.
+sampling, once; the VAE of a prompt naming a diffusion model is read once that model's first call returned.
 """
 import re
 import shutil
@@ -86,8 +86,9 @@ def test_a_prompt_with_a_pack_node_has_its_files_read_ahead_once(comfy, tiny_vae
 
 
 def test_files_are_read_in_the_order_a_job_needs_them_whole(comfy, tiny_vae, reading):
-    """Text encoder, LoRA, diffusion model, VAE, whatever the prompt's node order: the handler runs as the prompt
-    is queued, before ComfyUI validates it (this one has no output, so it is refused after)."""
+    """Text encoder, LoRA, diffusion model, whatever the prompt's node order, and the VAE deferred to a diffusion
+    model's first step: the handler runs as the prompt is queued, before ComfyUI validates it (this one has no
+    output, so it is refused after, and no diffusion model runs)."""
     names = {"text_encoders": "order_te.safetensors", "loras": "order_lora.safetensors",
              "diffusion_models": "order_dit.safetensors", "vae": "order_vae.safetensors"}
     for folder, name in names.items():
@@ -105,11 +106,12 @@ def test_files_are_read_in_the_order_a_job_needs_them_whole(comfy, tiny_vae, rea
     start = len(reading.log_text())
     with pytest.raises(urllib.error.HTTPError):  # no output node: refused, after the handler ran
         reading._request("/prompt", {"prompt": prompt})
-    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: 4 files, [\d.]+ GiB, queued: (.*)")
+    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: 3 files, [\d.]+ GiB, queued: (.*); after a "
+                                       r"diffusion model's first step: (.*)")
     assert queued, reading.log_text()[start:][-3000:]
-    assert queued.group(1).strip().split(", ") == [names[f] for f in ("text_encoders", "loras", "diffusion_models",
-                                                                       "vae")]
-    assert log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 4 files")  # done: no later line
+    assert queued.group(1).split(", ") == [names[f] for f in ("text_encoders", "loras", "diffusion_models")]
+    assert queued.group(2).strip() == names["vae"]
+    assert log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 3 files")  # done: no later line
 
 
 def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae, reading):
@@ -133,18 +135,19 @@ def test_a_text_encoder_read_ahead_is_dropped_from_the_page_cache_when_sampling_
                                                                                        pack_node):
     """The tiny Wan loaded by MixedCheckpointLoader, or by UNETLoader through SetAttentionBackend, and a
     text-encoder file named by a CLIPLoader that no output needs (so ComfyUI never loads it, but the prompt names
-    it): read ahead as the prompt is queued, its pages dropped when a sampling starts, and once."""
+    it): read ahead as the prompt is queued, its pages dropped when a sampling starts, and once. The VAE is read
+    once the diffusion model's first call returned."""
     for folder, name in (("diffusion_models", tiny_wan["unet_name"]), ("vae", tiny_wan["vae_name"])):
         (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(comfy.models_dir / folder / name, reading.models_dir / folder / name)
     (reading.models_dir / "text_encoders").mkdir(parents=True, exist_ok=True)
-    encoder = f"held_te_{pack_node}.safetensors"
+    encoder, vae = f"held_te_{pack_node}.safetensors", f"deferred_vae_{pack_node}.safetensors"
     shutil.copyfile(comfy.models_dir / "vae" / tiny_wan["vae_name"], reading.models_dir / "text_encoders" / encoder)
+    shutil.copyfile(comfy.models_dir / "vae" / tiny_wan["vae_name"], reading.models_dir / "vae" / vae)
     if pack_node == "MixedCheckpointLoader":
-        graph = wan_t2v_graph(None, tiny_wan["vae_name"],
-                              loader=("MixedCheckpointLoader", {"unet_name": tiny_wan["unet_name"]}))
+        graph = wan_t2v_graph(None, vae, loader=("MixedCheckpointLoader", {"unet_name": tiny_wan["unet_name"]}))
     else:
-        graph = wan_t2v_graph(tiny_wan["unet_name"], tiny_wan["vae_name"], model_chain=[
+        graph = wan_t2v_graph(tiny_wan["unet_name"], vae, model_chain=[
             ("SetAttentionBackend", {"backend": "sdpa", "dense_backend": "sdpa", "sol_tau": 1.0, "dense_steps": 0,
                                      "dense_layers": ""})])
     graph["te"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": encoder, "type": "wan"}}
@@ -152,6 +155,10 @@ def test_a_text_encoder_read_ahead_is_dropped_from_the_page_cache_when_sampling_
     reading.run(graph)
     read = log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: \d files")
     assert read, reading.log_text()[start:][-3000:]
+    assert re.search(rf"read-ahead: .*; after a diffusion model's first step: {re.escape(vae)}\n",
+                     reading.log_text()[start:]), reading.log_text()[start:][-3000:]
+    assert log_after(reading, start, r"\[BigDiT\] read-ahead for a diffusion model's first step: 1 files"), \
+        reading.log_text()[start:][-3000:]
     graph["sampler"]["inputs"]["seed"] = 1  # a new job; its sampling drops the pages if the first one's (which may
     reading.run(graph)                       # start before the tiny files are read whole) did not
     log = reading.log_text()[start:]
