@@ -11,10 +11,10 @@ of which can be left to ComfyUI (the inputs' "host" value):
   SetAttentionBackend's router (`attention.Router`, its `auto` measured per shape), put back after;
 - weights: under dynamic VRAM ComfyUI pages a cast layer's weight in on each call and keeps it while the card
   has room. For a decode, ComfyUI is first asked to free the pack's layers' bytes and the decode's own estimate
-  (`free_memory`: the sampled model's pages go first), then their tensors are copied onto the card once and
-  every tile computes from those copies, which go when the decode ends; where the card cannot hold them,
-  ComfyUI's paging stays and the report says why. Without dynamic VRAM ComfyUI's own load puts the VAE on the
-  card whole where the decode's estimate lets it, and the layers compute there.
+  (`free_memory_keeping`: the sampled model's pages go first, the VAE's own model stays), then their tensors are
+  copied onto the card once and every tile computes from those copies, which go when the decode ends; where the
+  card cannot hold them, ComfyUI's paging stays and the report says why. Without dynamic VRAM ComfyUI's own load
+  puts the VAE on the card whole where the decode's estimate lets it, and the layers compute there.
 - tiles: a VAE that decodes in spatial tiles of one size (upstream's MiniMax-H3 video VAE: 15 tiles of
   1,797 tokens per temporal chunk) runs its decoder once per tile, each pass too small to fill the GPU and
   launching every kernel again. During each decode the pack decodes a call's tiles in batches (the first
@@ -102,7 +102,7 @@ def resident_weights(patcher, layers: dict[str, QuantLinear], activation_bytes: 
         return
     needed = _layer_bytes(layers.values())
     wanted = needed + activation_bytes + host_reserve()
-    comfy.model_management.free_memory(wanted, device)
+    free_memory_keeping(patcher, wanted, device)
     free = comfy.model_management.get_free_memory(device)
     if free < wanted:
         yield (f"weights paged by ComfyUI: {format_gib(free)} free on {device}, resident weights and the decode "
@@ -129,6 +129,16 @@ def resident_weights(patcher, layers: dict[str, QuantLinear], activation_bytes: 
         comfy.model_management.soft_empty_cache()  # the copies' memory back to the card, for the host's pages
 
 
+def free_memory_keeping(patcher, memory_required: int, device) -> None:
+    """ComfyUI asked to free `memory_required` bytes on `device`, `patcher`'s own model kept loaded (where it is):
+    a model it unloads whole is detached, its object patches (the pack's layers) put back, so the passes of a
+    decode after the ask would run the host's layers (seen on an H100: a first H3 decode whose 13 batched passes
+    ran that way took 10.3 s against 4.3 s in the next job)."""
+    keep = [loaded for loaded in comfy.model_management.current_loaded_models
+            if getattr(loaded, "model", None) is patcher]
+    comfy.model_management.free_memory(memory_required, device, keep_loaded=keep)
+
+
 def tiles_batchable(model) -> bool:
     """Whether `model` decodes in spatial tiles the way `batched_tiles` feeds them (upstream's MiniMax-H3 video
     VAE: `tiled_decode` asks `_decode_pixels` for each tile of `split_tiles`' plan, rows then columns)."""
@@ -153,10 +163,11 @@ def _room(device) -> int:
     return comfy.model_management.get_free_memory(device) - host_reserve()
 
 
-def _decode_batches(decode, tiles: list, count: TileCount) -> list:
+def _decode_batches(decode, tiles: list, count: TileCount, patcher=None) -> list:
     """`decode` on `tiles`, the first alone and the rest in batches as large as the first pass's measured peak
-    allows on a CUDA device (all at once elsewhere), a batch the card cannot hold after all halved; tiles of more
-    than one shape each alone. Each tile's pixels, in order."""
+    allows on a CUDA device (all at once elsewhere; ComfyUI asked for their room, `patcher`'s model kept
+    loaded), a batch the card cannot hold after all halved; tiles of more than one shape each alone. Each tile's
+    pixels, in order."""
     out, size, start = [], 1, 0
     cuda = tiles[0].device.type == "cuda"
     uniform = all(t.shape == tiles[0].shape for t in tiles)  # else no batch: each tile alone
@@ -180,7 +191,7 @@ def _decode_batches(decode, tiles: list, count: TileCount) -> list:
         if cuda and start == 0 and len(tiles) > 1 and uniform:
             per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base) * _BATCH_MARGIN
             # ComfyUI is asked for the rest's room, as for resident weights (the sampled model's pages go first)
-            comfy.model_management.free_memory(per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
+            free_memory_keeping(patcher, per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
             size = max(1, int(_room(tiles[0].device) // per_tile))
         start += len(group)
     count.tiles += len(tiles)
@@ -188,11 +199,11 @@ def _decode_batches(decode, tiles: list, count: TileCount) -> list:
 
 
 @contextlib.contextmanager
-def batched_tiles(model, count: TileCount):
+def batched_tiles(model, count: TileCount, patcher=None):
     """While active, `model`'s own tiled decode gets each tile's pixels from batched decoder passes: the tiles
     its plan (`split_tiles`) gives for the call's latent are decoded first, in batches, then its `tiled_decode`
     runs as it is and receives them in its order; a tile it asks for that the plan did not give is decoded
-    alone."""
+    alone. `patcher`: the VAE's, kept loaded when ComfyUI is asked for the batches' room."""
     own_tiled = model.tiled_decode
     own_pixels = model._decode_pixels
     shadowed = {name: name in vars(model) for name in ("tiled_decode", "_decode_pixels")}  # instance attributes
@@ -203,7 +214,7 @@ def batched_tiles(model, count: TileCount):
         columns = model.split_tiles(z.shape[-1] * ratio)
         tiles = [z[..., y // ratio:y // ratio + h // ratio, x // ratio:x // ratio + w // ratio]
                  for y, h in zip(rows[0], rows[1]) for x, w in zip(columns[0], columns[1])]
-        ready = collections.deque(zip(tiles, _decode_batches(own_pixels, tiles, count)))
+        ready = collections.deque(zip(tiles, _decode_batches(own_pixels, tiles, count, patcher)))
 
         def from_batch(tile):
             if ready and ready[0][0].shape == tile.shape and ready[0][0].data_ptr() == tile.data_ptr():
@@ -255,7 +266,7 @@ class VAEKernels:
         attention = attention_through(self.modules, self.router) if self.router is not None \
             else contextlib.nullcontext()
         count = TileCount()
-        tiles = batched_tiles(self.tiles, count) if self.tiles is not None else contextlib.nullcontext()
+        tiles = batched_tiles(self.tiles, count, vae.patcher) if self.tiles is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with weights as placed, attention, tiles:
             out = method(vae, samples, *args, **kwargs)

@@ -14,7 +14,8 @@ Wan 2.1 (both hosts): its VAE has nothing the pack runs, and passes through unch
 The batches of host/vae.py's `_decode_batches` (both hosts, in the host's python, on CPU): each tile's pixels come back in order
 as that tile decoded alone gives them, tiles of more than one shape go one by one, and a batch the card cannot hold
 (a decoder raising torch.OutOfMemoryError past a batch size) is halved until it fits, a single tile that does not
-fit failing as the decode would.
+fit failing as the decode would. Asking the host for a decode's room (`free_memory_keeping`) keeps the VAE's own
+model loaded with its patches, where the host's own free_memory would unload it.
 """
 import json
 import math
@@ -197,3 +198,55 @@ def test_tile_batches_keep_their_order_and_halve_where_the_card_cannot_hold_them
     assert limited["count"] == [7, 7, 0] and limited["line"] == "tiles 7 in 7 passes", res
     assert res["mixed"] == {"calls": [1, 1, 1, 1], "in_order": True, "count": [4, 4, 0]}, res
     assert res["one too big"] == "out of memory", res
+
+
+KEEP_PROBE = r"""
+import json, os, sys, types
+sys.path.insert(0, os.getcwd())
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_management as mm
+import comfy.model_patcher
+pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
+from bigdit.host.vae import free_memory_keeping
+
+device = torch.device("cpu")
+ours, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+
+def loaded(module):
+    patcher = comfy.model_patcher.ModelPatcher(module, load_device=device, offload_device=device)
+    patcher.add_object_patch("weight", torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False))
+    mm.load_models_gpu([patcher])
+    return patcher
+
+
+def state(patcher, module):
+    return {"loaded": any(m.model is patcher for m in mm.current_loaded_models),
+            "patched": bool((module.weight == 0).all())}
+
+
+vae, sampled = loaded(ours), loaded(other)
+res = {"before": [state(vae, ours), state(sampled, other)]}
+free_memory_keeping(vae, 1 << 60, device)  # more than there is: everything that may go, goes
+res["keeping"] = [state(vae, ours), state(sampled, other)]
+mm.free_memory(1 << 60, device)  # the host's own call, as the decode made it before
+res["host"] = [state(vae, ours)]
+print(json.dumps(res))
+"""
+
+
+def test_asking_the_host_for_room_keeps_the_decoding_vaes_model_and_its_patches(comfy):
+    """free_memory_keeping (host/vae.py) in the host's python, on CPU: with two models loaded, each with an
+    object patch (as SetVAEKernels installs the pack's layers), an ask for more memory than there is unloads the
+    other one and keeps the VAE's, patches applied; the host's plain free_memory, which the decode called before,
+    unloads the VAE's too and puts its original weight back."""
+    result = subprocess.run([str(comfy.host.python), "-c", KEEP_PROBE, str(PACK_ROOT)], cwd=comfy.host.comfyui,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    res = json.loads(result.stdout.strip().splitlines()[-1])
+    both = {"loaded": True, "patched": True}
+    assert res["before"] == [both, both], res
+    assert res["keeping"] == [both, {"loaded": False, "patched": False}], res
+    assert res["host"] == [{"loaded": False, "patched": False}], res
