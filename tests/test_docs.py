@@ -58,10 +58,10 @@ def test_readme_job_table_is_the_table_from_the_whole_job_runs():
     assert marker in text and text.index(marker) < text.index("<!-- headline:")  # the README's first table
     assert text.split(marker, 1)[1].startswith(doc_tables.job_table() + "\n")
     table = doc_tables.job_table()
-    assert "| turbo, 64 GiB, first run, job 2 | `pack_fast` | 21.9 | 1.26x | 0.7 | 0.2 | 11.3 (1.7) | 1.37 | 4.0 |" in table
-    assert "| turbo, 64 GiB, first run, job 3, LoRA at 0.75 | `pack_fast` | 20.8 | 1.32x | 0.0 | 0.3 |" in table
+    assert "| turbo, 64 GiB, first run, job 1 | `pack_fast` | 57.3 | 1.26x | 11.9 | 3.2 | 29.0 (19.0) | 1.41 | 7.6 |" in table
+    assert "| default, 64 GiB, first run, job 2 | `pack` (the shipped example) | 35.2 | 1.41x |" in table
     assert "| turbo, 32 GiB, restarted, earlier code, job 1 | `pack_fast` | 50.5 | 1.27x |" in table
-    assert "| turbo, 64 GiB, restarted, job 1 | `pack_fast`, no read-ahead |" not in table  # it compiled the cache
+    assert "| turbo, 64 GiB, restarted, earlier code, job 1 | `pack_fast`, no read-ahead |" not in table  # it compiled
 
 
 def test_readme_headline_is_the_table_from_the_benchmark_json():
