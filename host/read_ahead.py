@@ -4,22 +4,26 @@ ComfyUI calls each on-prompt handler with a prompt's JSON as it is queued (`Prom
 ours reads nothing for a prompt without a node of the pack, never changes the prompt, and a failure of its own is
 logged, never the prompt's. The files: the values of the prompt's file inputs (FILE_INPUTS: an input's name ->
 ComfyUI's models folder; the host's loaders and the pack's use these names), in the order a job needs them whole:
-text encoders and checkpoints, then LoRAs (their loaders read them whole before sampling starts), then diffusion
-models (under dynamic VRAM paged in during the first step; in the H3 turbo job the LoRA's loader read its file
-behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead). VAEs last: where the prompt names a
-diffusion model, once a diffusion model the pack loaded or changed has returned from its first call (its weights
-are read by then, and the disk waits through the other steps), and only if the RAM then holds them; else as the
-prompt is queued. Read at the queue, an H3 turbo job's VAE was read during the first step, beside the DiT, and its
-pages were evicted before the decode, which read it again (whole_job at 64 GiB on an H100, 2026-12-07: 2.4-2.7 GiB
-read in the VAE stage with the read-ahead as without it). A file read ahead once is not read again by this server. When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8,
-SetAttentionBackend) starts sampling, the prompt's conditioning exists, so its text encoders were loaded:
-`release_held` drops their pages (ComfyUI holds their weights), whose room the job's next files need (in the H3
-turbo job at 64 GiB the read-ahead read 46.6 GiB for 39.2 GiB of files: the kernel dropped read-ahead pages not yet
-used before the text encoder's spent ones). The RAM room:
-loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`).
-On unless BIGDIT_READ_AHEAD=0 is in the server's environment: in Comfy-Org's H3 turbo job (whole_job's
-pack_fast against pack_fast_no_read_ahead, one run, an H100 with 64 GiB) it took the first job from 72.8 s to 67.5 s
-and left the second alike; where the RAM does not hold the files (32 GiB) it reads nothing.
+text encoders and checkpoints, then LoRAs (their loaders read them whole before sampling starts; in the H3 turbo job
+the LoRA's loader read its file behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead), then
+diffusion models, then VAEs. A file read ahead once is not read again by this server.
+
+When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8, SetAttentionBackend) starts
+sampling (`hook_sampling`), the prompt's conditioning exists, so its text encoders were loaded: `release_held` drops
+their pages (ComfyUI holds their weights), whose room the job's next files need (in the H3 turbo job at 64 GiB the
+read-ahead read 46.6 GiB for 39.2 GiB of files before it did: the kernel dropped read-ahead pages not yet used before
+the text encoder's spent ones). The diffusion models are read no further then: under dynamic VRAM the first step
+pages them in itself, comfy-aimdo dropping a weight's pages once it holds the weight, so a reader behind it reads
+those again (in the turbo job at 64 GiB, whole_job on an H100, 2026-12-07, the job read 47.3 GiB with the read-ahead
+against 38.2 without, 26.4 against 16.7 in sampling). Where the prompt names a diffusion model, its VAEs are read once
+that model's first call returned, where the RAM then holds them: the disk waits through the other steps, where at
+the queue they were read beside the first step's. (In that run the VAE stage still read 2.6 GiB from the disk,
+against 2.7 without the read-ahead.)
+
+The RAM room: loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`). On
+unless BIGDIT_READ_AHEAD=0 is in the server's environment: in that run it took the first job from 60.5 s to 57.3
+(whole_job's pack_fast against pack_fast_no_read_ahead), the encoder stage from 16.6 s to 11.9, and left the second
+alike; where the RAM does not hold the files (32 GiB) it reads nothing.
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ class PromptReadAhead:
         self.pack_nodes = frozenset(pack_nodes)
         self.reader = Reader(log)
         self.deferred: list[AheadFile] = []  # the last prompt's files for after a diffusion model's first call
+        self.sampled: set[str] = set()  # the paths of the diffusion models and checkpoints queued
 
     def __call__(self, json_data):
         try:
@@ -95,6 +100,7 @@ class PromptReadAhead:
             log.info("read-ahead: none (%s)%s", why, deferred)
             return
         queued = self.reader.submit(chosen, "a queued prompt")
+        self.sampled.update(f.path for folder, f in named if folder in SAMPLED and f in queued)
         log.info("read-ahead: %d files, %s, queued: %s%s", len(queued), format_gib(sum(f.size for f in queued)),
                  _names(queued), deferred)
 
@@ -115,8 +121,11 @@ def _names(files: list[AheadFile]) -> str:
 
 
 def release_held() -> None:
-    """Drop the page cache of the held files (text encoders) read ahead so far, where the read-ahead is on."""
+    """As sampling starts: drop the page cache of the held files (text encoders) read ahead so far, and read no
+    more of the diffusion models queued (the sampler's first step pages them in itself), where the read-ahead is on."""
     try:
+        if _handler is not None and _handler.sampled:
+            _handler.reader.stop(_handler.sampled)
         dropped = _handler.reader.release_held() if _handler is not None else []
     except Exception:  # noqa: BLE001 - sampling runs whatever happens here
         log.exception("read-ahead: dropping the text encoders' pages failed; sampling runs without it")

@@ -10,7 +10,8 @@ Only where the RAM holds them all: `plan` reads nothing unless the files, a seco
 in its own memory once loaded (a text encoder), and HEADROOM fit in the room the system reports; a file whose pages
 would push out what the job needs next is a loss, never a gain. Once the host holds such a file's copy, its pages
 are a second copy that the reader and the loader both touched, which the kernel keeps before the read-ahead's
-pages not yet used: `Reader.release_held` drops them (`drop_cached`).
+pages not yet used: `Reader.release_held` drops them (`drop_cached`). A file its loader starts reading itself is
+read no further (`Reader.stop`): behind the loader the reader would read again what the loader consumed.
 """
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def stripes_for(path: str, stripes: int = STRIPES, sys_block: str = SYS_BLOCK) -
     return stripes
 
 
-def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK) -> int:
-    """Read `path` whole, `stripes` contiguous parts at once; its bytes."""
+def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK, stopped=lambda: False) -> int:
+    """Read `path` whole, `stripes` contiguous parts at once, until `stopped()` says to stop (checked before each
+    chunk); the bytes read."""
     size = os.path.getsize(path)
     part = -(-size // stripes)
 
@@ -75,7 +77,7 @@ def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK) -> int:
         done, buffer = 0, bytearray(chunk)
         with open(path, "rb", buffering=0) as f:
             f.seek(start)
-            while done < part:
+            while done < part and not stopped():
                 n = f.readinto(memoryview(buffer)[:min(chunk, part - done)])
                 if not n:
                     break
@@ -113,6 +115,7 @@ class Reader:
         self._queue: queue.Queue = queue.Queue()
         self._seen: set[str] = set()
         self._held_read: list[AheadFile] = []  # held files read whole, whose pages are not yet dropped
+        self._stopped: set[str] = set()  # paths not to read (further): their loader reads them now
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -139,18 +142,29 @@ class Reader:
             held, self._held_read = self._held_read, []
         return [f for f in held if drop_cached(f.path)]
 
+    def stop(self, paths) -> None:
+        """Read no more of these files, from the next chunk on: their loader is reading them itself, and a reader
+        behind it reads again what it has consumed (comfy-aimdo drops a weight's pages once it holds the weight)."""
+        with self._lock:
+            self._stopped.update(paths)
+
     def _run(self) -> None:
         while True:
             files, label = self._queue.get()
-            start, total = time.perf_counter(), 0
+            start, total, cut = time.perf_counter(), 0, []
             for f in files:
                 try:
-                    total += read_file(f.path, stripes_for(f.path, self.stripes))
-                    if f.held:
+                    read = read_file(f.path, stripes_for(f.path, self.stripes),
+                                     stopped=lambda path=f.path: path in self._stopped)
+                    total += read
+                    if read < f.size:
+                        cut.append(f"{os.path.basename(f.path)} at {format_gib(read)}")
+                    elif f.held:
                         with self._lock:
                             self._held_read.append(f)
                 except OSError as e:  # a file gone or unreadable: its loader says so; the rest are still read
                     self.log.warning("read-ahead of %s stopped: %s", f.path, e)
             seconds = time.perf_counter() - start
-            self.log.info("read-ahead for %s: %d files, %s in %.1f s (%.2f GiB/s)", label, len(files),
-                          format_gib(total), seconds, total / GIB / max(seconds, 1e-9))
+            stopped = f"; stopped as their loader read them: {', '.join(cut)}" if cut else ""
+            self.log.info("read-ahead for %s: %d files, %s in %.1f s (%.2f GiB/s)%s", label, len(files),
+                          format_gib(total), seconds, total / GIB / max(seconds, 1e-9), stopped)

@@ -95,6 +95,39 @@ def test_a_missing_file_is_logged_and_the_rest_are_read(tmp_path, caplog):
 
 
 
+def test_read_file_stops_at_the_chunk_after_it_is_told(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\4" * (8 * 1024))
+    checks = []
+
+    def stopped():
+        checks.append(1)
+        return len(checks) > 3  # three chunks read, then stop
+    assert read_file(str(path), stripes=1, chunk=1024, stopped=stopped) == 3 * 1024
+    assert read_file(str(path), stripes=2, chunk=1024, stopped=lambda: True) == 0
+
+
+def test_a_stopped_file_is_read_no_further_and_the_line_says_where_it_stopped(tmp_path, caplog):
+    """A file stopped before the reader's turn comes to it is not read, a held one is not kept for release_held,
+    the others are read, and the line names it."""
+    other, held = tmp_path / "other.bin", tmp_path / "held.bin"
+    other.write_bytes(b"\5" * 4096)
+    held.write_bytes(b"\5" * 4096)
+    log = logging.getLogger("test_read_ahead_stop")
+    reader = Reader(log, stripes=1)
+    reader.stop([str(held)])
+    with caplog.at_level(logging.INFO, logger="test_read_ahead_stop"):
+        reader.submit([AheadFile(str(held), 4096, held=True), AheadFile(str(other), 4096)], "job")
+        deadline = time.monotonic() + 30
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith("read-ahead for job: 2 files, 0.00 GiB in "), message
+    assert message.endswith("; stopped as their loader read them: held.bin at 0.00 GiB"), message
+    assert reader.release_held() == []
+
+
 def resident_pages(path) -> int:
     """How many of `path`'s pages are in the page cache: mincore on a fresh mapping (mapping touches no page)."""
     import ctypes
