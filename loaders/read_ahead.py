@@ -144,7 +144,7 @@ class Reader:
 
     def stop(self, paths) -> None:
         """Read no more of these files, from the next chunk on: their loader is reading them itself, and a reader
-        behind it reads again what it has consumed (comfy-aimdo drops a weight's pages once it holds the weight)."""
+        behind it may read again what the loader consumed and let go of (host/read_ahead.py says when)."""
         with self._lock:
             self._stopped.update(paths)
 
