@@ -11,7 +11,8 @@ of which can be left to ComfyUI (the inputs' "host" value):
   SetAttentionBackend's router (`attention.Router`, its `auto` measured per shape), put back after;
 - weights: under dynamic VRAM ComfyUI pages a cast layer's weight in on each call and keeps it while the card
   has room. For a decode, ComfyUI is first asked to free the pack's layers' bytes and the decode's own estimate
-  (`free_memory_keeping`: the sampled model's pages go first, the VAE's own model stays), then their tensors are
+  (`ask_room`, as ComfyUI's own decode asks: the sampled model's pages give way, no model is unloaded whole
+  under dynamic VRAM, the VAE's own stays loaded), then their tensors are
   copied onto the card once and every tile computes from those copies, which go when the decode ends; where the
   card cannot hold them, ComfyUI's paging stays and the report says why. Without dynamic VRAM ComfyUI's own load
   puts the VAE on the card whole where the decode's estimate lets it, and the layers compute there.
@@ -102,15 +103,19 @@ def resident_weights(patcher, layers: dict[str, QuantLinear], activation_bytes: 
         return
     needed = _layer_bytes(layers.values())
     wanted = needed + activation_bytes + host_reserve()
-    free_memory_keeping(patcher, wanted, device)
-    free = comfy.model_management.get_free_memory(device)
+    free = ask_room(patcher, wanted, device)
     if free < wanted:
         yield (f"weights paged by ComfyUI: {format_gib(free)} free on {device}, resident weights and the decode "
                f"need {format_gib(wanted)}")
         return
     start = time.perf_counter()
-    copies = {id(layer): {key: None if t is None else t.to(device) for key, t in layer._parameters.items()}
-              for layer in layers.values()}
+    try:
+        copies = {id(layer): {key: None if t is None else t.to(device) for key, t in layer._parameters.items()}
+                  for layer in layers.values()}
+    except torch.OutOfMemoryError:  # the room ComfyUI counted was not there after all
+        comfy.model_management.soft_empty_cache()
+        yield f"weights paged by ComfyUI: copying {format_gib(needed)} onto {device} ran out of memory"
+        return
     seconds = time.perf_counter() - start
 
     @contextlib.contextmanager
@@ -129,14 +134,25 @@ def resident_weights(patcher, layers: dict[str, QuantLinear], activation_bytes: 
         comfy.model_management.soft_empty_cache()  # the copies' memory back to the card, for the host's pages
 
 
-def free_memory_keeping(patcher, memory_required: int, device) -> None:
-    """ComfyUI asked to free `memory_required` bytes on `device`, `patcher`'s own model kept loaded (where it is):
-    a model it unloads whole is detached, its object patches (the pack's layers) put back, so the passes of a
-    decode after the ask would run the host's layers (seen on an H100: a first H3 decode whose 13 batched passes
-    ran that way took 10.3 s against 4.3 s in the next job)."""
+def ask_room(patcher, memory_required: int, device) -> int:
+    """ComfyUI asked to free `memory_required` bytes on `device` as its own VAE decode asks: `patcher`'s model kept
+    loaded, and under dynamic VRAM no dynamic model unloaded whole (`for_dynamic`: their pages give way as memory is
+    allocated); the bytes free then (`room`). A model unloaded whole is detached: the VAE's own would have its
+    object patches, the pack's layers, put back mid-decode (a first H3 decode on an H100 whose 13 batched passes ran
+    the host's layers that way took 10.3 s against 4.3 s in the next job), and a text encoder its pinned copy freed,
+    to be read from the disk again by the next job (12.8 s there)."""
     keep = [loaded for loaded in comfy.model_management.current_loaded_models
             if getattr(loaded, "model", None) is patcher]
-    comfy.model_management.free_memory(memory_required, device, keep_loaded=keep)
+    dynamic = {"for_dynamic": True} if is_dynamic(patcher) else {}  # a host with dynamic VRAM takes the argument
+    comfy.model_management.free_memory(memory_required, device, keep_loaded=keep, **dynamic)
+    return room(patcher, device)
+
+
+def room(patcher, device) -> int:
+    """The bytes free on `device` as ComfyUI's own VAE decode counts them: the patcher's `get_free_memory` (torch's
+    and, under dynamic VRAM, what comfy-aimdo can give back) where it has one, else ComfyUI's free memory."""
+    measure = getattr(patcher, "get_free_memory", None)
+    return int(measure(device)) if callable(measure) else comfy.model_management.get_free_memory(device)
 
 
 def tiles_batchable(model) -> bool:
@@ -157,10 +173,6 @@ class TileCount:
         return text + (f" ({self.alone} decoded alone)" if self.alone else "")
 
 
-def _room(device) -> int:
-    """Bytes a decoder batch may take on `device`: ComfyUI's free memory (torch's cached blocks included) less
-    its reserve."""
-    return comfy.model_management.get_free_memory(device) - host_reserve()
 
 
 def _decode_batches(decode, tiles: list, count: TileCount, patcher=None) -> list:
@@ -191,8 +203,8 @@ def _decode_batches(decode, tiles: list, count: TileCount, patcher=None) -> list
         if cuda and start == 0 and len(tiles) > 1 and uniform:
             per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base) * _BATCH_MARGIN
             # ComfyUI is asked for the rest's room, as for resident weights (the sampled model's pages go first)
-            free_memory_keeping(patcher, per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
-            size = max(1, int(_room(tiles[0].device) // per_tile))
+            free = ask_room(patcher, per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
+            size = max(1, int((free - host_reserve()) // per_tile))
         start += len(group)
     count.tiles += len(tiles)
     return out

@@ -14,8 +14,8 @@ Wan 2.1 (both hosts): its VAE has nothing the pack runs, and passes through unch
 The batches of host/vae.py's `_decode_batches` (both hosts, in the host's python, on CPU): each tile's pixels come back in order
 as that tile decoded alone gives them, tiles of more than one shape go one by one, and a batch the card cannot hold
 (a decoder raising torch.OutOfMemoryError past a batch size) is halved until it fits, a single tile that does not
-fit failing as the decode would. Asking the host for a decode's room (`free_memory_keeping`) keeps the VAE's own
-model loaded with its patches, where the host's own free_memory would unload it.
+fit failing as the decode would. Asking the host for a decode's room (`ask_room`) keeps the VAE's own model loaded
+with its patches, where the host's own free_memory would unload it.
 """
 import json
 import math
@@ -209,7 +209,7 @@ import torch
 import comfy.model_management as mm
 import comfy.model_patcher
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [sys.argv[1]]; sys.modules["bigdit"] = pkg
-from bigdit.host.vae import free_memory_keeping
+from bigdit.host.vae import ask_room
 
 device = torch.device("cpu")
 ours, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -229,19 +229,34 @@ def state(patcher, module):
 
 vae, sampled = loaded(ours), loaded(other)
 res = {"before": [state(vae, ours), state(sampled, other)]}
-free_memory_keeping(vae, 1 << 60, device)  # more than there is: everything that may go, goes
+res["room"] = ask_room(vae, 1 << 60, device) == mm.get_free_memory(device)  # more than there is: all that may go
 res["keeping"] = [state(vae, ours), state(sampled, other)]
 mm.free_memory(1 << 60, device)  # the host's own call, as the decode made it before
 res["host"] = [state(vae, ours)]
+
+
+class Dynamic:  # a patcher under dynamic VRAM (comfy-aimdo, which needs a GPU): its own count of the free bytes
+    def is_dynamic(self):
+        return True
+
+    def get_free_memory(self, device):
+        return 12345
+
+
+asked = []
+mm.free_memory = lambda required, device, keep_loaded=[], **kwargs: asked.append((required, kwargs))
+res["dynamic"] = {"room": ask_room(Dynamic(), 99, device), "asked": asked}
 print(json.dumps(res))
 """
 
 
 def test_asking_the_host_for_room_keeps_the_decoding_vaes_model_and_its_patches(comfy):
-    """free_memory_keeping (host/vae.py) in the host's python, on CPU: with two models loaded, each with an
-    object patch (as SetVAEKernels installs the pack's layers), an ask for more memory than there is unloads the
-    other one and keeps the VAE's, patches applied; the host's plain free_memory, which the decode called before,
-    unloads the VAE's too and puts its original weight back."""
+    """ask_room (host/vae.py) in the host's python, on CPU: with two models loaded, each with an object patch (as
+    SetVAEKernels installs the pack's layers), an ask for more memory than there is unloads the other one and keeps
+    the VAE's, patches applied, and gives ComfyUI's free memory; the host's plain free_memory, which the decode
+    called before, unloads the VAE's too and puts its original weight back. A patcher under dynamic VRAM is asked for
+    with `for_dynamic` (no dynamic model unloaded whole, as ComfyUI's own decode asks) and its room is its own
+    count."""
     result = subprocess.run([str(comfy.host.python), "-c", KEEP_PROBE, str(PACK_ROOT)], cwd=comfy.host.comfyui,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -249,4 +264,6 @@ def test_asking_the_host_for_room_keeps_the_decoding_vaes_model_and_its_patches(
     both = {"loaded": True, "patched": True}
     assert res["before"] == [both, both], res
     assert res["keeping"] == [both, {"loaded": False, "patched": False}], res
+    assert res["room"] is True, res
     assert res["host"] == [{"loaded": False, "patched": False}], res
+    assert res["dynamic"] == {"room": 12345, "asked": [[99, {"for_dynamic": True}]]}, res
