@@ -6,7 +6,9 @@ logged, never the prompt's. The files: the values of the prompt's file inputs (F
 ComfyUI's models folder; the host's loaders and the pack's use these names), in the order a job needs them whole:
 text encoders and checkpoints, then LoRAs (their loaders read them whole before sampling starts; in the H3 turbo job
 the LoRA's loader read its file behind the reader's DiT, model_load 8.7 s against 4.6 without the read-ahead), then
-diffusion models, then VAEs. A file read ahead once is not read again by this server.
+diffusion models, then VAEs; only those of nodes that can run (`running_nodes`: the input an If/Else Switch with a
+known switch does not take never runs, as the template's LoRA with its Lightning toggle off). A file read ahead once
+is not read again by this server.
 
 When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT8, SetAttentionBackend) starts
 sampling (`hook_sampling`), the prompt's conditioning exists, so its text encoders were loaded: `release_held` drops
@@ -46,15 +48,55 @@ ORDER = ("text_encoders", "checkpoints", "loras", "diffusion_models", "vae")
 AFTER_FIRST_STEP = frozenset({"vae"})  # read once a diffusion model's first call returned, where the prompt has one
 SAMPLED = frozenset({"checkpoints", "diffusion_models"})  # a prompt naming these runs a diffusion model
 HELD = frozenset({"text_encoders"})  # ComfyUI keeps a text encoder's weights in its own memory once loaded
+SWITCHES = frozenset({"ComfySwitchNode"})  # upstream's If/Else Switch: the untaken input is lazy, never evaluated
+SWITCH_BRANCHES = ("on_true", "on_false")
 SWITCH = "BIGDIT_READ_AHEAD"
 CALLBACK_KEY = "bigdit_read_ahead"
 _handler: PromptReadAhead | None = None  # the server's handler, once installed
 
 
+def _link(value) -> str | None:
+    """The node id an input's value links to ([id, output]), None for a literal."""
+    return str(value[0]) if isinstance(value, list) and len(value) == 2 and isinstance(value[1], int) else None
+
+
+def _switch_taken(prompt: dict, node: dict) -> str | None:
+    """For an If/Else Switch whose switch is a literal boolean, or a Boolean primitive's: the input it evaluates
+    ("on_true" or "on_false"; the other, lazy, never runs); None otherwise."""
+    if node.get("class_type") not in SWITCHES:
+        return None
+    value = node.get("inputs", {}).get("switch")
+    source = prompt.get(_link(value)) if _link(value) is not None else None
+    if isinstance(source, dict) and source.get("class_type") == "PrimitiveBoolean":
+        value = source.get("inputs", {}).get("value")
+    return ("on_true" if value else "on_false") if isinstance(value, bool) else None
+
+
+def running_nodes(prompt: dict) -> dict:
+    """The prompt's nodes that can run: those some node without a consumer (an output, or a node on its own)
+    reaches through its inputs, an If/Else Switch with a known switch through the input it takes only."""
+    consumed = {_link(v) for node in prompt.values() if isinstance(node, dict)
+                for v in (node.get("inputs") or {}).values()} - {None}
+    todo = [key for key in prompt if key not in consumed]
+    reached: dict = {}
+    while todo:
+        key = todo.pop()
+        node = prompt.get(key)
+        if key in reached or not isinstance(node, dict):
+            continue
+        reached[key] = node
+        taken = _switch_taken(prompt, node)
+        for name, value in (node.get("inputs") or {}).items():
+            if _link(value) is not None and (taken is None or name not in SWITCH_BRANCHES or name == taken):
+                todo.append(_link(value))
+    return reached
+
+
 def prompt_files(prompt: dict) -> list[tuple[str, AheadFile]]:
-    """(models folder, file) of the model files `prompt` (API format) names that exist, each once, in ORDER."""
+    """(models folder, file) of the model files the nodes of `prompt` (API format) that can run name and that exist,
+    each once, in ORDER (a LoRA behind the off branch of the template's Lightning switch is not read)."""
     found: dict[str, tuple[int, str, AheadFile]] = {}
-    for node in prompt.values():
+    for node in running_nodes(prompt).values():
         inputs = node.get("inputs") if isinstance(node, dict) else None
         for name, value in (inputs.items() if isinstance(inputs, dict) else ()):
             folder = FILE_INPUTS.get(name)

@@ -6,7 +6,8 @@ whole. The same file named again is not read again; a prompt with no node of the
 SetVAEKernels) reads nothing ahead. On the session's server (BIGDIT_READ_AHEAD=0, as comfy_harness starts test
 servers) nothing is read ahead. Each test names a VAE file of its own (a copy of the tiny VAE). A text encoder
 read ahead has its page cache dropped as a diffusion model the pack loaded (or SetAttentionBackend changed) starts
-sampling, once; the VAE of a prompt naming a diffusion model is read once that model's first call returned.
+sampling, once; the VAE of a prompt naming a diffusion model is read once that model's first call returned. A
+LoRA behind an If/Else Switch that is off is not read.
 """
 import re
 import shutil
@@ -112,6 +113,39 @@ def test_files_are_read_in_the_order_a_job_needs_them_whole(comfy, tiny_vae, rea
     assert queued.group(1).split(", ") == [names[f] for f in ("text_encoders", "loras", "diffusion_models")]
     assert queued.group(2).strip() == names["vae"]
     assert log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 3 files")  # done: no later line
+
+
+@pytest.mark.parametrize("lightning", [False, True])
+def test_a_lora_behind_a_switch_that_is_off_is_not_read(comfy, tiny_vae, reading, lightning):
+    """The template's Lightning toggle: a Boolean primitive drives an If/Else Switch between the diffusion model and
+    the LoRA loader on it. Off, the LoRA's file is not read ahead (the switch never evaluates that input); on, it
+    is."""
+    names = {folder: f"switch_{lightning}_{folder}.safetensors" for folder in
+             ("text_encoders", "loras", "diffusion_models", "vae")}
+    for folder, name in names.items():
+        (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(comfy.models_dir / "vae" / tiny_vae, reading.models_dir / folder / name)
+    prompt = {"clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": names["text_encoders"],
+                                                              "type": "stable_diffusion"}},
+              "dit": {"class_type": "UNETLoader", "inputs": {"unet_name": names["diffusion_models"],
+                                                             "weight_dtype": "default"}},
+              "lora": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["dit", 0], "strength_model": 1.0,
+                                                                       "lora_name": names["loras"]}},
+              "toggle": {"class_type": "PrimitiveBoolean", "inputs": {"value": lightning}},
+              "switch": {"class_type": "ComfySwitchNode", "inputs": {"switch": ["toggle", 0], "on_false": ["dit", 0],
+                                                                     "on_true": ["lora", 0]}},
+              "attention": {"class_type": "SetAttentionBackend", "inputs": {"model": ["switch", 0]}},
+              "vae": {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}}}
+    start = len(reading.log_text())
+    with pytest.raises(urllib.error.HTTPError):  # no output node: refused, after the handler ran
+        reading._request("/prompt", {"prompt": prompt})
+    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: \d files, [\d.]+ GiB, queued: (.*); after a "
+                                       r"diffusion model's first step: (.*)")
+    assert queued, reading.log_text()[start:][-3000:]
+    expected = ["text_encoders", "loras", "diffusion_models"] if lightning else ["text_encoders", "diffusion_models"]
+    assert queued.group(1).split(", ") == [names[f] for f in expected]
+    assert queued.group(2).strip() == names["vae"]
+    assert log_after(reading, start, rf"\[BigDiT\] read-ahead for a queued prompt: {len(expected)} files")  # done
 
 
 def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae, reading):
