@@ -22,7 +22,9 @@ patchers holding it share), cannot take a 4-D mid on a Linear, and scales and ad
 passes over the output.
 
 The adapter's tensors go to the load device once, in the layer's compute dtype, and stay with
-the layer's branch: a load whose LoRAs have the same tensors (another strength: LoraLoader
+the layer's branch; where ComfyUI's loader left them file-backed (upstream's dynamic VRAM) they are read from
+their file straight to the device as ComfyUI reads its own (`read_tensor_file_slice_into`), not through the
+file's map, whose pages a copy would leave in the process's resident memory (the turbo LoRA's 1.8 GiB); a load whose LoRAs have the same tensors (another strength: LoraLoader
 keeps the file's tensors and makes new adapters of them) reuses them and changes only the
 scalars. `attach_branches` runs in the ON_LOAD callbacks (host/dynamic_vram.py under dynamic
 VRAM, host/lora_fold.py without) before the fold:
@@ -48,6 +50,11 @@ from torch import nn
 
 from ..units import format_gib
 from .layers import ComfyQuantLinear
+
+try:  # upstream's dynamic VRAM: a file-backed tensor read from its file into a tensor on a device
+    from comfy.memory_management import read_tensor_file_slice_into
+except ImportError:
+    read_tensor_file_slice_into = None
 
 PAGED = ("weight", "bias")
 _LORA = getattr(comfy.weight_adapter, "LoRAAdapter", None)
@@ -158,6 +165,16 @@ def _kind(v) -> str:
     return "a full weight diff"
 
 
+def device_copy(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`t` on `device` in `dtype`, contiguous and of its own: read from its file where it is file-backed and the
+    host reads such tensors to a device (see the module's docstring), else copied."""
+    if read_tensor_file_slice_into is not None and t.device.type == "cpu" and device.type != "cpu":
+        into = torch.empty(t.shape, dtype=t.dtype, device=device)
+        if read_tensor_file_slice_into(t, into):  # False: not file-backed (or not whole), nothing read
+            return into.to(dtype).contiguous()
+    return t.to(device, dtype).contiguous()
+
+
 def _lora_part(v, strength: float, layer, reuse: dict, device, dtype):
     """The LowRank part of a LoRA adapter on `layer`, or why it is none."""
     weights = getattr(v, "weights", None)
@@ -178,9 +195,10 @@ def _lora_part(v, strength: float, layer, reuse: dict, device, dtype):
     scale = float(strength) * (float(alpha) / rank if alpha is not None else 1.0)
     source = (up, down, mid)
     old = reuse.get(tuple(map(id, source)))
-    copy = (lambda t, attr: getattr(old, attr) if old is not None else t.to(device, dtype).contiguous())
-    return LowRank(source, copy(down2, "down"), None if mid is None else copy(mid.reshape(rank, rank), "mid"),
-                   copy(up2, "up"), scale)
+    copy = (lambda t, attr: getattr(old, attr) if old is not None else device_copy(t, device, dtype))
+    return LowRank(source, copy(down, "down").flatten(start_dim=1),
+                   None if mid is None else copy(mid, "mid").reshape(rank, rank), copy(up, "up").flatten(start_dim=1),
+                   scale)
 
 
 def _bias_part(v, strength: float, layer, reuse: dict, device, dtype):
@@ -195,7 +213,7 @@ def _bias_part(v, strength: float, layer, reuse: dict, device, dtype):
     if tuple(diff.shape) != (layer.out_features,):
         return "a bias diff of another shape"
     old = reuse.get((id(diff),))
-    return BiasDiff((diff,), old.diff if old is not None else diff.to(device, dtype).contiguous(), float(strength))
+    return BiasDiff((diff,), old.diff if old is not None else device_copy(diff, device, dtype), float(strength))
 
 
 def branch_part(name: str, entry, layer, reuse: dict, device, dtype):

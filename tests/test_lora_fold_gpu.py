@@ -11,7 +11,8 @@ each step, every LoRA'd layer is run through the host's page path (its page, ref
 from its pinned copy where the page is stale) and compared with the same method on the
 tensors the layer holds, and its pinned copy is compared with them: a stale page or pin
 would give the other weights. Checked, for the LoRA: a branch at every load, nothing
-computed or folded, the layer's bytes (page and pins included) the original ones; each
+computed or folded, its tensors read from their file to the device (not through the
+file's map), the layer's bytes (page and pins included) the original ones; each
 layer against the exact LoRA'd layer; another strength reloads nothing (no patch
 computation, the adapter's device copies reused, under 2 s); an eviction and a reload
 keep the branch; an unload takes it away. For the LoHa: the fold is computed once per
@@ -190,10 +191,14 @@ load(base)
 (plain, plain2), _ = model_out(base)
 res["base"] = {"repeat": rel(plain2, plain), "layers": layer_state()}
 
-# the LoRA: a branch
+# the LoRA: a branch, its tensors read from their file to the device (each read's outcome counted)
+import bigdit.host.lora_branch as lora_branch
+file_reads, real_read = [], lora_branch.read_tensor_file_slice_into
+lora_branch.read_tensor_file_slice_into = lambda t, into: file_reads.append(bool(real_read(t, into))) or file_reads[-1]
 l1 = comfy.sd.load_lora_for_models(base, None, lora_sd, 1.0, 0)[0]
 half = comfy.sd.load_lora_for_models(base, None, lora_sd, 0.5, 0)[0]
 res["branch_calls"] = load(l1)
+res["branch_file_reads"] = list(file_reads)
 (branched, branched2), res["branch_run"] = model_out(l1)
 res["branch"] = {"repeat": rel(branched2, branched), "effect": rel(branched, plain), "layers": layer_state(l1)}
 copies = device_copies()
@@ -278,6 +283,8 @@ def test_lora_branch_and_fold_pages_and_pins_under_dynamic_vram():
     pages_and_pins("base", original=True)
     # the LoRA as a branch: nothing computed at the load or per call, the layers' bytes the originals
     assert res["branch_calls"] == 0 and res["branch_run"] == {"patch": 0, "per_call": 0}, res
+    # each LoRA tensor (down and up of each layer) read from the file to the device, none through the file's map
+    assert res["branch_file_reads"] == [True] * (2 * n), res
     assert res["branch"]["effect"] > 0.01, res
     pages_and_pins("branch", original=True, branch=True)
     # another strength reloads nothing: no patch computation, the adapter's device copies reused, under 2 s
