@@ -86,33 +86,46 @@ def test_a_prompt_with_a_pack_node_has_its_files_read_ahead_once(comfy, tiny_vae
     assert "read-ahead" not in reading.log_text()[again:]  # read once per server
 
 
-def test_files_are_read_in_the_order_a_job_needs_them_whole(comfy, tiny_vae, reading):
-    """Text encoder, LoRA, diffusion model, whatever the prompt's node order, and the VAE deferred to a diffusion
-    model's first step: the handler runs as the prompt is queued, before ComfyUI validates it (this one has no
-    output, so it is refused after, and no diffusion model runs)."""
-    names = {"text_encoders": "order_te.safetensors", "loras": "order_lora.safetensors",
-             "diffusion_models": "order_dit.safetensors", "vae": "order_vae.safetensors"}
+def job_loaders(comfy, tiny_vae, reading, prefix) -> tuple[dict, dict]:
+    """(file names by models folder, a prompt's loaders of them: text encoder, diffusion model, a LoRA on it, VAE),
+    each file a copy of the tiny VAE named after `prefix`."""
+    names = {folder: f"{prefix}_{folder}.safetensors" for folder in ("text_encoders", "loras", "diffusion_models",
+                                                                      "vae")}
     for folder, name in names.items():
         (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(comfy.models_dir / "vae" / tiny_vae, reading.models_dir / folder / name)
-    prompt = {"vae": {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}},
-              "kernels": {"class_type": "SetVAEKernels", "inputs": {"vae": ["vae", 0], "attention": "auto",
-                                                                    "linears": "pack", "weights": "resident"}},
-              "dit": {"class_type": "UNETLoader", "inputs": {"unet_name": names["diffusion_models"],
-                                                             "weight_dtype": "default"}},
-              "lora": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["dit", 0], "strength_model": 1.0,
-                                                                       "lora_name": names["loras"]}},
-              "clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": names["text_encoders"],
-                                                              "type": "stable_diffusion"}}}
+    return names, {
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}},
+        "dit": {"class_type": "UNETLoader", "inputs": {"unet_name": names["diffusion_models"],
+                                                       "weight_dtype": "default"}},
+        "lora": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["dit", 0], "strength_model": 1.0,
+                                                                 "lora_name": names["loras"]}},
+        "clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": names["text_encoders"],
+                                                        "type": "stable_diffusion"}}}
+
+
+def queued_files(reading, prompt, count: int):
+    """Queue `prompt` (it has no output node: refused, after the handler ran); the files the read-ahead queued then,
+    and those it deferred, once it read the queued ones."""
     start = len(reading.log_text())
-    with pytest.raises(urllib.error.HTTPError):  # no output node: refused, after the handler ran
+    with pytest.raises(urllib.error.HTTPError):
         reading._request("/prompt", {"prompt": prompt})
-    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: 3 files, [\d.]+ GiB, queued: (.*); after a "
+    queued = log_after(reading, start, rf"\[BigDiT\] read-ahead: {count} files, [\d.]+ GiB, queued: (.*); after a "
                                        r"diffusion model's first step: (.*)")
     assert queued, reading.log_text()[start:][-3000:]
-    assert queued.group(1).split(", ") == [names[f] for f in ("text_encoders", "loras", "diffusion_models")]
-    assert queued.group(2).strip() == names["vae"]
-    assert log_after(reading, start, r"\[BigDiT\] read-ahead for a queued prompt: 3 files")  # done: no later line
+    assert log_after(reading, start, rf"\[BigDiT\] read-ahead for a queued prompt: {count} files")  # done
+    return queued.group(1).split(", "), queued.group(2).strip().split(", ")
+
+
+def test_files_are_read_in_the_order_a_job_needs_them_whole(comfy, tiny_vae, reading):
+    """Text encoder, LoRA, diffusion model, whatever the prompt's node order, and the VAE deferred to a diffusion
+    model's first step (this prompt runs none)."""
+    names, prompt = job_loaders(comfy, tiny_vae, reading, "order")
+    prompt["kernels"] = {"class_type": "SetVAEKernels", "inputs": {"vae": ["vae", 0], "attention": "auto",
+                                                                   "linears": "pack", "weights": "resident"}}
+    queued, deferred = queued_files(reading, prompt, 3)
+    assert queued == [names[f] for f in ("text_encoders", "loras", "diffusion_models")]
+    assert deferred == [names["vae"]]
 
 
 @pytest.mark.parametrize("lightning", [False, True])
@@ -120,32 +133,15 @@ def test_a_lora_behind_a_switch_that_is_off_is_not_read(comfy, tiny_vae, reading
     """The template's Lightning toggle: a Boolean primitive drives an If/Else Switch between the diffusion model and
     the LoRA loader on it. Off, the LoRA's file is not read ahead (the switch never evaluates that input); on, it
     is."""
-    names = {folder: f"switch_{lightning}_{folder}.safetensors" for folder in
-             ("text_encoders", "loras", "diffusion_models", "vae")}
-    for folder, name in names.items():
-        (reading.models_dir / folder).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(comfy.models_dir / "vae" / tiny_vae, reading.models_dir / folder / name)
-    prompt = {"clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": names["text_encoders"],
-                                                              "type": "stable_diffusion"}},
-              "dit": {"class_type": "UNETLoader", "inputs": {"unet_name": names["diffusion_models"],
-                                                             "weight_dtype": "default"}},
-              "lora": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["dit", 0], "strength_model": 1.0,
-                                                                       "lora_name": names["loras"]}},
-              "toggle": {"class_type": "PrimitiveBoolean", "inputs": {"value": lightning}},
-              "switch": {"class_type": "ComfySwitchNode", "inputs": {"switch": ["toggle", 0], "on_false": ["dit", 0],
-                                                                     "on_true": ["lora", 0]}},
-              "attention": {"class_type": "SetAttentionBackend", "inputs": {"model": ["switch", 0]}},
-              "vae": {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}}}
-    start = len(reading.log_text())
-    with pytest.raises(urllib.error.HTTPError):  # no output node: refused, after the handler ran
-        reading._request("/prompt", {"prompt": prompt})
-    queued = log_after(reading, start, r"\[BigDiT\] read-ahead: \d files, [\d.]+ GiB, queued: (.*); after a "
-                                       r"diffusion model's first step: (.*)")
-    assert queued, reading.log_text()[start:][-3000:]
+    names, prompt = job_loaders(comfy, tiny_vae, reading, f"switch_{lightning}")
+    prompt.update({"toggle": {"class_type": "PrimitiveBoolean", "inputs": {"value": lightning}},
+                   "switch": {"class_type": "ComfySwitchNode", "inputs": {"switch": ["toggle", 0],
+                                                                          "on_false": ["dit", 0],
+                                                                          "on_true": ["lora", 0]}},
+                   "attention": {"class_type": "SetAttentionBackend", "inputs": {"model": ["switch", 0]}}})
     expected = ["text_encoders", "loras", "diffusion_models"] if lightning else ["text_encoders", "diffusion_models"]
-    assert queued.group(1).split(", ") == [names[f] for f in expected]
-    assert queued.group(2).strip() == names["vae"]
-    assert log_after(reading, start, rf"\[BigDiT\] read-ahead for a queued prompt: {len(expected)} files")  # done
+    queued, deferred = queued_files(reading, prompt, len(expected))
+    assert queued == [names[f] for f in expected] and deferred == [names["vae"]]
 
 
 def test_a_prompt_without_a_pack_node_reads_nothing_ahead(comfy, tiny_vae, reading):
