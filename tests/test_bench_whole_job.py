@@ -244,6 +244,18 @@ def test_the_budget_cuts_whole_servers_and_second_jobs_by_the_longest_so_far():
     assert whole_job.Job.over_budget(type("J", (), {"opts": _Opts(None), "elapsed": lambda self: 1e9})(), 1e9) is None
 
 
+def test_a_jobs_line_gives_its_stages_memory_and_disk_reads():
+    rec = {"setting": "turbo", "ram_gib": 64, "config": "pack_fast", "job": 1, "status": "ok", "wall_s": 57.3,
+           "stages": {**dict.fromkeys(whole_job.STAGES, 0.0), "encoder": 11.9, "sampling": 29.0},
+           "host_share": 0.34, "sampling": {"step_s": 1.41}, "device_used_peak_gib": 24.0, "host_rss_peak_gib": 43.6,
+           "host_unreclaimable_peak_gib": 37.4, "disk_read_by_stage": {"encoder": 3 * GIB, "sampling": GIB // 2},
+           "latent": {}, "loads": [{"class_type": "MixedCheckpointLoader", "ran": True}]}
+    assert whole_job.result_line(rec) == (
+        "  turbo 64G pack_fast      job 1 57.3 s (encoder 11.9, sampling 29.0), host code 34%, 1.41 s/step, "
+        "device 24.0 GiB, RSS 43.6 GiB (unreclaimable 37.4), disk read 3.5 GiB, MixedCheckpointLoader ran")
+    assert whole_job.result_line({**rec, "status": "error", "error": "boom\nmore"}).endswith("job 1 ERROR: boom")
+
+
 def test_first_launches_sum_the_run_reports_lines():
     text = ("[BigDiT] A, last run: ran 200/200 quantized layers; ran int8: triton+lora x1600 calls (first launches at "
             "7 shapes: 6.0 s, compiling what Triton's cache lacked)\n[BigDiT] B, last run: ran int8: triton x9 calls "

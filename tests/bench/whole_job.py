@@ -1188,6 +1188,7 @@ def result_line(rec) -> str:
     if rec.get("device_used_peak_gib") is not None:
         parts.append(f"device {rec['device_used_peak_gib']:.1f} GiB")
     parts.append(f"RSS {rec['host_rss_peak_gib']:.1f} GiB (unreclaimable {rec['host_unreclaimable_peak_gib']:.1f})")
+    parts.append(f"disk read {sum(rec['disk_read_by_stage'].values()) / GIB:.1f} GiB")
     for ref, streams in rec.get("latent", {}).items():
         parts.append(f"cos {streams['video']['cosine']:.4f} {ref}")
     if rec.get("encoder_loader") == "CLIPLoader":
