@@ -18,10 +18,10 @@ encoder's spent ones). The diffusion models are read no further then: under dyna
 itself, and comfy-aimdo reads a weight into host buffers made with `mark_cold` (its library calls posix_fadvise), so
 the pages a reader behind it reads are likely read a second time (in the turbo job at 64 GiB, whole_job on an H100,
 2026-12-07, the job read 47.3 GiB with the read-ahead against 38.2 without, 26.4 against 16.7 in sampling, and the
-cgroup counted no refault; not yet measured with the stop). Where the prompt names a diffusion model, its VAEs are read
-once that model's first call returned, where the RAM then holds them: the disk waits through the other steps, where at
-the queue they were read beside the first step's. (In that run the VAE stage still read 2.6 GiB from the disk, against
-2.7 without the read-ahead.)
+cgroup counted no refault; not yet measured with the stop). Where the prompt names a diffusion model and has such a
+node, its VAEs are read once that model's first call returned (else as it is queued), where the RAM then holds them:
+the disk waits through the other steps, where at the queue they were read beside the first step's. (In that run the VAE
+stage still read 2.6 GiB from the disk, against 2.7 without the read-ahead.)
 
 The RAM room: loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`). On
 unless BIGDIT_READ_AHEAD=0 is in the server's environment: in that run it took the first job from 60.5 s to 57.3
@@ -92,11 +92,11 @@ def running_nodes(prompt: dict) -> dict:
     return reached
 
 
-def prompt_files(prompt: dict) -> list[tuple[str, AheadFile]]:
-    """(models folder, file) of the model files the nodes of `prompt` (API format) that can run name and that exist,
-    each once, in ORDER (a LoRA behind the off branch of the template's Lightning switch is not read)."""
+def prompt_files(nodes: dict) -> list[tuple[str, AheadFile]]:
+    """(models folder, file) of the model files `nodes` (a prompt's, API format: its running_nodes) name that exist,
+    each once, in ORDER."""
     found: dict[str, tuple[int, str, AheadFile]] = {}
-    for node in running_nodes(prompt).values():
+    for node in nodes.values():
         inputs = node.get("inputs") if isinstance(node, dict) else None
         for name, value in (inputs.items() if isinstance(inputs, dict) else ()):
             folder = FILE_INPUTS.get(name)
@@ -109,10 +109,11 @@ def prompt_files(prompt: dict) -> list[tuple[str, AheadFile]]:
 
 
 class PromptReadAhead:
-    """The on-prompt handler: reads ahead the files of a prompt with a node in `pack_nodes`."""
+    """The on-prompt handler: reads ahead the files of a prompt with a node in `pack_nodes`; `hooked`: those of them
+    whose model runs `hook_sampling`."""
 
-    def __init__(self, pack_nodes: set[str]):
-        self.pack_nodes = frozenset(pack_nodes)
+    def __init__(self, pack_nodes: set[str], hooked: set[str]):
+        self.pack_nodes, self.hooked = frozenset(pack_nodes), frozenset(hooked)
         self.reader = Reader(log)
         self.deferred: list[AheadFile] = []  # the last prompt's files for after a diffusion model's first call
         self.sampled: set[str] = set()  # the paths of the diffusion models and checkpoints queued
@@ -128,8 +129,10 @@ class PromptReadAhead:
         return json_data
 
     def read_ahead(self, prompt: dict) -> None:
-        named = prompt_files(prompt)
-        later = AFTER_FIRST_STEP if any(folder in SAMPLED for folder, _ in named) else frozenset()
+        nodes = running_nodes(prompt)
+        named = prompt_files(nodes)
+        hooked = any(node.get("class_type") in self.hooked for node in nodes.values())
+        later = AFTER_FIRST_STEP if hooked and any(folder in SAMPLED for folder, _ in named) else frozenset()
         named = [(folder, f) for folder, f in named if not self.reader.seen(f)]
         self.deferred = [f for folder, f in named if folder in later]
         files = [f for folder, f in named if folder not in later]
@@ -202,9 +205,9 @@ def hook_sampling(patcher) -> None:
     patcher.add_wrapper_with_key(diffusion_model, CALLBACK_KEY, after_first_call)
 
 
-def install(pack_nodes: set[str]) -> bool:
+def install(pack_nodes: set[str], hooked: set[str]) -> bool:
     """Register the handler with the running server unless the switch is off (BIGDIT_READ_AHEAD=0); False where it
-    is off or there is no server."""
+    is off or there is no server. `hooked`: the pack's nodes whose model runs `hook_sampling`."""
     if os.environ.get(SWITCH, "1") == "0":
         return False
     try:
@@ -215,6 +218,6 @@ def install(pack_nodes: set[str]) -> bool:
     if instance is None or not callable(getattr(instance, "add_on_prompt_handler", None)):
         return False
     global _handler
-    _handler = PromptReadAhead(pack_nodes)
+    _handler = PromptReadAhead(pack_nodes, hooked)
     instance.add_on_prompt_handler(_handler)
     return True

@@ -11,4 +11,7 @@ for _module in (quantize_int8, attention_backend, offload, loader_nodes, save_qu
         _schema = _cls.GET_SCHEMA()
         NODE_CLASS_MAPPINGS[_schema.node_id] = _cls
         NODE_DISPLAY_NAME_MAPPINGS[_schema.node_id] = _schema.display_name
-install_read_ahead(set(NODE_CLASS_MAPPINGS))
+# the nodes whose model runs the read-ahead's sampling hooks (host/read_ahead.py's hook_sampling)
+_HOOKED = (loader_nodes.MixedCheckpointLoader, loader_nodes.LoadH3Quantized, quantize_int8.QuantizeModelINT8,
+           attention_backend.SetAttentionBackend)
+install_read_ahead(set(NODE_CLASS_MAPPINGS), {_cls.GET_SCHEMA().node_id for _cls in _HOOKED})
