@@ -12,10 +12,10 @@ of which can be left to ComfyUI (the inputs' "host" value):
 - weights: under dynamic VRAM ComfyUI pages a cast layer's weight in on each call and keeps it while the card
   has room. For a decode, ComfyUI is first asked to free the pack's layers' bytes and the decode's own estimate
   (`ask_room`, as ComfyUI's own decode asks: the sampled model's pages give way, no model is unloaded whole
-  under dynamic VRAM, the VAE's own stays loaded), then their tensors are
-  copied onto the card once and every tile computes from those copies, which go when the decode ends; where the
-  card cannot hold them, ComfyUI's paging stays and the report says why. Without dynamic VRAM ComfyUI's own load
-  puts the VAE on the card whole where the decode's estimate lets it, and the layers compute there.
+  under dynamic VRAM, the VAE's own stays loaded), then their tensors are copied onto the card once and every
+  tile computes from those copies, which go when the decode ends; where the card cannot hold them, ComfyUI's
+  paging stays and the report says why. Without dynamic VRAM ComfyUI's own load puts the VAE on the card whole
+  where the decode's estimate lets it, and the layers compute there.
 - tiles: a VAE that decodes in spatial tiles of one size (upstream's MiniMax-H3 video VAE: 15 tiles of
   1,797 tokens per temporal chunk) runs its decoder once per tile, each pass too small to fill the GPU and
   launching every kernel again. During each decode the pack decodes a call's tiles in batches (the first
@@ -173,8 +173,6 @@ class TileCount:
         return text + (f" ({self.alone} decoded alone)" if self.alone else "")
 
 
-
-
 def _decode_batches(decode, tiles: list, count: TileCount, patcher=None) -> list:
     """`decode` on `tiles`, the first alone and the rest in batches as large as the first pass's measured peak
     allows on a CUDA device (all at once elsewhere; ComfyUI asked for their room, `patcher`'s model kept
@@ -202,7 +200,7 @@ def _decode_batches(decode, tiles: list, count: TileCount, patcher=None) -> list
         count.passes += 1
         if cuda and start == 0 and len(tiles) > 1 and uniform:
             per_tile = max(1, torch.cuda.max_memory_allocated(tiles[0].device) - base) * _BATCH_MARGIN
-            # ComfyUI is asked for the rest's room, as for resident weights (the sampled model's pages go first)
+            # ComfyUI is asked for the rest's room, as for resident weights (ask_room)
             free = ask_room(patcher, per_tile * (len(tiles) - 1) + host_reserve(), tiles[0].device)
             size = max(1, int((free - host_reserve()) // per_tile))
         start += len(group)
