@@ -26,8 +26,8 @@ the layer's branch; where ComfyUI's loader left them file-backed (upstream's dyn
 their file straight to the device as ComfyUI reads its own (`read_tensor_file_slice_into`), not through the
 file's map, whose pages a copy would leave in the process's resident memory (the turbo LoRA's 1.8 GiB). A load
 whose LoRAs have the same tensors (another strength: LoraLoader keeps the file's tensors and makes new adapters
-of them) reuses them and changes only the scalars. `attach_branches` runs in the ON_LOAD callbacks (host/dynamic_vram.py under dynamic
-VRAM, host/lora_fold.py without) before the fold:
+of them) reuses them and changes only the scalars. `attach_branches` runs in the ON_LOAD callbacks
+(host/dynamic_vram.py under dynamic VRAM, host/lora_fold.py without) before the fold:
 - under dynamic VRAM, the host attaches a LoRA to each paged layer as `weight_lowvram_function`,
   which its cast path would apply while paging the weight in: it goes;
 - without, ComfyUI gives a layer it leaves in RAM a per-call `LowVramPatch` (it goes), and writes
