@@ -5,8 +5,11 @@ It computes what comfy-kitchen's decode computes (round-half-even(clamp(level * 
 or code - 8 without one; the low nibble is the even column), bit for bit (tests/int8_triton_interpreted.py
 `w4a8_decode`). Kitchen's Triton decode stores each nibble's byte at a stride of two and took 2.16 ms for qkv's
 21504 x 5376 weight on an H100, where moving its 173 MB takes about 0.05 ms (`int8-linear-exp-15000-h100-2026-12-07.json`);
-this one stores each tile's bytes contiguously. fp8 group scales are decoded in integer arithmetic (exact, and on
-GPUs without fp8 conversions too).
+this one stores each byte's two decoded codes as one 16-bit word, little-endian (the low nibble's byte first, the
+even column): a tile's stores are contiguous and its codes need no interleaving in registers. (Interleaved in
+registers instead, the decode took 0.11-0.39 ms at H3 pruned's shapes on an H100,
+`int8-linear-*-nvidia-h100-2026-12-07.json`; the word store is not measured on a GPU yet.) fp8 group scales are
+decoded in integer arithmetic (exact, and on GPUs without fp8 conversions too).
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ def decode(qdata: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | No
     qdata = qdata.contiguous()  # rows at their stride, bytes next to each other (a file's tensors are)
     scales = (s_rel.view(torch.uint8) if fp8 else s_rel).contiguous()
     cb = codebook.float().contiguous() if codebook is not None else out  # unread without a codebook
+    words = out.view(torch.int16)  # a byte's two codes, the low nibble's in the word's low byte (little-endian)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k // 2, BLOCK_KH))
-    _decode_kernel[grid](qdata, scales, cb, out, n, k // 2, qdata.stride(0), scales.stride(0), out.stride(0),
+    _decode_kernel[grid](qdata, scales, cb, words, n, k // 2, qdata.stride(0), scales.stride(0), words.stride(0),
                          G=group_size, HAS_CB=codebook is not None, FP8=fp8, BLOCK_N=BLOCK_N, BLOCK_KH=BLOCK_KH,
                          num_warps=NUM_WARPS)
     return out
@@ -86,6 +90,5 @@ if triton is not None:
         else:
             s = tl.load(s_ptrs, mask=mask, other=0.0)
         q_low, q_high = decoded_nibbles(byte, s, cb_ptr, HAS_CB)
-        q = tl.reshape(tl.join(q_low, q_high), (BLOCK_N, 2 * BLOCK_KH))  # low nibble the even column
-        cols = tl.program_id(1) * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
-        tl.store(out_ptr + rows64 * stride_out + cols[None, :], q, mask=(rows[:, None] < N) & (cols[None, :] < 2 * KH))
+        word = (q_high.to(tl.int16) << 8) | (q_low.to(tl.int16) & 0xFF)  # the low nibble the even column
+        tl.store(out_ptr + rows64 * stride_out + bytes_[None, :], word, mask=mask)
