@@ -66,7 +66,8 @@ def _switch_taken(prompt: dict, node: dict) -> str | None:
     if node.get("class_type") not in SWITCHES:
         return None
     value = node.get("inputs", {}).get("switch")
-    source = prompt.get(_link(value)) if _link(value) is not None else None
+    link = _link(value)
+    source = prompt.get(link) if link is not None else None
     if isinstance(source, dict) and source.get("class_type") == "PrimitiveBoolean":
         value = source.get("inputs", {}).get("value")
     return ("on_true" if value else "on_false") if isinstance(value, bool) else None
@@ -87,8 +88,9 @@ def running_nodes(prompt: dict) -> dict:
         reached[key] = node
         taken = _switch_taken(prompt, node)
         for name, value in (node.get("inputs") or {}).items():
-            if _link(value) is not None and (taken is None or name not in SWITCH_BRANCHES or name == taken):
-                todo.append(_link(value))
+            link = _link(value)
+            if link is not None and (taken is None or name not in SWITCH_BRANCHES or name == taken):
+                todo.append(link)
     return reached
 
 

@@ -8,7 +8,7 @@ pack's Triton path (quant/int8_triton.py: rotation, activation quantization and 
 Int8ConvRotMethod as the pack runs it (its choice, named: the Triton kernels unless the tuning store says
 otherwise); raw torch._int_mm (cuBLASLt, no
 rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_int8`, group 16) as the pack runs
-it (its decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, the pack's and kitchen's decodes alone, and with
+it (its decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, the pack's and kitchen's decodes alone, and
 with --experiments the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs,
 named); the INT8 GEMM alone (activations quantized beforehand), the pack's and, with --experiments, as a persistent
 kernel (tests/bench/int8_gemm_persistent.py, the fastest of its configs, named). The two experiments lost on an H100

@@ -617,8 +617,8 @@ def stage_seconds(segs) -> dict:
 
 
 def bytes_by_stage(segs, samples, column: int) -> dict:
-    """What a cumulative column (4: bytes read from the disk, 5: written, 8: file pages refaulted) grew by in each stage: its last sample at
-    or before a segment's end less its last at or before its start (samples every 20 ms)."""
+    """What a cumulative column (4: bytes read from the disk, 5: written, 8: file pages refaulted) grew by in each
+    stage: its last sample at or before a segment's end less its last at or before its start (samples every 20 ms)."""
     known = [(s[0], s[column]) for s in samples if s[column] is not None]
     times = [t for t, _ in known]
 
