@@ -658,3 +658,33 @@ def test_a_v1_limit_is_a_child_in_the_memory_hierarchy(tmp_path):
     limit, why = whole_job.MemoryLimit.make(64 * 2 ** 30, "b", root, proc)
     assert why == "" and limit.version == 1 and limit.path == root / "memory" / "job" / "run" / "b"
     assert (limit.path / "memory.limit_in_bytes").read_text() == str(64 * 2 ** 30)
+
+
+def test_cached_bytes_counts_a_files_pages_in_the_page_cache(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(3 * 4096 + 100))  # just written: every page in the cache (tmpfs or a disk's)
+    assert whole_job.cached_bytes(path) == path.stat().st_size
+    (tmp_path / "empty").write_bytes(b"")
+    assert whole_job.cached_bytes(tmp_path / "empty") == 0
+    assert whole_job.cached_bytes(tmp_path / "gone") is None
+
+
+def test_cached_by_stage_reads_each_stages_first_start_and_last_end():
+    gib = whole_job.GIB
+    cached = [(0.0, {"vae": 0}), (1.0, {"vae": 2 * gib}), (2.0, {"vae": gib}), (3.0, {"vae": None})]
+    segs = [(0.5, 1.5, "sampling", "a"), (1.5, 2.5, "vae_decode", "b"), (2.6, 3.5, "vae_decode", "c")]
+    assert whole_job.cached_by_stage(segs, cached) == {"sampling": {"vae": [0.0, 2.0]},
+                                                       "vae_decode": {"vae": [2.0, None]}}
+    assert whole_job.cached_by_stage(segs, []) == {}
+    early = [(5.0, {"vae": gib})]  # no sample before a stage: the first one stands for it
+    assert whole_job.cached_by_stage(segs[:1], early) == {"sampling": {"vae": [1.0, 1.0]}}
+
+
+def test_monitor_samples_the_files_page_cache(tmp_path):
+    path = tmp_path / "dit.safetensors"
+    path.write_bytes(b"x" * 8192)
+    monitor = whole_job.Monitor(os.getpid(), interval=0.01, files={"dit": path}, cache_every=2)
+    monitor.start()
+    time.sleep(0.05)
+    monitor.stop()
+    assert len(monitor.cached) >= 2 and monitor.cached[-1][1] == {"dit": 8192}

@@ -59,7 +59,9 @@ Memory: the device's used memory (NVML, polled every 20 ms) and the server's pro
 anonymous + shared pages, which a machine could not reclaim), peaks over the job and per stage, set against
 hosts of 64 and 32 GiB (`ram_budgets`); the cgroup's peak and OOM kills where there is one. The video file is
 opened with PyAV (frames, streams) and deleted. The bytes the server's processes had the disk read and write, per
-stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`).
+stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`). How much of each model file
+the page cache held at each stage's start and end (mincore, every 0.5 s: `page_cache_by_stage_gib`): whether a
+file read ahead was still there when its loader came.
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -185,6 +187,7 @@ LORA_CHANGE = 0.75  # the third job's LoRA strength (--lora-change): the templat
 #: seconds between two samples of the server's memory, I/O and the device (a stage's bytes are counted from the samples
 #: at or before its start and end, so a stage can be given what was read up to one interval before it started)
 SAMPLE_S = 0.02
+CACHE_EVERY = 25  # the model files' page-cache residency every 25th sample (0.5 s): mincore over ~40 GiB of maps
 
 
 STAGES = ("queue", "encoder", "model_load", "sampling", "vae_decode", "save", "graph", "capture")
@@ -402,15 +405,57 @@ def io_bytes(pids) -> tuple[int, int]:
     return read, written
 
 
+def cached_bytes(path: Path) -> int | None:
+    """The bytes of `path` in the page cache: mincore over a read-only shared map of it (mapping faults nothing
+    in); None where the system has no mincore (not Linux) or the file cannot be mapped."""
+    import ctypes
+    import mmap
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                   ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        prot, shared = mmap.PROT_READ, mmap.MAP_SHARED
+        size = os.path.getsize(path)
+        if size == 0:
+            return 0
+        fd = os.open(path, os.O_RDONLY)
+    except (OSError, AttributeError, TypeError):  # TypeError: no CDLL(None) (Windows)
+        return None
+    try:
+        addr = libc.mmap(None, size, prot, shared, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(addr, size, vec) != 0:
+                return None
+            resident = vec.raw[:pages].translate(_LOW_BIT).count(1)  # bit 0 of each byte: the page is resident
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return min(size, resident * mmap.PAGESIZE)
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
 class Monitor(threading.Thread):
     """Polls the device's used memory and the bytes the server's processes had the disk read and write (every
     `interval` s), and their memory (every 5th poll; the process tree is listed then too): samples (time, device
     used, RSS, unreclaimable, bytes read from the disk, bytes written, the cgroup's anon, file, refaulted file
-    bytes), reads, writes and refaults cumulative; one more sample when stopped."""
+    bytes), reads, writes and refaults cumulative; one more sample when stopped. `files` (role: path): each file's
+    bytes in the page cache every `cache_every`th poll and when stopped, in `cached` as (time, {role: bytes})."""
 
-    def __init__(self, pid: int, interval: float = SAMPLE_S, memory_stat: Path | None = None):
+    def __init__(self, pid: int, interval: float = SAMPLE_S, memory_stat: Path | None = None,
+                 files: dict | None = None, cache_every: int = CACHE_EVERY):
         super().__init__(daemon=True)
         self.pid, self.interval, self.memory_stat = pid, interval, memory_stat
+        self.files, self.cache_every = files or {}, cache_every
+        self.cached: list[tuple] = []
         self.samples: list[tuple] = []
         self.stop_event = threading.Event()
         self.nvml_error = None
@@ -451,13 +496,20 @@ class Monitor(threading.Thread):
             if count % 5 == 0:
                 memory = self._memory()
             self.samples.append(self._sample(memory))
+            if self.files and count % self.cache_every == 0:
+                self._cache()
             count += 1
             self.stop_event.wait(self.interval)
+
+    def _cache(self):
+        self.cached.append((time.time(), {role: cached_bytes(path) for role, path in self.files.items()}))
 
     def stop(self):
         self.stop_event.set()
         self.join()
         self.samples.append(self._sample(self._memory()))
+        if self.files:
+            self._cache()
 
 
 class MemoryLimit:
@@ -643,6 +695,21 @@ def peaks_by_stage(segs, samples, column: int) -> dict:
         stage = segs[index][2]
         peaks[stage] = max(peaks.get(stage, 0), value / GIB)
     return peaks
+
+
+def cached_by_stage(segs, cached) -> dict:
+    """Each stage's {role: [GiB in the page cache at its first segment's start, at its last one's end]}: the last
+    residency sample at or before each time (the first one where none is earlier); None where unknown."""
+    times = [t for t, _ in cached]
+
+    def at(t):
+        return cached[max(0, bisect.bisect_right(times, t) - 1)][1]
+    spans = {}
+    for start, end, stage, _ in segs:
+        spans[stage] = (spans.get(stage, (start,))[0], end)
+    return {stage: {role: [None if at(start)[role] is None else at(start)[role] / GIB,
+                           None if at(end)[role] is None else at(end)[role] / GIB] for role in at(start)}
+            for stage, (start, end) in spans.items()} if cached else {}
 
 
 def sampling_detail(report: dict) -> dict:
@@ -973,7 +1040,7 @@ class Job:
         if not events.connected.wait(30) or events.error:
             raise RuntimeError(f"no websocket to follow the job: {events.error or 'no connection in 30 s'}")
         log_start = len(server.log_text())
-        monitor = Monitor(server.pid, memory_stat=self.memory_stat)
+        monitor = Monitor(server.pid, memory_stat=self.memory_stat, files=self.paths)
         monitor.start()
         t_post = time.time()
         try:
@@ -1031,7 +1098,8 @@ class Job:
                    host_rss_peak_by_stage_gib=peaks_by_stage(segs, samples, 2),
                    host_unreclaimable_peak_gib=max((s[3] for s in samples if s[3]), default=0) / GIB,
                    disk_read_by_stage=bytes_by_stage(segs, samples, 4),
-                   disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples))
+                   disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples),
+                   page_cache_by_stage_gib=cached_by_stage(segs, monitor.cached))
         if any(s[8] is not None for s in samples):  # the server's memory cgroup (v2): what its page cache did
             out["cgroup_by_stage"] = {"anon_peak_gib": peaks_by_stage(segs, samples, 6),
                                       "file_peak_gib": peaks_by_stage(segs, samples, 7),
@@ -1189,6 +1257,9 @@ def result_line(rec) -> str:
         parts.append(f"device {rec['device_used_peak_gib']:.1f} GiB")
     parts.append(f"RSS {rec['host_rss_peak_gib']:.1f} GiB (unreclaimable {rec['host_unreclaimable_peak_gib']:.1f})")
     parts.append(f"disk read {sum(rec['disk_read_by_stage'].values()) / GIB:.1f} GiB")
+    decode = (rec.get("page_cache_by_stage_gib") or {}).get("vae_decode", {})
+    if decode.get("video_vae") and decode["video_vae"][0] is not None:
+        parts.append(f"video VAE cached at its decode {decode['video_vae'][0]:.2f} GiB")
     for ref, streams in rec.get("latent", {}).items():
         parts.append(f"cos {streams['video']['cosine']:.4f} {ref}")
     if rec.get("encoder_loader") == "CLIPLoader":
