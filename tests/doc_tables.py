@@ -105,11 +105,11 @@ def headline() -> str:
 R = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json"
 R7 = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-07.json"
 JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations shown: all where None)
-    ("turbo, 64 GiB, first run", "turbo", 64, ("whole-job-turbo-deferred-vae" + R7,), None),
-    ("turbo, 64 GiB, restarted, earlier code", "turbo", 64, ("whole-job-turbo-restarted" + R7,),
-     ("template_sage", "pack_fast")),
-    ("turbo, 32 GiB, restarted, earlier code", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,), None),
-    ("default, 64 GiB, first run", "default", 64, ("whole-job-default" + R7,), None),
+    ("turbo, 64 GiB", "turbo", 64, ("whole-job-turbo-64g-6dd69a6" + R7,), None),
+    ("turbo, 32 GiB", "turbo", 32, ("whole-job-turbo-32g-6dd69a6" + R7,), None),
+    ("turbo, 32 GiB, restarted, earlier code", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,),
+     ("template_sage", "pack")),
+    ("default, 64 GiB", "default", 64, ("whole-job-default-64g-6dd69a6" + R7,), None),
 )
 JOB_NAMES = {3: "job 3, LoRA at 0.75"}  # whole_job.py --lora-change: the second job's prompt, the LoRA's strength changed
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",

@@ -11,14 +11,16 @@ rotation nor quantization: a ceiling); the pack's FP8 method; W4A8 (`asym_w4a8_i
 it (its decode, then the INT8 kernels), as comfy-kitchen's own linear runs it, the pack's and kitchen's decodes alone, and
 with --experiments the codes decoded in the GEMM's main loop (tests/bench/w4a8_fused.py, the fastest of its configs,
 named); the INT8 GEMM alone (activations quantized beforehand), the pack's and, with --experiments, as a persistent
-kernel (tests/bench/int8_gemm_persistent.py, the fastest of its configs, named). The two experiments lost on an H100
-(int8-linear-exp-*-h100-2026-12-07.json) and search several configs each: off by default. Each: ms (CUDA events,
+kernel (tests/bench/int8_gemm_persistent.py, the fastest of its configs, named); the method and the kernel timed
+again in the other order, and with --trace profiled (their kernels, allocator and synchronizing calls). The two
+experiments lost on an H100 (int8-linear-exp-*-h100-2026-12-07.json) and search several configs each: off by
+default. Each: ms (CUDA events,
 warmed up, median of three runs of ten calls), ratio to bf16 F.linear, TOPS or TFLOP/s and the share of the GPU's dense
 peak, relative error against an fp32 reference, and for Triton its error over kitchen's. The configs the
 kernels ran are recorded per shape, with where each came from (BIGDIT_INT8_TUNE=1 searches them). One line per
 layer says whether the target (>= 1.5x bf16) is met, one whether W4A8 runs at least W4A8_TARGET of the INT8 method.
 
-    python tests/bench/int8_linear.py [--rows 32700] [--experiments] [--out FILE]
+    python tests/bench/int8_linear.py [--rows 32700] [--experiments] [--trace] [--out FILE]
 """
 import argparse
 from pathlib import Path
@@ -110,7 +112,32 @@ def fastest_persistent(q, scale, weight, w_scale):
                                                       programs)
 
 
-def bench_shape(name, k, n, act, rows, experiments=False):
+def profile_calls(fn, calls: int = 10, top: int = 8) -> list[dict]:
+    """torch.profiler over `calls` calls of `fn` (warmed up): the `top` events by device time, then any allocator or
+    synchronizing runtime call, each with its count and total device and host microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def cell(e):
+        device = getattr(e, "device_time_total", None)
+        return {"name": e.key[:120], "count": e.count, "device_us": round(device if device is not None else
+                                                                           e.cuda_time_total, 1),
+                "host_us": round(e.cpu_time_total, 1)}
+    by_device = sorted(events, key=lambda e: -cell(e)["device_us"])[:top]
+    runtime = [e for e in events if any(w in e.key for w in ("Malloc", "Free", "Synchronize", "cudaMemcpy"))]
+    return [cell(e) for e in by_device] + [cell(e) for e in runtime if e not in by_device]
+
+
+def bench_shape(name, k, n, act, rows, experiments=False, trace=False):
     torch.manual_seed(0)
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     torch.nn.init.normal_(linear.weight, std=k ** -0.5)
@@ -171,6 +198,11 @@ def bench_shape(name, k, n, act, rows, experiments=False):
         measure("w4a8_fused", runs["w4a8_fused"])
     for cand in runs:
         row[cand]["ratio_to_bf16"] = row["bf16"]["ms"] / row[cand]["ms"]
+    # the method was slower than its kernel at fc2 at 32,700 rows in three runs, running the same kernels: timed
+    # again in the other order, and with --trace each one's kernels and allocator calls, to tell what differs
+    row["retimed_ms"] = {cand: cuda_time_ms(runs[cand]) for cand in ("method", "triton")}
+    if trace:
+        row["trace"] = {cand: profile_calls(runs[cand]) for cand in ("triton", "method")}
     t = w4a8.tensors_for(x)
     codes = (t["weight"], t["weight_s_rel"], t.get("weight_codebook"), 16)
     kitchen_decode = compiled_ops.w4a8_decoder(x.device)
@@ -192,6 +224,8 @@ def main():
     ap.add_argument("--rows", type=int, default=32700)
     ap.add_argument("--out", default=None)
     ap.add_argument("--experiments", action="store_true", help="the persistent GEMM and the fused W4A8 decode too")
+    ap.add_argument("--trace", action="store_true", help="torch.profiler over the Triton kernel's and the method's "
+                    "calls at each shape: their kernels and allocator calls, in the JSON and printed")
     args = ap.parse_args()
     chooser()  # starts recording the method's measurements
     gpu = torch.cuda.get_device_name()
@@ -203,7 +237,7 @@ def main():
     print(f"{'layer':9} " + " ".join(f"{c:>22}" for c in cands) + "   (ms, x bf16 F.linear, % of peak)")
     results = []
     for name, (k, n, act) in SHAPES.items():
-        r = bench_shape(name, k, n, act, args.rows, args.experiments)
+        r = bench_shape(name, k, n, act, args.rows, args.experiments, args.trace)
         results.append(r)
         cells = " ".join("(none)".rjust(22) if c not in r else f"{r[c]['ms']:7.3f} {r[c]['ratio_to_bf16']:5.2f}x "
                          f"{100 * r[c].get('peak_fraction', float('nan')):4.0f}%" for c in cands)
@@ -221,6 +255,14 @@ def main():
               f"{r['triton_err_over_kitchen']:.3f}x kitchen's; the method chose {r['method_choice']} "
               f"({r['method']['ratio_to_bf16']:.2f}x)")
     print(f"target met on {'all' if met_all else 'not all'} layers")
+    for r in results:
+        again = r["retimed_ms"]
+        print(f"{r['shape']:9} timed again, the method first: method {again['method']:.3f} ms, kernel "
+              f"{again['triton']:.3f} ms (first: {r['method']['ms']:.3f}, {r['triton']['ms']:.3f})")
+        for cand, events in r.get("trace", {}).items():
+            print(f"{'':9} {cand} over 10 calls: " + "; ".join(
+                f"{e['name'][:60]} x{e['count']} {e['device_us']:.0f} us device, {e['host_us']:.0f} us host"
+                for e in events))
     for r in results:
         if "gemm_persistent" in r:
             g, p = r["gemm"], r["gemm_persistent"]
