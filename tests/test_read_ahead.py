@@ -180,3 +180,117 @@ def test_release_held_drops_the_held_files_read_whole_once(tmp_path, monkeypatch
         time.sleep(0.01)
     assert released == [encoder] and dropped == [encoder.path]
     assert reader.release_held() == [] and dropped == [encoder.path]  # once
+
+
+def trunk_file(path, blocks=12, width=64):
+    """A safetensors file as a DiT's: an embedding, a refiner's numbered blocks, the trunk's blocks (more bytes,
+    numbered 0 to blocks - 1, so that the file's order puts 10 before 2) and a head."""
+    import safetensors.torch
+    import torch
+    tensors = {"embed.weight": torch.ones(width, width), "refiner.blocks.0.w": torch.ones(4, 4),
+               "head.weight": torch.ones(width, 2)}
+    for i in range(blocks):
+        tensors[f"model.diffusion_model.blocks.{i}.attn.weight"] = torch.full((width, width), float(i))
+        tensors[f"model.diffusion_model.blocks.{i}.ff.2.weight"] = torch.full((width, width), float(i))
+    safetensors.torch.save_file(tensors, str(path))
+    return tensors
+
+
+def test_execution_groups_put_the_trunk_blocks_in_index_order_after_the_rest(tmp_path):
+    import json
+    import struct
+    path = tmp_path / "dit.safetensors"
+    tensors = trunk_file(path)
+    trunk, groups = read_ahead.execution_groups(str(path))
+    assert trunk == "model.diffusion_model.blocks" and len(groups) == 1 + 12
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+
+    def span(name):
+        start, end = header[name]["data_offsets"]
+        return 8 + length + start, end - start
+    outside = sorted(span(n) for n in ("embed.weight", "refiner.blocks.0.w", "head.weight"))
+    assert sum(n for _, n in groups[0]) == sum(n for _, n in outside)
+    for i in range(12):  # block i's two tensors, contiguous in the file, one range
+        names = [f"model.diffusion_model.blocks.{i}.attn.weight", f"model.diffusion_model.blocks.{i}.ff.2.weight"]
+        assert sum(n for _, n in groups[1 + i]) == sum(tensors[n].numel() * 4 for n in names)
+        assert {start for start, _ in groups[1 + i]} <= {start for start, _ in map(span, names)}
+    (tmp_path / "plain.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    assert read_ahead.execution_groups(str(tmp_path / "plain.safetensors")) is None  # no trunk
+    (tmp_path / "junk.bin").write_bytes(b"\xff" * 64)
+    assert read_ahead.execution_groups(str(tmp_path / "junk.bin")) is None
+
+
+def test_a_followed_file_is_read_in_block_order_within_its_window_skipping_what_the_model_reached(tmp_path,
+                                                                                                  monkeypatch):
+    """The model's position moves as the reader reads: the reader never reads a group past the window beyond the
+    model's block, skips the blocks the model reached first, and reads the rest whole."""
+    groups = [[(0, 100)]] + [[(100 + 100 * i, 100)] for i in range(10)]
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\1" * 1100)
+    followed = read_ahead.Followed(str(path), groups, window=250)
+    order = []
+    real_open = open
+
+    def opened(file, *args, **kwargs):  # each part's offset, in the order read, and the model's block then
+        handle = real_open(file, *args, **kwargs)
+        seek = handle.seek
+        handle.seek = lambda offset, *a: (order.append((offset, followed.at)), seek(offset, *a))[1]
+        return handle
+    monkeypatch.setattr("builtins.open", opened)
+
+    def model():  # blocks 0-3 reached slowly, then 4-6 at once (ahead of the reader), then the rest
+        for at in (0, 1, 2, 3):
+            time.sleep(0.05)
+            followed.at = at
+        time.sleep(0.05)
+        followed.at = 6
+        for at in (7, 8, 9):
+            time.sleep(0.05)
+            followed.at = at
+    import threading
+    thread = threading.Thread(target=model)
+    thread.start()
+    read, skipped = read_ahead.read_followed(followed, stripes=1, chunk=64, pause=0.001)
+    thread.join()
+    starts = [offset for offset, _ in order]
+    assert starts == sorted(starts)  # in the groups' order
+    for offset, at in order:  # `at` as the part was read: the model only moves on from the reader's decision
+        assert offset // 100 - (at + 1) <= 2, (offset, at)  # the window's 250 bytes: 2 groups past the model's
+    assert read == 100 * (11 - skipped) and skipped >= 1  # the groups it read, whole; block 6 reached first
+
+
+def test_a_followed_file_skips_the_blocks_the_model_reached_and_waits_at_its_window(tmp_path, monkeypatch):
+    groups = [[(0, 100)]] + [[(100 + 100 * i, 100)] for i in range(10)]
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\1" * 1100)
+    followed = read_ahead.Followed(str(path), groups, window=250, at=4)
+    waited = []
+    monkeypatch.setattr(read_ahead.time, "sleep", lambda seconds: waited.append(seconds))
+    read, skipped = read_ahead.read_followed(followed, stripes=1, chunk=64, stopped=lambda: bool(waited))
+    # blocks 0-4 (and the tensors outside the trunk) reached: skipped; blocks 5 and 6 read (200 bytes of the
+    # window's 250); block 7 would make 300: the reader waits there
+    assert (read, skipped) == (200, 5) and waited
+
+
+def test_a_followed_file_stops_when_unfollowed_and_says_what_it_read(tmp_path, caplog):
+    path = tmp_path / "dit.safetensors"
+    trunk_file(path)
+    _, groups = read_ahead.execution_groups(str(path))
+    log = logging.getLogger("test_read_ahead_follow")
+    reader = Reader(log, stripes=2)
+    followed = read_ahead.Followed(str(path), groups, window=1)  # one group ahead of the model at a time
+    with caplog.at_level(logging.INFO, logger="test_read_ahead_follow"):
+        reader.follow(followed, "a diffusion model's sampling")
+        time.sleep(0.2)  # the model never moves: the reader holds at block 0's group
+        reader.unfollow(str(path))
+        deadline = time.monotonic() + 30
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+    (record,) = caplog.records
+    message = record.getMessage()
+    size = sum(n for _, n in groups[0]) + sum(n for _, n in groups[1])
+    assert message.startswith(f"read-ahead for a diffusion model's sampling: dit.safetensors in its model's order, "
+                              f"{size / GIB:.2f} GiB in "), message
+    assert message.endswith("; 0 of its 12 blocks reached by the model first"), message

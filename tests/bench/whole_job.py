@@ -38,7 +38,9 @@ for the load (hit, miss, off, skipped) and the tuned-kernel store's lines where 
 - pack_fast_no_lora: pack_fast with the LoRA at strength 0 (no LoRA): set against pack_fast's step in the same run,
   the LoRA branch's share of a step (`summary`'s `lora_step_share`); its latent is not the template's;
 - pack_fast_compile_in_place: pack_fast with each Triton kernel compiled at its first launch, one after another
-  (BIGDIT_TRITON_COMPILE_AHEAD=0), against pack_fast's compiles on a thread pool while kitchen computes.
+  (BIGDIT_TRITON_COMPILE_AHEAD=0), against pack_fast's compiles on a thread pool while kitchen computes;
+- pack_fast_follow: pack_fast with the diffusion model read in its blocks' order ahead of the first step
+  (BIGDIT_READ_AHEAD_FOLLOW=1), against pack_fast's stop at sampling.
 Whether QuantizedCLIPLoader loads the encoder file's two unusual layer kinds (an INT8 token embedding, NVFP4 with
 `full_precision_matrix_mult`) is checked once, on a small CLIP-L with them, in the first server after its job
 (`encoder_check`); where it does not, the pack's configurations load the encoder with upstream's CLIPLoader and
@@ -167,10 +169,14 @@ CONFIGS["pack_fast_no_lora"] = dataclasses.replace(
 # gains in a first job with Triton's cache cold
 CONFIGS["pack_fast_compile_in_place"] = dataclasses.replace(
     CONFIGS["pack_fast"], name="pack_fast_compile_in_place", env=(("BIGDIT_TRITON_COMPILE_AHEAD", "0"),))
+# pack_fast with the diffusion model followed through its first step (host/read_ahead.py, off by default)
+CONFIGS["pack_fast_follow"] = dataclasses.replace(CONFIGS["pack_fast"], name="pack_fast_follow",
+                                                  env=(("BIGDIT_READ_AHEAD_FOLLOW", "1"),))
 # the most important comparison first: a call's budget drops the last ones
 ORDER = ("template_sage", "pack_fast", "pack", "template")
 REFERENCES = ("template_sage", "template")
-PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_no_read_ahead", "pack_fast_no_lora", "pack_fast_compile_in_place")
+PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_no_read_ahead", "pack_fast_no_lora", "pack_fast_compile_in_place",
+                "pack_fast_follow")
 # what a server is assumed to take before one has run at that setting: from its start (the page-cache drop
 # included) to the end of its first job, and its second job with the server's stop
 PRIOR_S = {"turbo": {"job1": 160.0, "job2": 70.0}, "default": {"job1": 170.0, "job2": 90.0},
