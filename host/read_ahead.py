@@ -178,12 +178,13 @@ class PromptReadAhead:
             return
         self.reader.submit(chosen, "a diffusion model's first step")
 
-
     def follow(self, patcher) -> None:
         """Follow the last prompt's diffusion model files that `patcher`'s model runs (the file's trunk found in the
-        model by name and length), where the RAM holds the window; once per file."""
+        model by name and length), where the RAM holds the window; once per file. Files still followed from a
+        sampling whose first call never returned (interrupted) are let go first."""
+        self.unfollow()
         model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
-        if model is None or self.following:
+        if model is None:
             return
         for path in self.models:
             found = execution_groups(path)
@@ -257,9 +258,11 @@ def release_held(patcher=None) -> None:
 
 def after_first_call(executor, *args, **kwargs):
     """The diffusion model's wrapper: its call, then the deferred files read (nothing once they are)."""
-    out = executor(*args, **kwargs)
-    if _handler is not None and _handler.following:
-        _handler.unfollow()
+    try:
+        out = executor(*args, **kwargs)
+    finally:  # an interrupted or failed first call lets the followed files go too
+        if _handler is not None and _handler.following:
+            _handler.unfollow()
     if _handler is not None and _handler.deferred:
         try:
             _handler.read_deferred()

@@ -115,6 +115,7 @@ def drop_cached(path: str) -> bool:
 
 
 MAX_HEADER = 100 * 1024 * 1024  # a safetensors header larger than this is not a model file's
+STALL_S = 60.0  # a followed model at one block this long while the reader waits: its hooks do not fire
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")  # "blocks.12.attn.qkv.weight" -> ("blocks", "12")
 
 
@@ -175,9 +176,10 @@ class Followed:
 
 
 def read_followed(f: Followed, stripes: int = STRIPES, chunk: int = CHUNK, stopped=lambda: False,
-                  pause: float = 0.005) -> tuple[int, int]:
+                  pause: float = 0.005, stall: float = STALL_S) -> tuple[int, int]:
     """Read `f`'s groups in order, each in `stripes` parallel parts, skipping the trunk blocks the model reached
-    first, waiting while the next group would take it past the window; until `stopped()`. (bytes read, blocks
+    first, waiting while the next group would take it past the window; until `stopped()`, or the model stayed at
+    one block for `stall` s while the reader waited (its blocks' hooks do not fire). (bytes read, blocks
     skipped)."""
     sizes = [sum(n for _, n in group) for group in f.groups]
     read = skipped = 0
@@ -199,7 +201,12 @@ def read_followed(f: Followed, stripes: int = STRIPES, chunk: int = CHUNK, stopp
 
     with ThreadPoolExecutor(stripes) as pool:
         for index, group in enumerate(f.groups):
+            waited_at, since = f.at, time.monotonic()
             while not stopped() and too_far(index):
+                if f.at != waited_at:
+                    waited_at, since = f.at, time.monotonic()
+                elif time.monotonic() - since > stall:
+                    return read, skipped
                 time.sleep(pause)
             if stopped():
                 break

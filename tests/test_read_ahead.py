@@ -294,3 +294,14 @@ def test_a_followed_file_stops_when_unfollowed_and_says_what_it_read(tmp_path, c
     assert message.startswith(f"read-ahead for a diffusion model's sampling: dit.safetensors in its model's order, "
                               f"{size / GIB:.2f} GiB in "), message
     assert message.endswith("; 0 of its 12 blocks reached by the model first"), message
+
+
+def test_a_followed_file_whose_model_never_moves_is_let_go_after_the_stall(tmp_path):
+    groups = [[(0, 100)]] + [[(100 + 100 * i, 100)] for i in range(10)]
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\1" * 1100)
+    followed = read_ahead.Followed(str(path), groups, window=150)
+    start = time.monotonic()
+    read, skipped = read_ahead.read_followed(followed, stripes=1, chunk=64, pause=0.001, stall=0.2)
+    # group 0 and block 0 read (the group after the model's is always read), then the reader waited 0.2 s and left
+    assert (read, skipped) == (200, 0) and 0.2 <= time.monotonic() - start < 10
