@@ -75,25 +75,27 @@ def stripes_for(path: str, stripes: int = STRIPES, sys_block: str = SYS_BLOCK) -
     return stripes
 
 
+def read_span(path: str, start: int, length: int, chunk: int = CHUNK, stopped=lambda: False) -> int:
+    """Read `length` bytes of `path` from `start`, `chunk` at a time, until `stopped()` says to stop (checked
+    before each chunk) or the file ends; the bytes read."""
+    done, buffer = 0, bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while done < length and not stopped():
+            n = f.readinto(memoryview(buffer)[:min(chunk, length - done)])
+            if not n:
+                break
+            done += n
+    return done
+
+
 def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK, stopped=lambda: False) -> int:
-    """Read `path` whole, `stripes` contiguous parts at once, until `stopped()` says to stop (checked before each
-    chunk); the bytes read."""
+    """Read `path` whole, `stripes` contiguous parts at once (read_span), until `stopped()` says to stop; the
+    bytes read."""
     size = os.path.getsize(path)
     part = -(-size // stripes)
-
-    def read_part(start: int) -> int:
-        done, buffer = 0, bytearray(chunk)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(start)
-            while done < part and not stopped():
-                n = f.readinto(memoryview(buffer)[:min(chunk, part - done)])
-                if not n:
-                    break
-                done += n
-        return done
-
     with ThreadPoolExecutor(stripes) as pool:
-        return sum(pool.map(read_part, range(0, size, part or 1)))
+        return sum(pool.map(lambda start: read_span(path, start, part, chunk, stopped), range(0, size, part or 1)))
 
 
 def drop_cached(path: str) -> bool:
@@ -177,21 +179,12 @@ class Followed:
 
 def read_followed(f: Followed, stripes: int = STRIPES, chunk: int = CHUNK, stopped=lambda: False,
                   pause: float = 0.005, stall: float = STALL_S) -> tuple[int, int]:
-    """Read `f`'s groups in order, each in `stripes` parallel parts, skipping the trunk blocks the model reached
+    """Read `f`'s groups in order, each in `stripes` parallel parts (read_span), skipping the trunk blocks the model reached
     first, waiting while the next group would take it past the window; until `stopped()`, or the model stayed at
     one block for `stall` s while the reader waited (its blocks' hooks do not fire). (bytes read, blocks
     skipped)."""
     sizes = [sum(n for _, n in group) for group in f.groups]
     read = skipped = 0
-    local = threading.local()
-
-    def read_part(part: tuple[int, int]) -> int:
-        if getattr(local, "buffer", None) is None:
-            local.buffer = bytearray(chunk)
-        start, length = part
-        with open(f.path, "rb", buffering=0) as file:
-            file.seek(start)
-            return file.readinto(memoryview(local.buffer)[:length]) or 0
 
     def too_far(index: int) -> bool:
         """Whether reading group `index` would put more than the window between it and the model's group (the
@@ -214,9 +207,10 @@ def read_followed(f: Followed, stripes: int = STRIPES, chunk: int = CHUNK, stopp
             if (at >= 0) if index == 0 else (index - 1 <= at):
                 skipped += index > 0
                 continue
-            parts = [(start + offset, min(chunk, length - offset)) for start, length in group
-                     for offset in range(0, length, chunk)]
-            read += sum(pool.map(read_part, parts))
+            step = max(chunk, -(-sizes[index] // stripes))  # about one part per reader
+            parts = [(start + offset, min(step, length - offset)) for start, length in group
+                     for offset in range(0, length, step)]
+            read += sum(pool.map(lambda part: read_span(f.path, *part, chunk), parts))
     return read, skipped
 
 

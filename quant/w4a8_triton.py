@@ -6,10 +6,10 @@ or code - 8 without one; the low nibble is the even column), bit for bit (tests/
 `w4a8_decode`). Kitchen's Triton decode stores each nibble's byte at a stride of two and took 2.16 ms for qkv's
 21504 x 5376 weight on an H100, where moving its 173 MB takes about 0.05 ms (`int8-linear-exp-15000-h100-2026-12-07.json`);
 this one stores each byte's two decoded codes as one 16-bit word, little-endian (the low nibble's byte first, the
-even column): a tile's stores are contiguous and its codes need no interleaving in registers. (Interleaved in
-registers instead, the decode took 0.11-0.39 ms at H3 pruned's shapes on an H100,
-`int8-linear-*-nvidia-h100-2026-12-07.json`; the word store is not measured on a GPU yet.) fp8 group scales are
-decoded in integer arithmetic (exact, and on GPUs without fp8 conversions too).
+even column): a tile's stores are contiguous and its codes need no interleaving in registers. (On an H100 at H3
+pruned's shapes it took 0.105-0.338 ms, `int8-linear-*-nvidia-h100-2026-12-07-6dd69a6.json`; interleaved in
+registers, 0.11-0.39 ms, `int8-linear-*-nvidia-h100-2026-12-07.json`.) fp8 group scales are decoded in integer
+arithmetic (exact, and on GPUs without fp8 conversions too).
 """
 from __future__ import annotations
 

@@ -660,15 +660,6 @@ def test_a_v1_limit_is_a_child_in_the_memory_hierarchy(tmp_path):
     assert (limit.path / "memory.limit_in_bytes").read_text() == str(64 * 2 ** 30)
 
 
-def test_cached_bytes_counts_a_files_pages_in_the_page_cache(tmp_path):
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(os.urandom(3 * 4096 + 100))  # just written: every page in the cache (tmpfs or a disk's)
-    assert whole_job.cached_bytes(path) == path.stat().st_size
-    (tmp_path / "empty").write_bytes(b"")
-    assert whole_job.cached_bytes(tmp_path / "empty") == 0
-    assert whole_job.cached_bytes(tmp_path / "gone") is None
-
-
 def test_cached_by_stage_reads_each_stages_first_start_and_last_end():
     gib = whole_job.GIB
     cached = [(0.0, {"vae": 0}), (1.0, {"vae": 2 * gib}), (2.0, {"vae": gib}), (3.0, {"vae": None})]

@@ -2,13 +2,18 @@
 keeps, else none) and the reading itself (every byte of a file, in stripes; each file once; one log line)."""
 import logging
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bigdit.loaders import read_ahead
 from bigdit.loaders.read_ahead import HEADROOM, STRIPES, AheadFile, Reader, drop_cached, plan, read_file, stripes_for
 from bigdit.units import GIB
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+from page_cache import cached_bytes  # noqa: E402
 
 
 def files():
@@ -128,25 +133,13 @@ def test_a_stopped_file_is_read_no_further_and_the_line_says_where_it_stopped(tm
     assert reader.release_held() == []
 
 
-def resident_pages(path) -> int:
-    """How many of `path`'s pages are in the page cache: mincore on a fresh mapping (mapping touches no page)."""
-    import ctypes
-    import mmap
-    size = os.path.getsize(path)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-    with open(path, "rb") as f:
-        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-        assert base not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        try:
-            assert libc.mincore(base, size, vector) == 0, ctypes.get_errno()
-        finally:
-            libc.munmap(base, size)
-    return sum(v & 1 for v in vector)
+def test_cached_bytes_counts_a_files_pages_in_the_page_cache(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(3 * 4096 + 100))  # just written: every page in the cache (tmpfs or a disk's)
+    assert cached_bytes(path) == path.stat().st_size
+    (tmp_path / "empty").write_bytes(b"")
+    assert cached_bytes(tmp_path / "empty") == 0
+    assert cached_bytes(tmp_path / "gone") is None
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="the system has no posix_fadvise (not Linux)")
@@ -156,10 +149,10 @@ def test_drop_cached_empties_a_files_pages_from_the_page_cache(tmp_path):
     with open(path, "rb") as f:
         os.fsync(f.fileno())  # written pages are dirty until on disk, and the kernel drops only clean ones
     read_file(str(path), stripes=2)
-    before = resident_pages(path)
+    before = cached_bytes(path)
     assert drop_cached(str(path))
-    after = resident_pages(path)
-    assert before == 1024 and after == 0, (before, after)
+    after = cached_bytes(path)
+    assert before == path.stat().st_size and after == 0, (before, after)  # every page, then none
     assert not drop_cached(str(tmp_path / "gone.bin"))
 
 
