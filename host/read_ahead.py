@@ -15,18 +15,13 @@ When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT
 (ComfyUI holds their weights), whose room the job's next files need (in the H3 turbo job at 64 GiB the read-ahead read
 46.6 GiB for 39.2 GiB of files before it did: the kernel dropped read-ahead pages not yet used before the text
 encoder's spent ones). The diffusion models are read no further then: under dynamic VRAM the first step pages them in
-itself, and comfy-aimdo drops the pages it read (`posix_fadvise(DONTNEED)` after each `pread` into its `mark_cold`
-host buffers), so a reader behind it reads them a second time (in the turbo job at 64 GiB, whole_job on an H100,
-2026-12-07, the job read 47.3 GiB with the read-ahead against 38.2 without; with the stop, 6dd69a6, 39.4 GiB: every
-file once). Where the prompt names a diffusion model and has such a node, its VAEs are read once that model's first
-call returned (else as it is queued), where the RAM then holds them: the disk waits through the other steps, where at
-the queue they were read beside the first step's. (In those runs the VAE stage still read 2.6-2.7 GiB from the disk,
-as without the read-ahead: why, whole_job's page-cache residency per stage is to tell.)
-
-With BIGDIT_READ_AHEAD_FOLLOW=1 in the server's environment (off by default until measured against the stop), a
-diffusion model file the prompt names is followed instead as sampling starts (`PromptReadAhead.follow`): read in the
-order the model runs it, up to FOLLOW_WINDOW ahead of the block the model is at (forward pre-hooks on its trunk's
-blocks set the position), until its first call returns; once per file and server.
+itself, and comfy-aimdo reads a weight into host buffers made with `mark_cold` (its library calls posix_fadvise), so
+the pages a reader behind it reads are likely read a second time (in the turbo job at 64 GiB, whole_job on an H100,
+2026-12-07, the job read 47.3 GiB with the read-ahead against 38.2 without, 26.4 against 16.7 in sampling, and the
+cgroup counted no refault; not yet measured with the stop). Where the prompt names a diffusion model and has such a
+node, its VAEs are read once that model's first call returned (else as it is queued), where the RAM then holds them:
+the disk waits through the other steps, where at the queue they were read beside the first step's. (In that run the VAE
+stage still read 2.6 GiB from the disk, against 2.7 without the read-ahead.)
 
 The RAM room: loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`). On
 unless BIGDIT_READ_AHEAD=0 is in the server's environment: in that run it took the first job from 60.5 s to 57.3
@@ -35,17 +30,15 @@ alike; where the RAM does not hold the files (32 GiB) it reads nothing.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import comfy.patcher_extension
 import folder_paths
-import torch
 
 from ..loaders.host_memory import ram_room
-from ..loaders.read_ahead import AheadFile, Followed, Reader, execution_groups, plan
+from ..loaders.read_ahead import AheadFile, Reader, plan
 from ..pack_logging import pack_logger
-from ..units import GIB, format_gib
+from ..units import format_gib
 
 log = pack_logger(__name__)
 
@@ -58,10 +51,6 @@ HELD = frozenset({"text_encoders"})  # ComfyUI keeps a text encoder's weights in
 SWITCHES = frozenset({"ComfySwitchNode"})  # upstream's If/Else Switch: the untaken input is lazy, never evaluated
 SWITCH_BRANCHES = ("on_true", "on_false")
 SWITCH = "BIGDIT_READ_AHEAD"
-FOLLOW = "BIGDIT_READ_AHEAD_FOLLOW"
-FOLLOW_WINDOW = 2 * GIB  # how far a followed file is read ahead of its model's block, where the RAM has it free
-FOLLOW_MARGIN = 1 * GIB  # RAM left free besides the window
-FOLLOW_MIN = 256 * 1024 * 1024  # a smaller window is not worth following for
 CALLBACK_KEY = "bigdit_read_ahead"
 _handler: PromptReadAhead | None = None  # the server's handler, once installed
 
@@ -130,9 +119,6 @@ class PromptReadAhead:
         self.reader = Reader(log)
         self.deferred: list[AheadFile] = []  # the last prompt's files for after a diffusion model's first call
         self.sampled: set[str] = set()  # the paths of the diffusion models and checkpoints queued
-        self.models: list[str] = []  # the last prompt's diffusion models and checkpoints, to follow (FOLLOW)
-        self.followed: set[str] = set()  # the paths followed once, by this server
-        self.following: list[tuple[Followed, list]] = []  # files followed now, with their blocks' hook handles
 
     def __call__(self, json_data):
         try:
@@ -149,7 +135,6 @@ class PromptReadAhead:
         named = prompt_files(nodes)
         hooked = any(node.get("class_type") in self.hooked for node in nodes.values())
         later = AFTER_FIRST_STEP if hooked and any(folder in SAMPLED for folder, _ in named) else frozenset()
-        self.models = [f.path for folder, f in named if folder in SAMPLED and f.path not in self.followed]
         named = [(folder, f) for folder, f in named if not self.reader.seen(f)]
         self.deferred = [f for folder, f in named if folder in later]
         files = [f for folder, f in named if folder not in later]
@@ -178,74 +163,17 @@ class PromptReadAhead:
             return
         self.reader.submit(chosen, "a diffusion model's first step")
 
-    def follow(self, patcher) -> None:
-        """Follow the last prompt's diffusion model files that `patcher`'s model runs (the file's trunk found in the
-        model by name and length), where the RAM holds the window; once per file. Files still followed from a
-        sampling whose first call never returned (interrupted) are let go first."""
-        self.unfollow()
-        model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
-        if model is None:
-            return
-        for path in self.models:
-            found = execution_groups(path)
-            blocks = _module_list(model, found[0], len(found[1]) - 1) if found else None
-            if blocks is None:
-                continue
-            room = ram_room()
-            window = min(FOLLOW_WINDOW, (room or 0) - FOLLOW_MARGIN)
-            self.followed.add(path)
-            if window < FOLLOW_MIN:
-                log.info("read-ahead in %s's order: none (%s of RAM free)", os.path.basename(path),
-                         format_gib(room or 0))
-                continue
-            followed = Followed(path, found[1], window)
-            hooks = [block.register_forward_pre_hook(functools.partial(_at_block, followed, i))
-                     for i, block in enumerate(blocks)]
-            self.following.append((followed, hooks))
-            self.reader.follow(followed, "a diffusion model's first step")
-            log.info("read-ahead: %s in its model's order, %s ahead of its block (%d blocks of %s)",
-                     os.path.basename(path), format_gib(window), len(blocks), found[0])
-
-    def unfollow(self) -> None:
-        """The followed files read no further, their hooks removed: the model's first call returned."""
-        following, self.following = self.following, []
-        for followed, hooks in following:
-            self.reader.unfollow(followed.path)
-            for hook in hooks:
-                hook.remove()
-
-
-def _at_block(followed: Followed, index: int, _module, _args) -> None:
-    followed.at = index
-
-
-def _module_list(model: torch.nn.Module, trunk: str, length: int) -> torch.nn.ModuleList | None:
-    """The module list of `length` blocks that a file's trunk ("model.diffusion_model.blocks") names in `model`:
-    the longest tail of the name that is one ("blocks"); None where none is."""
-    parts = trunk.split(".")
-    for start in range(len(parts)):
-        try:
-            found = model.get_submodule(".".join(parts[start:]))
-        except AttributeError:
-            continue
-        if isinstance(found, torch.nn.ModuleList) and len(found) == length:
-            return found
-    return None
-
 
 def _names(files: list[AheadFile]) -> str:
     return ", ".join(os.path.basename(f.path) for f in files)
 
 
-def release_held(patcher=None) -> None:
+def release_held() -> None:
     """As sampling starts: drop the page cache of the held files (text encoders) read ahead so far, and read no
-    more of the diffusion models queued (the sampler's first step pages them in itself), or with FOLLOW read them in
-    `patcher`'s model's order, where the read-ahead is on."""
+    more of the diffusion models queued (the sampler's first step pages them in itself), where the read-ahead is on."""
     try:
         if _handler is not None and _handler.sampled:
             _handler.reader.stop(_handler.sampled)
-        if _handler is not None and patcher is not None and os.environ.get(FOLLOW, "0") == "1":
-            _handler.follow(patcher)
         dropped = _handler.reader.release_held() if _handler is not None else []
     except Exception:  # noqa: BLE001 - sampling runs whatever happens here
         log.exception("read-ahead: dropping the text encoders' pages failed; sampling runs without it")
@@ -258,11 +186,7 @@ def release_held(patcher=None) -> None:
 
 def after_first_call(executor, *args, **kwargs):
     """The diffusion model's wrapper: its call, then the deferred files read (nothing once they are)."""
-    try:
-        out = executor(*args, **kwargs)
-    finally:  # an interrupted or failed first call lets the followed files go too
-        if _handler is not None and _handler.following:
-            _handler.unfollow()
+    out = executor(*args, **kwargs)
     if _handler is not None and _handler.deferred:
         try:
             _handler.read_deferred()
@@ -277,7 +201,7 @@ def hook_sampling(patcher) -> None:
     through."""
     pre_run = comfy.patcher_extension.CallbacksMP.ON_PRE_RUN
     patcher.remove_callbacks_with_key(pre_run, CALLBACK_KEY)
-    patcher.add_callback_with_key(pre_run, CALLBACK_KEY, release_held)
+    patcher.add_callback_with_key(pre_run, CALLBACK_KEY, lambda _patcher: release_held())
     diffusion_model = comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL
     patcher.remove_wrappers_with_key(diffusion_model, CALLBACK_KEY)
     patcher.add_wrapper_with_key(diffusion_model, CALLBACK_KEY, after_first_call)

@@ -198,33 +198,3 @@ def test_a_text_encoder_read_ahead_is_dropped_from_the_page_cache_when_sampling_
     graph["sampler"]["inputs"]["seed"] = 2
     reading.run(graph)
     assert "dropped the page cache" not in reading.log_text()[again:]
-
-
-def test_with_follow_a_diffusion_model_is_read_in_its_blocks_order_during_its_first_step(comfy, tiny_wan2,
-                                                                                         tmp_path_factory):
-    """BIGDIT_READ_AHEAD_FOLLOW=1: the tiny Wan (2 blocks) loaded by MixedCheckpointLoader is followed as sampling
-    starts, its trunk found in the model, and the reading's line says how many of its blocks the model reached
-    first; once per file: the next job follows nothing."""
-    server = ComfyServer(tmp_path_factory.mktemp(f"follow-{comfy.host.version}"), comfy.host,
-                         env={"BIGDIT_READ_AHEAD": None, "BIGDIT_READ_AHEAD_FOLLOW": "1"})
-    try:
-        for folder, name in (("diffusion_models", tiny_wan2["unet_name"]), ("vae", tiny_wan2["vae_name"])):
-            (server.models_dir / folder).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(comfy.models_dir / folder / name, server.models_dir / folder / name)
-        graph = wan_t2v_graph(None, tiny_wan2["vae_name"],
-                              loader=("MixedCheckpointLoader", {"unet_name": tiny_wan2["unet_name"]}))
-        start = len(server.log_text())
-        server.run(graph)
-        name = re.escape(tiny_wan2["unet_name"])
-        assert log_after(server, start, rf"\[BigDiT\] read-ahead: {name} in its model's order, [\d.]+ GiB ahead of "
-                                        rf"its block \(2 blocks of (model\.diffusion_model\.)?blocks\)"), \
-            server.log_text()[start:][-3000:]
-        assert log_after(server, start, rf"\[BigDiT\] read-ahead for a diffusion model's first step: {name} in its "
-                                        rf"model's order, [\d.]+ GiB in [\d.]+ s \([\d.]+ GiB/s\); [0-2] of its 2 "
-                                        rf"blocks reached by the model first"), server.log_text()[start:][-3000:]
-        again = len(server.log_text())
-        graph["sampler"]["inputs"]["seed"] = 1
-        server.run(graph)
-        assert "in its model's order" not in server.log_text()[again:]
-    finally:
-        server.stop()
