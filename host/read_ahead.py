@@ -15,13 +15,14 @@ When a diffusion model the pack loaded or changed (its loaders, QuantizeModelINT
 (ComfyUI holds their weights), whose room the job's next files need (in the H3 turbo job at 64 GiB the read-ahead read
 46.6 GiB for 39.2 GiB of files before it did: the kernel dropped read-ahead pages not yet used before the text
 encoder's spent ones). The diffusion models are read no further then: under dynamic VRAM the first step pages them in
-itself, and comfy-aimdo reads a weight into host buffers made with `mark_cold` (its library calls posix_fadvise), so
-the pages a reader behind it reads are likely read a second time (in the turbo job at 64 GiB, whole_job on an H100,
-2026-12-07, the job read 47.3 GiB with the read-ahead against 38.2 without, 26.4 against 16.7 in sampling, and the
-cgroup counted no refault; not yet measured with the stop). Where the prompt names a diffusion model and has such a
-node, its VAEs are read once that model's first call returned (else as it is queued), where the RAM then holds them:
-the disk waits through the other steps, where at the queue they were read beside the first step's. (In that run the VAE
-stage still read 2.6 GiB from the disk, against 2.7 without the read-ahead.)
+itself, and comfy-aimdo drops the pages it read (`posix_fadvise(DONTNEED)` after each `pread` into its `mark_cold`
+host buffers), so a reader behind it reads them a second time (in the turbo job at 64 GiB, whole_job on an H100,
+2026-12-07, the job read 47.3 GiB with the read-ahead against 38.2 without; with the stop, 39.4 GiB: every file
+once). Reading the model's file in its blocks' order a window ahead of the model instead gained nothing there (first
+job 49.1 s against the stop's 49.4) and read 46.7 GiB: what the reader reads ahead, comfy-aimdo reads again. Where
+the prompt names a diffusion model and has such a node, its VAEs are read once that model's first call returned (else
+as it is queued), where the RAM then holds them: the disk waits through the other steps, where at the queue they
+were read beside the first step's.
 
 The RAM room: loaders/host_memory.py's `ram_room` (what is really free, never more than psutil's `available`). On
 unless BIGDIT_READ_AHEAD=0 is in the server's environment: in that run it took the first job from 60.5 s to 57.3

@@ -253,6 +253,11 @@ def test_a_jobs_line_gives_its_stages_memory_and_disk_reads():
     assert whole_job.result_line(rec) == (
         "  turbo 64G pack_fast      job 1 57.3 s (encoder 11.9, sampling 29.0), host code 34%, 1.41 s/step, "
         "device 24.0 GiB, RSS 43.6 GiB (unreclaimable 37.4), disk read 3.5 GiB, MixedCheckpointLoader ran")
+    decoded = {**rec, "page_cache_at_decode_gib": {"video_vae": 2.6},
+               "nodes": [{"class_type": "VAELoader", "disk_read_gib": 2.5}, {"class_type": "VAEDecode",
+                                                                              "disk_read_gib": 0.25}]}
+    assert "disk read 3.5 GiB, video VAE cached at VAEDecode 2.60 GiB, VAEDecode read 0.25, Mixed" in \
+        whole_job.result_line(decoded)
     assert whole_job.result_line({**rec, "status": "error", "error": "boom\nmore"}).endswith("job 1 ERROR: boom")
 
 
@@ -274,6 +279,7 @@ def test_bytes_by_stage_is_what_the_cumulative_count_grew_by():
     assert read["queue"] == 0 and read["encoder"] == 1000 and read["model_load"] == 200 + 10
     assert read["sampling"] == 50 and sum(read.values()) == 1360 - 100
     assert whole_job.bytes_by_stage(segs, samples, 5)["model_load"] == 40
+    assert whole_job.bytes_by_segment(segs, samples, 4) == [0, 1000, 200, 50, 10]  # each node's own
 
 
 def test_cgroup_memory_reads_anon_file_and_refaulted_bytes(tmp_path):
@@ -669,6 +675,18 @@ def test_cached_by_stage_reads_each_stages_first_start_and_last_end():
     assert whole_job.cached_by_stage(segs, []) == {}
     early = [(5.0, {"vae": gib})]  # no sample before a stage: the first one stands for it
     assert whole_job.cached_by_stage(segs[:1], early) == {"sampling": {"vae": [1.0, 1.0]}}
+
+
+def test_the_decodes_residency_is_taken_as_vaedecode_starts_not_at_the_vae_loader():
+    gib = whole_job.GIB
+    cached = [(0.0, {"vae": 0}), (1.0, {"vae": gib}), (5.0, {"vae": 3 * gib})]
+    segs = [(0.5, 1.5, "vae_decode", "loader"), (1.5, 6.0, "sampling", "s"), (6.0, 8.0, "vae_decode", "decode")]
+    graph = {"loader": {"class_type": "VAELoader"}, "s": {"class_type": "SamplerCustomAdvanced"},
+             "decode": {"class_type": "VAEDecode"}}
+    assert whole_job.cached_by_stage(segs, cached)["vae_decode"]["vae"][0] == 0.0  # the stage's start: the loader's
+    assert whole_job.cached_at_decode(segs, graph, cached) == {"vae": 3.0}
+    assert whole_job.cached_at_decode(segs[:2], graph, cached) is None  # no VAEDecode
+    assert whole_job.cached_at_decode(segs, graph, []) is None
 
 
 def test_monitor_samples_the_files_page_cache(tmp_path):

@@ -38,9 +38,7 @@ for the load (hit, miss, off, skipped) and the tuned-kernel store's lines where 
 - pack_fast_no_lora: pack_fast with the LoRA at strength 0 (no LoRA): set against pack_fast's step in the same run,
   the LoRA branch's share of a step (`summary`'s `lora_step_share`); its latent is not the template's;
 - pack_fast_compile_in_place: pack_fast with each Triton kernel compiled at its first launch, one after another
-  (BIGDIT_TRITON_COMPILE_AHEAD=0), against pack_fast's compiles on a thread pool while kitchen computes;
-- pack_fast_follow: pack_fast with the diffusion model read in its blocks' order ahead of the first step
-  (BIGDIT_READ_AHEAD_FOLLOW=1), against pack_fast's stop at sampling.
+  (BIGDIT_TRITON_COMPILE_AHEAD=0), against pack_fast's compiles on a thread pool while kitchen computes.
 Whether QuantizedCLIPLoader loads the encoder file's two unusual layer kinds (an INT8 token embedding, NVFP4 with
 `full_precision_matrix_mult`) is checked once, on a small CLIP-L with them, in the first server after its job
 (`encoder_check`); where it does not, the pack's configurations load the encoder with upstream's CLIPLoader and
@@ -62,8 +60,9 @@ anonymous + shared pages, which a machine could not reclaim), peaks over the job
 hosts of 64 and 32 GiB (`ram_budgets`); the cgroup's peak and OOM kills where there is one. The video file is
 opened with PyAV (frames, streams) and deleted. The bytes the server's processes had the disk read and write, per
 stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`). How much of each model file
-the page cache held at each stage's start and end (mincore, every 0.5 s: `page_cache_by_stage_gib`): whether a
-file read ahead was still there when its loader came.
+the page cache held at each stage's start and end (mincore, every 0.5 s: `page_cache_by_stage_gib`), and as
+VAEDecode starts (`page_cache_at_decode_gib`; the vae_decode stage starts at the VAELoaders, which ComfyUI runs
+first); each node's disk reads (`nodes`' `disk_read_gib`).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -170,14 +169,10 @@ CONFIGS["pack_fast_no_lora"] = dataclasses.replace(
 # gains in a first job with Triton's cache cold
 CONFIGS["pack_fast_compile_in_place"] = dataclasses.replace(
     CONFIGS["pack_fast"], name="pack_fast_compile_in_place", env=(("BIGDIT_TRITON_COMPILE_AHEAD", "0"),))
-# pack_fast with the diffusion model followed through its first step (host/read_ahead.py, off by default)
-CONFIGS["pack_fast_follow"] = dataclasses.replace(CONFIGS["pack_fast"], name="pack_fast_follow",
-                                                  env=(("BIGDIT_READ_AHEAD_FOLLOW", "1"),))
 # the most important comparison first: a call's budget drops the last ones
 ORDER = ("template_sage", "pack_fast", "pack", "template")
 REFERENCES = ("template_sage", "template")
-PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_no_read_ahead", "pack_fast_no_lora", "pack_fast_compile_in_place",
-                "pack_fast_follow")
+PACK_CONFIGS = ("pack_fast", "pack", "pack_fast_no_read_ahead", "pack_fast_no_lora", "pack_fast_compile_in_place")
 # what a server is assumed to take before one has run at that setting: from its start (the page-cache drop
 # included) to the end of its first job, and its second job with the server's stop
 PRIOR_S = {"turbo": {"job1": 160.0, "job2": 70.0}, "default": {"job1": 170.0, "job2": 90.0},
@@ -637,18 +632,24 @@ def stage_seconds(segs) -> dict:
     return seconds
 
 
-def bytes_by_stage(segs, samples, column: int) -> dict:
+def bytes_by_segment(segs, samples, column: int) -> list:
     """What a cumulative column (4: bytes read from the disk, 5: written, 8: file pages refaulted) grew by in each
-    stage: its last sample at or before a segment's end less its last at or before its start (samples every 20 ms)."""
+    segment: its last sample at or before the segment's end less its last at or before its start (samples every
+    20 ms)."""
     known = [(s[0], s[column]) for s in samples if s[column] is not None]
     times = [t for t, _ in known]
 
     def at(t):
         index = bisect.bisect_right(times, t) - 1
         return known[index][1] if index >= 0 else (known[0][1] if known else 0)
+    return [max(0, at(end) - at(start)) for start, end, _, _ in segs]
+
+
+def bytes_by_stage(segs, samples, column: int) -> dict:
+    """bytes_by_segment summed by stage."""
     out = dict.fromkeys(STAGES, 0)
-    for start, end, stage, _ in segs:
-        out[stage] += max(0, at(end) - at(start))
+    for (_, _, stage, _), grown in zip(segs, bytes_by_segment(segs, samples, column)):
+        out[stage] += grown
     return out
 
 
@@ -666,19 +667,31 @@ def peaks_by_stage(segs, samples, column: int) -> dict:
     return peaks
 
 
-def cached_by_stage(segs, cached) -> dict:
-    """Each stage's {role: [GiB in the page cache at its first segment's start, at its last one's end]}: the last
-    residency sample at or before each time (the first one where none is earlier); None where unknown."""
-    times = [t for t, _ in cached]
+def cached_at(cached, t) -> dict:
+    """The last residency sample at or before `t` (the first one where none is earlier)."""
+    times = [time for time, _ in cached]
+    return cached[max(0, bisect.bisect_right(times, t) - 1)][1]
 
-    def at(t):
-        return cached[max(0, bisect.bisect_right(times, t) - 1)][1]
+
+def cached_by_stage(segs, cached) -> dict:
+    """Each stage's {role: [GiB in the page cache at its first segment's start, at its last one's end]}; None where
+    unknown."""
     spans = {}
     for start, end, stage, _ in segs:
         spans[stage] = (spans.get(stage, (start,))[0], end)
-    return {stage: {role: [None if at(start)[role] is None else at(start)[role] / GIB,
-                           None if at(end)[role] is None else at(end)[role] / GIB] for role in at(start)}
+    return {stage: {role: [None if cached_at(cached, start)[role] is None else cached_at(cached, start)[role] / GIB,
+                           None if cached_at(cached, end)[role] is None else cached_at(cached, end)[role] / GIB]
+                    for role in cached_at(cached, start)}
             for stage, (start, end) in spans.items()} if cached else {}
+
+
+def cached_at_decode(segs, graph: dict, cached) -> dict | None:
+    """{role: GiB in the page cache} as the first VAEDecode starts (the vae_decode stage starts earlier: ComfyUI
+    runs the VAELoaders first); None without a VAEDecode or samples."""
+    starts = [start for start, _, _, node in segs if graph.get(node, {}).get("class_type") == "VAEDecode"]
+    if not starts or not cached:
+        return None
+    return {role: None if n is None else n / GIB for role, n in cached_at(cached, starts[0]).items()}
 
 
 def sampling_detail(report: dict) -> dict:
@@ -1061,6 +1074,8 @@ class Job:
         video.unlink()
         samples = monitor.samples
         device = [s[1] for s in samples if s[1] is not None]
+        for entry, read in zip(out["nodes"], bytes_by_segment([seg for seg in segs if seg[3] is not None], samples, 4)):
+            entry["disk_read_gib"] = read / GIB
         out.update(device_used_peak_gib=max(device) / GIB if device else None,
                    device_used_peak_by_stage_gib=peaks_by_stage(segs, samples, 1),
                    host_rss_peak_gib=max((s[2] for s in samples if s[2]), default=0) / GIB,
@@ -1068,7 +1083,8 @@ class Job:
                    host_unreclaimable_peak_gib=max((s[3] for s in samples if s[3]), default=0) / GIB,
                    disk_read_by_stage=bytes_by_stage(segs, samples, 4),
                    disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples),
-                   page_cache_by_stage_gib=cached_by_stage(segs, monitor.cached))
+                   page_cache_by_stage_gib=cached_by_stage(segs, monitor.cached),
+                   page_cache_at_decode_gib=cached_at_decode(segs, graph, monitor.cached))
         if any(s[8] is not None for s in samples):  # the server's memory cgroup (v2): what its page cache did
             out["cgroup_by_stage"] = {"anon_peak_gib": peaks_by_stage(segs, samples, 6),
                                       "file_peak_gib": peaks_by_stage(segs, samples, 7),
@@ -1226,9 +1242,10 @@ def result_line(rec) -> str:
         parts.append(f"device {rec['device_used_peak_gib']:.1f} GiB")
     parts.append(f"RSS {rec['host_rss_peak_gib']:.1f} GiB (unreclaimable {rec['host_unreclaimable_peak_gib']:.1f})")
     parts.append(f"disk read {sum(rec['disk_read_by_stage'].values()) / GIB:.1f} GiB")
-    decode = (rec.get("page_cache_by_stage_gib") or {}).get("vae_decode", {})
-    if decode.get("video_vae") and decode["video_vae"][0] is not None:
-        parts.append(f"video VAE cached at its decode {decode['video_vae'][0]:.2f} GiB")
+    decode = rec.get("page_cache_at_decode_gib") or {}
+    if decode.get("video_vae") is not None:
+        decoder_read = sum(n.get("disk_read_gib", 0) for n in rec["nodes"] if n["class_type"] == "VAEDecode")
+        parts.append(f"video VAE cached at VAEDecode {decode['video_vae']:.2f} GiB, VAEDecode read {decoder_read:.2f}")
     for ref, streams in rec.get("latent", {}).items():
         parts.append(f"cos {streams['video']['cosine']:.4f} {ref}")
     if rec.get("encoder_loader") == "CLIPLoader":
