@@ -60,6 +60,8 @@ def test_readme_job_table_is_the_table_from_the_whole_job_runs():
     table = doc_tables.job_table()
     assert "| turbo, 64 GiB, job 1 | `pack_fast` | 52.8 | 1.21x | 10.4 | 3.9 | 26.2 (16.3) | 1.42 | 7.3 |" in table
     assert "| turbo, 32 GiB, job 2 | `pack_fast` | 29.4 | 1.31x |" in table
+    assert "| turbo, 64 GiB, again, job 1 | `pack_fast` | 49.4 | 1.29x | 9.7 | 3.0 | 24.9 (15.1) |" in table
+    assert "| turbo, 64 GiB, again, job 1 | `pack_fast`, no read-ahead |" not in table  # not run there
     assert "| default, 64 GiB, job 2 | `pack_fast` | 36.0 | 1.31x |" in table
     assert "| turbo, 32 GiB, restarted, earlier code, job 1 | `pack` (the shipped example) | 63.5 | 1.01x |" in table
     assert "| turbo, 32 GiB, restarted, earlier code, job 1 | `pack_fast` |" not in table  # this code's run has it
