@@ -112,7 +112,8 @@ JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations 
      ("template_sage", "pack")),
     ("default, 64 GiB", "default", 64, ("whole-job-default-64g-6dd69a6" + R7,), None),
 )
-JOB_NAMES = {3: "job 3, LoRA at 0.75"}  # whole_job.py --lora-change: the second job's prompt, the LoRA's strength changed
+# whole_job.py --lora-change: the second job's prompt, the LoRA's strength changed; --lora-second: a second LoRA
+JOB_NAMES = {3: "job 3, LoRA at 0.75", 4: "job 4, a second LoRA"}
 JOB_LABELS = {"template_sage": "template + `--use-sage-attention`", "template": "template",
               "pack": "`pack` (the shipped example)", "pack_fast": "`pack_fast`",
               "pack_fast_no_read_ahead": "`pack_fast`, no read-ahead"}
@@ -125,7 +126,7 @@ def job_table() -> str:
     for label, setting, ram_gib, names, configs in JOB_RUNS:
         records = [r for name in names for r in load(name)["results"] if r.get("status") == "ok"
                    and (configs is None or r["config"] in configs)]
-        for job in (1, 2, 3):
+        for job in (1, 2, 3, 4):
             ran = [r for r in records if r["job"] == job and r["setting"] == setting and r["ram_gib"] == ram_gib]
             if not ran:
                 continue

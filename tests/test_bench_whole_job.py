@@ -143,6 +143,24 @@ def test_the_third_job_is_the_second_with_the_loras_strength_changed():
             second["140:134"]["inputs"]["strength_model"]
 
 
+def test_the_fourth_job_is_the_second_with_a_second_lora_after_the_first():
+    for config in ("template", "pack_fast"):
+        second, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
+                                        job=2)
+        fourth, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
+                                        job=4)
+        new = whole_job.SECOND_LORA_NODE
+        assert fourth[new] == {"class_type": "LoraLoaderModelOnly", "inputs": {
+            "model": ["140:134", 0], "lora_name": whole_job.SECOND_LORA_FILE, "strength_model": whole_job.LORA_SECOND}}
+        assert fourth["140:134"] == second["140:134"]  # the first LoRA as in the second job
+        # what took the first LoRA's model (the Lightning switch) takes the second's; nothing else changed
+        takers = {k for k, node in second.items() if ["140:134", 0] in node["inputs"].values()}
+        assert takers and all(["140:134", 0] not in fourth[k]["inputs"].values() and
+                              [new, 0] in fourth[k]["inputs"].values() for k in takers)
+        changed = {k for k in second if second[k] != fourth[k]}
+        assert changed == takers | {"92", "bench_video", "bench_audio"}, (config, changed)
+
+
 def test_loads_say_what_ran_and_what_each_cache_said():
     graph, _ = whole_job.job_graph(whole_job.CONFIGS["pack"], "turbo", object_info(), "QuantizedCLIPLoader", None)
     outputs = {"140:127": {"text": ["quantized 200/208 linear layers: fp8 x200\nmore"], "report": [
@@ -527,18 +545,23 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
     # checked below are of the stages' own reads (with it on, a stage's read floor is not a floor: see the docs)
     run = subprocess.run([str(host.python), str(TESTS / "bench" / "whole_job.py"), "--tiny", "--comfyui",
                           str(host.comfyui), "--configs", "template,pack", "--between-jobs", "free", "--lora-change",
+                          "--lora-second",
                           "--work", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "BIGDIT_READ_AHEAD": "0"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
     by = {(r["config"], r["job"]): r for r in data["results"]}
-    assert sorted(by) == [(config, job) for config in ("pack", "template") for job in (1, 2, 3)]
+    assert sorted(by) == [(config, job) for config in ("pack", "template") for job in (1, 2, 3, 4)]
     assert by[("pack", 3)]["lora_strength"] == by[("template", 3)]["lora_strength"] == whole_job.LORA_CHANGE
+    assert by[("pack", 4)]["second_lora"] == {"lora_name": whole_job.SECOND_LORA_FILE,
+                                              "strength_model": whole_job.LORA_SECOND}
     assert all(r["status"] == "ok" for r in by.values()), {k: r.get("error") for k, r in by.items()}
     assert set(data["files"]) >= {"dit", "video_vae", "audio_vae", "lora"} and "text_encoder" not in data["files"]
     disk = data["machine"]["disk"]
     assert disk["gib_s"] > 0 and disk["bytes"] > 0 and "error" in data["machine"]["device"]  # no device on CPU
-    file_bytes = round(sum(info["gib"] for info in data["files"].values() if isinstance(info, dict)) * 2 ** 30)
+    file_bytes = round(sum(info["gib"] for role, info in data["files"].items() if isinstance(info, dict)
+                           and role != "second_lora") * 2 ** 30)  # what the first job reads: the fourth's LoRA not
+    assert data["files"]["second_lora"]["file"] == whole_job.SECOND_LORA_FILE
     dit = job_profile.dit_config(e2e_models.TINY_H3.kwargs)
     video_vae = {**job_profile.VIDEO_VAE, **e2e_models.TINY_VAE["video_decoder"]}
     audio_vae = {**job_profile.AUDIO_VAE, **{k: e2e_models.TINY_VAE["audio"][k] for k in ("latent_dim", "decoder_dim")}}
@@ -555,7 +578,7 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         assert rec["ram_budgets"]["32g"] == {"unreclaimable_fits": True, "rss_fits": True}
         assert rec["between_jobs" if job >= 2 else "job"] == ("free" if job >= 2 else 1)
         # every loader ran in both jobs (the second after ComfyUI's cache was freed)
-        assert all(item["ran"] for item in rec["loads"]) and len(rec["loads"]) == 4
+        assert all(item["ran"] for item in rec["loads"]) and len(rec["loads"]) == 4 + (job == 4)  # two LoRAs
         profile = rec["profile"]
         assert list(profile["stages"]) == list(whole_job.STAGES)
         for name, stage in profile["stages"].items():
@@ -615,7 +638,7 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
     assert not list((tmp_path / "w").rglob("*.safetensors")) and not list((tmp_path / "w").rglob("*.mp4"))
     printed = subprocess.run([sys.executable, str(TESTS / "bench" / "job_profile.py"), str(out), "--config", "pack"],
                              capture_output=True, text=True, timeout=60)
-    assert printed.returncode == 0 and printed.stdout.count("  profile ") == 3, printed.stderr
+    assert printed.returncode == 0 and printed.stdout.count("  profile ") == 4, printed.stderr  # the pack's jobs
 
 
 # ---- the memory limit (on a model of /sys/fs/cgroup: a write the kernel refuses is a folder in the way) -----

@@ -21,7 +21,9 @@ user repeats one: the first, then a second with another prompt and seed (SECOND_
 configuration, so that each job's latent compares with the reference's same job); each job is its own record
 (`job`: 1 or 2). With --lora-change a third job follows the second: the same prompt and seed with the LoRA's strength
 changed (LORA_CHANGE; where the graph has no LoRA, skipped), whose model_load stage is what a strength change costs
-(`job`: 3). Between them nothing is done (--between-jobs keep: ComfyUI keeps the loaders' outputs while their
+(`job`: 3). With --lora-second a job follows those: the second's with a second LoRA (another random turbo LoRA,
+SECOND_LORA_FILE, seed 1) chained after the template's at strength LORA_SECOND (skipped the same way), whose
+model_load stage is what adding a LoRA to a loaded model costs (`job`: 4). Between them nothing is done (--between-jobs keep: ComfyUI keeps the loaders' outputs while their
 inputs are the same, so the second job loads nothing unless its RAM cache let them go), or with
 --between-jobs free ComfyUI's "Free model and node cache" (POST /free), so that the second job loads everything
 again. The pack's configurations run with the quantize-once cache on, as users have it, in a fresh folder of
@@ -185,6 +187,9 @@ SECOND_JOB = {"prompt": "A red fox trots across a snowy meadow at dawn, its brea
               "seed": 424242424242, "tiny_conditioning_seed": 1}
 BETWEEN_JOBS = ("keep", "free")
 LORA_CHANGE = 0.75  # the third job's LoRA strength (--lora-change): the template's is 1.0
+LORA_SECOND = 0.5  # the fourth job's second LoRA's strength (--lora-second)
+SECOND_LORA_FILE = "bench_second_lora.safetensors"  # in models/loras, made beside the template's files
+SECOND_LORA_NODE = "bench_lora2"
 
 #: seconds between two samples of the server's memory, I/O and the device (a stage's bytes are counted from the samples
 #: at or before its start and end, so a stage can be given what was read up to one interval before it started)
@@ -309,8 +314,20 @@ def second_job(graph: dict) -> None:
         graph[key]["inputs"]["noise_seed"] = SECOND_JOB["seed"]
 
 
+def add_second_lora(graph: dict, first: str) -> None:
+    """A second LoraLoaderModelOnly (SECOND_LORA_NODE) on the model `first` gives, and what took `first`'s model
+    takes the second's."""
+    for key, node in graph.items():
+        for name, value in node["inputs"].items():
+            if value == [first, 0]:
+                node["inputs"][name] = [SECOND_LORA_NODE, 0]
+    graph[SECOND_LORA_NODE] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+        "model": [first, 0], "lora_name": SECOND_LORA_FILE, "strength_model": LORA_SECOND}}
+
+
 def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tiny_text_dim: int | None, job: int = 1):
-    """(graph, inputs left out) of one configuration and setting, its first, second or third job."""
+    """(graph, inputs left out) of one configuration and setting, its first, second, third (a LoRA's strength
+    changed) or fourth job (a second LoRA)."""
     graph = copy.deepcopy(load_prompt(config.prompt, setting))
     changes = dict(config.nodes)
     if encoder == "CLIPLoader":
@@ -324,6 +341,9 @@ def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tin
     if job == 3:
         for key in nodes_of(graph, "LoraLoaderModelOnly"):
             graph[key]["inputs"]["strength_model"] = LORA_CHANGE
+    if job == 4:
+        for key in nodes_of(graph, "LoraLoaderModelOnly"):
+            add_second_lora(graph, key)
     return graph, left_out
 
 
@@ -790,6 +810,14 @@ class Job:
                       + (f" (published {made['published_gib']:.2f})" if made["published_gib"] else "")
                       + f", written in {made['seconds']:.1f} s on {made['device']}", flush=True)
             stamp.write_text(json.dumps({"wanted": wanted, "info": info}))
+        if opts.lora_second:  # beside the stamped files: asking for it later keeps them
+            paths["second_lora"] = paths["lora"].parent / SECOND_LORA_FILE
+            made = {"reused": True}
+            if not paths["second_lora"].exists():
+                made = e2e_models.make_turbo_lora(paths["dit"], paths["second_lora"], opts.comfyui, cpu=opts.cpu,
+                                                  rank=TINY["lora_rank"] if opts.tiny else e2e_models.TURBO_LORA_RANK,
+                                                  seed=1)
+            info["second_lora"] = {**made, "file": SECOND_LORA_FILE, "gib": paths["second_lora"].stat().st_size / GIB}
         if self.needs_encoder_check():
             e2e_models.generate_component(e2e_models.COMPONENTS["encoder_probe"], self.base / "models" /
                                           "text_encoders" / "bigdit_encoder_probe.safetensors", opts.comfyui,
@@ -873,7 +901,8 @@ class Job:
                 "prompt": config.prompt, "nodes": {k: list(v) if isinstance(v, tuple) else v
                                                    for k, v in config.nodes.items()},
                 "comfy_args": list(config.comfy_args), "env": dict(config.env)}
-        recs = [{**base, "job": job, "status": None} for job in ((1, 2, 3) if opts.lora_change else (1, 2))]
+        jobs = (1, 2) + ((3,) if opts.lora_change else ()) + ((4,) if opts.lora_second else ())
+        recs = [{**base, "job": job, "status": None} for job in jobs]
         why = self.over_budget(self.estimate(setting, "job1"))
         if why:
             for rec in recs:
@@ -922,28 +951,31 @@ class Job:
                     encoder = self.pack_encoder()
                     for rec in recs:
                         rec["encoder_loader"] = encoder
-            for job, rec in enumerate(recs, 1):
-                current = rec
+            for index, rec in enumerate(recs):
+                current, job = rec, rec["job"]
                 if job >= 2:
-                    why = "the job before did not finish" if recs[job - 2]["status"] != "ok" else \
+                    why = "the job before did not finish" if recs[index - 1]["status"] != "ok" else \
                         self.over_budget(self.estimate(setting, "job2"))
                     if why:
-                        for skipped in recs[job - 1:]:
+                        for skipped in recs[index:]:
                             skipped.update(status="skipped", error=why)
                         break
                 t_job = time.monotonic()
                 graph, rec["left_out"] = job_graph(config, setting, object_info, encoder,
                                                    e2e_models.TINY_H3.text_dim if opts.tiny else None, job)
-                if job == 3 and not nodes_of(graph, "LoraLoaderModelOnly"):
-                    rec.update(status="skipped", error="no LoRA in this graph")
+                if job >= 3 and not nodes_of(graph, "LoraLoaderModelOnly"):
+                    for skipped in recs[index:]:
+                        skipped.update(status="skipped", error="no LoRA in this graph")
                     break
                 if job >= 2:
                     rec["between_jobs"] = self.between_jobs(server)
                 if job == 3:
                     rec["lora_strength"] = LORA_CHANGE
+                if job == 4:
+                    rec["second_lora"] = {"lora_name": SECOND_LORA_FILE, "strength_model": LORA_SECOND}
                 why = unoffered_choice(graph, object_info)
                 if why:
-                    for skipped in recs[job - 1:]:
+                    for skipped in recs[index:]:
                         skipped.update(status="skipped", error=why)
                     break
                 try:
@@ -1317,6 +1349,8 @@ def parse_args(argv=None):
     parser.add_argument("--between-jobs", default="keep", choices=BETWEEN_JOBS,
                         help="before each server's second job: keep (nothing, as a user queues the next prompt) or "
                              "free (ComfyUI's 'Free model and node cache': the second job loads everything again)")
+    parser.add_argument("--lora-second", action="store_true",
+                        help=f"a fourth job: the second's with a second LoRA at strength {LORA_SECOND}")
     parser.add_argument("--lora-change", action="store_true",
                         help=f"a third job: the second's with the LoRA at strength {LORA_CHANGE}")
     parser.add_argument("--cpu", action="store_true", help="run ComfyUI with --cpu")
