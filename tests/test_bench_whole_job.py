@@ -569,6 +569,9 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         stages = rec["stages"]
         assert all(stages[s] > 0 for s in ("queue", "encoder", "model_load", "sampling", "vae_decode", "save")), stages
         assert abs(rec["stage_sum_s"] - rec["wall_s"]) <= 0.1 * rec["wall_s"]
+        # each node's reads: with the queue's, the job's (the nodes and the queue partition the job's time)
+        assert sum(n["disk_read_gib"] for n in rec["nodes"]) * 2 ** 30 + rec["disk_read_by_stage"]["queue"] == \
+            pytest.approx(sum(rec["disk_read_by_stage"].values()))
         assert rec["sampling"]["steps"] == 2 and rec["sampling"]["calls_per_step"] == [1, 1]
         assert rec["video"]["frames"] == 22 and rec["video"]["audio_streams"] == 1 and rec["video"]["bytes"] > 0
         assert rec["latent_shape"] == [1, 24, 7, 4, 4]  # 64x64, 22 frames: 7 latent frames of 4x4

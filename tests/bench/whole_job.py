@@ -64,7 +64,8 @@ opened with PyAV (frames, streams) and deleted. The bytes the server's processes
 stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`). How much of each model file
 the page cache held at each stage's start and end (mincore, every 0.5 s: `page_cache_by_stage_gib`), and as
 VAEDecode starts (`page_cache_at_decode_gib`; the vae_decode stage starts at the VAELoaders, which ComfyUI runs
-first); each node's disk reads (`nodes`' `disk_read_gib`).
+first); each node's disk reads (`nodes`' `disk_read_gib`) and, in a memory cgroup, the file pages it read again
+after the kernel had dropped them (`file_refaulted_gib`).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -1106,8 +1107,13 @@ class Job:
         video.unlink()
         samples = monitor.samples
         device = [s[1] for s in samples if s[1] is not None]
-        for entry, read in zip(out["nodes"], bytes_by_segment([seg for seg in segs if seg[3] is not None], samples, 4)):
+        node_segs = [seg for seg in segs if seg[3] is not None]  # out["nodes"]' order
+        refaults = any(s[8] is not None for s in samples)  # the memory cgroup's count, where there is one
+        for entry, read in zip(out["nodes"], bytes_by_segment(node_segs, samples, 4)):
             entry["disk_read_gib"] = read / GIB
+        if refaults:  # file pages read again after the kernel dropped them: a file its loader reads twice
+            for entry, grown in zip(out["nodes"], bytes_by_segment(node_segs, samples, 8)):
+                entry["file_refaulted_gib"] = grown / GIB
         out.update(device_used_peak_gib=max(device) / GIB if device else None,
                    device_used_peak_by_stage_gib=peaks_by_stage(segs, samples, 1),
                    host_rss_peak_gib=max((s[2] for s in samples if s[2]), default=0) / GIB,
