@@ -114,11 +114,15 @@ def test_instrumentation_times_the_sampled_model_and_captures_the_final_latent()
     assert changed == {"140:126", "92"}
 
 
+def turbo_job(config: str, job: int) -> dict:
+    """The graph of `config`'s job `job` at the turbo setting, full size."""
+    return whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
+                               job=job)[0]
+
+
 def test_the_second_job_changes_the_prompt_and_the_seed_only():
     for config in ("template", "pack_fast"):
-        first, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None)
-        second, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
-                                        job=2)
+        first, second = turbo_job(config, 1), turbo_job(config, 2)
         changed = {k for k in first if first[k] != second[k]}
         assert changed == {"140:131", "140:129", "92", "bench_video", "bench_audio"}, config
         assert second["140:131"]["inputs"]["prompt"] == whole_job.SECOND_JOB["prompt"] != \
@@ -133,10 +137,7 @@ def test_the_second_job_changes_the_prompt_and_the_seed_only():
 
 def test_the_third_job_is_the_second_with_the_loras_strength_changed():
     for config in ("template", "pack_fast"):
-        second, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
-                                        job=2)
-        third, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
-                                       job=3)
+        second, third = turbo_job(config, 2), turbo_job(config, 3)
         changed = {k for k in second if second[k] != third[k]}
         assert changed == {"140:134", "92", "bench_video", "bench_audio"}, (config, changed)
         assert third["140:134"]["inputs"]["strength_model"] == whole_job.LORA_CHANGE != \
@@ -145,10 +146,7 @@ def test_the_third_job_is_the_second_with_the_loras_strength_changed():
 
 def test_the_fourth_job_is_the_second_with_a_second_lora_after_the_first():
     for config in ("template", "pack_fast"):
-        second, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
-                                        job=2)
-        fourth, _ = whole_job.job_graph(whole_job.CONFIGS[config], "turbo", object_info(), "QuantizedCLIPLoader", None,
-                                        job=4)
+        second, fourth = turbo_job(config, 2), turbo_job(config, 4)
         new = whole_job.SECOND_LORA_NODE
         assert fourth[new] == {"class_type": "LoraLoaderModelOnly", "inputs": {
             "model": ["140:134", 0], "lora_name": whole_job.SECOND_LORA_FILE, "strength_model": whole_job.LORA_SECOND}}

@@ -173,4 +173,3 @@ def test_release_held_drops_the_held_files_read_whole_once(tmp_path, monkeypatch
         time.sleep(0.01)
     assert released == [encoder] and dropped == [encoder.path]
     assert reader.release_held() == [] and dropped == [encoder.path]  # once
-

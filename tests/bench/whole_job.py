@@ -23,13 +23,14 @@ configuration, so that each job's latent compares with the reference's same job)
 changed (LORA_CHANGE; where the graph has no LoRA, skipped), whose model_load stage is what a strength change costs
 (`job`: 3). With --lora-second a job follows those: the second's with a second LoRA (another random turbo LoRA,
 SECOND_LORA_FILE, seed 1) chained after the template's at strength LORA_SECOND (skipped the same way), whose
-model_load stage is what adding a LoRA to a loaded model costs (`job`: 4). Between them nothing is done (--between-jobs keep: ComfyUI keeps the loaders' outputs while their
-inputs are the same, so the second job loads nothing unless its RAM cache let them go), or with
---between-jobs free ComfyUI's "Free model and node cache" (POST /free), so that the second job loads everything
-again. The pack's configurations run with the quantize-once cache on, as users have it, in a fresh folder of
-their server's own on the work disk (the first load pays its write, a later one in the same server reads it);
-each job's `loads` says, per loader, whether it ran, the first line of a pack loader's report, the cache's word
-for the load (hit, miss, off, skipped) and the tuned-kernel store's lines where the pack has one:
+model_load stage is what adding a LoRA to a loaded model costs (`job`: 4). Between them nothing is done
+(--between-jobs keep: ComfyUI keeps the loaders' outputs while their inputs are the same, so the second job loads
+nothing unless its RAM cache let them go), or with --between-jobs free ComfyUI's "Free model and node cache"
+(POST /free), so that the second job loads everything again. The pack's configurations run with the quantize-once
+cache on, as users have it, in a fresh folder of their server's own on the work disk (the first load pays its
+write, a later one in the same server reads it); each job's `loads` says, per loader, whether it ran, the first
+line of a pack loader's report, the cache's word for the load (hit, miss, off, skipped) and the tuned-kernel store's
+lines where the pack has one:
 - template: the template as shipped;
 - template_sage: the same, the server started with --use-sage-attention;
 - pack: the pack's version (LoadH3Quantized, QuantizedCLIPLoader, SetAttentionBackend auto), as shipped;
@@ -342,9 +343,8 @@ def job_graph(config: Config, setting: str, object_info: dict, encoder: str, tin
     if job == 3:
         for key in nodes_of(graph, "LoraLoaderModelOnly"):
             graph[key]["inputs"]["strength_model"] = LORA_CHANGE
-    if job == 4:
-        for key in nodes_of(graph, "LoraLoaderModelOnly"):
-            add_second_lora(graph, key)
+    if job == 4 and (loras := nodes_of(graph, "LoraLoaderModelOnly")):
+        add_second_lora(graph, loras[0])  # the template's one
     return graph, left_out
 
 
@@ -697,13 +697,17 @@ def cached_at(cached, t) -> dict:
 def cached_by_stage(segs, cached) -> dict:
     """Each stage's {role: [GiB in the page cache at its first segment's start, at its last one's end]}; None where
     unknown."""
+    if not cached:
+        return {}
     spans = {}
     for start, end, stage, _ in segs:
         spans[stage] = (spans.get(stage, (start,))[0], end)
-    return {stage: {role: [None if cached_at(cached, start)[role] is None else cached_at(cached, start)[role] / GIB,
-                           None if cached_at(cached, end)[role] is None else cached_at(cached, end)[role] / GIB]
-                    for role in cached_at(cached, start)}
-            for stage, (start, end) in spans.items()} if cached else {}
+    out = {}
+    for stage, (start, end) in spans.items():
+        first, last = cached_at(cached, start), cached_at(cached, end)
+        out[stage] = {role: [None if first[role] is None else first[role] / GIB,
+                             None if last[role] is None else last[role] / GIB] for role in first}
+    return out
 
 
 def cached_at_decode(segs, graph: dict, cached) -> dict | None:
@@ -1108,12 +1112,8 @@ class Job:
         samples = monitor.samples
         device = [s[1] for s in samples if s[1] is not None]
         node_segs = [seg for seg in segs if seg[3] is not None]  # out["nodes"]' order
-        refaults = any(s[8] is not None for s in samples)  # the memory cgroup's count, where there is one
         for entry, read in zip(out["nodes"], bytes_by_segment(node_segs, samples, 4)):
             entry["disk_read_gib"] = read / GIB
-        if refaults:  # file pages read again after the kernel dropped them: a file its loader reads twice
-            for entry, grown in zip(out["nodes"], bytes_by_segment(node_segs, samples, 8)):
-                entry["file_refaulted_gib"] = grown / GIB
         out.update(device_used_peak_gib=max(device) / GIB if device else None,
                    device_used_peak_by_stage_gib=peaks_by_stage(segs, samples, 1),
                    host_rss_peak_gib=max((s[2] for s in samples if s[2]), default=0) / GIB,
@@ -1124,6 +1124,9 @@ class Job:
                    page_cache_by_stage_gib=cached_by_stage(segs, monitor.cached),
                    page_cache_at_decode_gib=cached_at_decode(segs, graph, monitor.cached))
         if any(s[8] is not None for s in samples):  # the server's memory cgroup (v2): what its page cache did
+            # each node's file pages read again after the kernel dropped them: a file its loader reads twice
+            for entry, grown in zip(out["nodes"], bytes_by_segment(node_segs, samples, 8)):
+                entry["file_refaulted_gib"] = grown / GIB
             out["cgroup_by_stage"] = {"anon_peak_gib": peaks_by_stage(segs, samples, 6),
                                       "file_peak_gib": peaks_by_stage(segs, samples, 7),
                                       "file_refaulted_bytes": bytes_by_stage(segs, samples, 8)}
