@@ -1,0 +1,79 @@
+"""The INT8 activation kernel (quant/int8_triton.py `_rotate_quantize_kernel`: input activation, ConvRot rotation,
+per-row quantization) timed over a grid of configs at MiniMax-H3 pruned's four input widths (run on a GPU).
+
+For each shape (int8_linear.py's SHAPES: K, with fc2's SwiGLU) at --rows rows: every config of CONFIGS that fits
+the shape (`int8_triton.fits`), ms per call (CUDA events, median of three runs of ten calls) and the share of the
+GPU's memory bandwidth its bytes (x read once, int8 rows and scales written) would take at the device-to-device
+copy rate measured in the same run; the config the pack runs today (store, shipped table or rule) is marked, and
+the fastest is named with its ratio to it. A config that does not compile or run is listed with its error.
+
+    python tests/bench/int8_activation_sweep.py [--rows 32700] [--out FILE]
+"""
+import argparse
+import itertools
+
+import torch
+
+from _pack import cuda_time_ms, default_out, environment, write_json
+from int8_linear import GROUP, SHAPES
+
+from bigdit.quant import int8_triton
+
+CONFIGS = [{"ROWS": rows, "WIDTH": width, "num_warps": warps, "num_stages": 3}
+           for rows, width, warps in itertools.product((1, 2, 4), (2048, 4096, 8192, 16384), (4, 8, 16))
+           if rows * width <= 16384 or (rows, width) == (2, 16384)]
+
+
+def copy_rate_gib_s(device) -> float:
+    """Device-to-device copy of 1 GiB: bytes read plus written per second."""
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = cuda_time_ms(lambda: b.copy_(a), iters=5)
+    return 2 * a.numel() / 2 ** 30 / (ms / 1e3)
+
+
+def sweep_shape(name, k, act, rows, rate):
+    x = torch.randn(rows, 2 * k if act == "swiglu" else k, device="cuda", dtype=torch.bfloat16)
+    q, scale, launch = int8_triton._rows_launch(x, True, GROUP, act)
+    current, source = int8_triton.choose_config("activation", launch.shape, launch.device)
+    moved = x.numel() * x.element_size() + q.numel() + scale.numel() * 4
+    floor_ms = moved / 2 ** 30 / rate * 1e3
+    results = []
+    for config in [current] + [c for c in CONFIGS if c != current]:
+        if not int8_triton.fits("activation", config, launch.shape):
+            continue
+        try:
+            launch.launch(config)
+            ms = cuda_time_ms(lambda: launch.launch(config))
+            results.append({"config": config, "ms": round(ms, 4), "of_bandwidth": round(floor_ms / ms, 3)})
+        except Exception as exc:  # a config this GPU cannot run (registers, shared memory)
+            results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+    timed = [r for r in results if "ms" in r]
+    best = min(timed, key=lambda r: r["ms"])
+    now = timed[0] if timed and timed[0]["config"] == current else None
+    print(f"{name:9s} K={k} {act or '':6s} floor {floor_ms:.3f} ms ({moved / 2 ** 30:.2f} GiB moved)")
+    for r in sorted(timed, key=lambda r: r["ms"])[:8]:
+        mark = " <- runs today (" + source + ")" if r["config"] == current else ""
+        print(f"    {r['ms']:.3f} ms {r['of_bandwidth']:5.0%} of bandwidth  {r['config']}{mark}")
+    if now is not None:
+        print(f"    today {now['ms']:.3f} ms; fastest {best['ms']:.3f} ms ({now['ms'] / best['ms']:.2f}x)")
+    return {"shape": name, "K": k, "act": act, "rows": rows, "current": current, "current_source": source,
+            "floor_ms": floor_ms, "fastest": best, "results": results}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32700)
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    torch.manual_seed(0)
+    rate = copy_rate_gib_s("cuda")
+    print(f"{torch.cuda.get_device_name()}: device copy {rate:.0f} GiB/s; {len(CONFIGS)} configs")
+    shapes = [sweep_shape(name, k, act, opts.rows, rate) for name, (k, _, act) in SHAPES.items()]
+    write_json(opts.out or default_out(f"int8-activation-sweep-{opts.rows}"),
+               {"bench": "int8_activation_sweep", "environment": environment(), "copy_gib_s": rate,
+                "shapes": shapes})
+
+
+if __name__ == "__main__":
+    main()
