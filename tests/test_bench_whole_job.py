@@ -18,6 +18,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "bench"))
 import e2e_models  # noqa: E402
 import job_profile  # noqa: E402
+import page_cache  # noqa: E402
 import whole_job  # noqa: E402
 from comfy_harness import HOSTS, in_ci  # noqa: E402
 
@@ -721,3 +722,83 @@ def test_monitor_samples_the_files_page_cache(tmp_path):
     time.sleep(0.05)
     monitor.stop()
     assert len(monitor.cached) >= 2 and monitor.cached[-1][1] == {"dit": 8192}
+
+
+def _two_block_file(path: Path) -> dict:
+    """A safetensors file of two blocks' weights and a head, each several pages; returns its header's offsets."""
+    from safetensors.torch import save_file
+    tensors = {f"blocks.{i}.attn.weight": torch.full((64, 1024), float(i)) for i in range(2)}
+    tensors["head.weight"] = torch.ones(16, 1024)
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name: 8 + length + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+
+
+def test_tensor_pages_groups_a_safetensors_files_pages_by_tensor_name(tmp_path):
+    path = tmp_path / "dit.safetensors"
+    offsets = _two_block_file(path)
+    starts, groups = page_cache.tensor_pages(path)
+    assert starts[0] == 0 and starts == sorted(set(starts))
+    by_group = {}
+    for start, group in zip(starts, groups):
+        by_group.setdefault(group, []).append(start)
+    assert set(by_group) == {"blocks.*.attn.weight", "head.weight"}  # the header's page: the first block's too
+    assert sorted(by_group["blocks.*.attn.weight"]) == sorted(
+        offsets[f"blocks.{i}.attn.weight"] // whole_job.PAGE for i in range(2))
+    (tmp_path / "not.safetensors").write_bytes(b"\xff" * 16)
+    assert page_cache.tensor_pages(tmp_path / "not.safetensors") is None
+
+
+def test_newly_cached_counts_the_pages_read_since_by_their_tensors_group():
+    page = whole_job.PAGE
+    layout = ([0, 1, 5, 9], ["header", "blocks.*.w", "blocks.*.w", "head"])
+    before = bytes([1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+    after = bytes([1, 1, 1, 0, 0, 1, 0, 0, 1, 1, 0])  # pages 1, 2 and 5, 8 of the blocks; 9 of the head
+    assert page_cache.newly_cached(before, after, layout) == {"blocks.*.w": 4 * page, "head": page}
+    assert page_cache.newly_cached(after, before, layout) == {}  # dropped pages are no reads
+
+
+def test_reads_by_stage_sums_each_stages_reads_by_group_largest_first():
+    mib = 2 ** 20
+    segs = [(0.0, 1.0, "model_load", "s"), (1.0, 3.0, "sampling", "s"), (3.0, 4.0, "model_load", "t")]
+    reads = [(-1.0, "dit", {"blocks.*.w": 900 * mib}),  # before the job
+             (0.5, "dit", {"blocks.*.w": 100 * mib, "head": 4 * mib}), (0.9, "lora", {"up": 64 * mib}),
+             (2.0, "dit", {"blocks.*.w": 512 * mib}), (3.5, "dit", {"blocks.*.w": 28 * mib}),
+             (9.0, "dit", {"head": 900 * mib})]  # after it
+    assert whole_job.reads_by_stage(segs, reads) == {
+        "model_load": {"dit": {"blocks.*.w": round(128 / 1024, 3)}, "lora": {"up": 0.062}},  # head's 4 MiB left out
+        "sampling": {"dit": {"blocks.*.w": 0.5}}}
+    assert whole_job.reads_by_stage(segs, []) == {}
+    rec = {"file_reads_by_stage_gib": whole_job.reads_by_stage(segs, reads)}
+    assert whole_job.reads_lines(rec) == ["    read in model_load: dit blocks.*.w 0.12; lora up 0.06 GiB",
+                                          "    read in sampling: dit blocks.*.w 0.50 GiB"]
+    assert whole_job.reads_lines({}) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="the system has no posix_fadvise (not Linux)")
+def test_monitor_names_the_tensors_whose_pages_a_job_read(tmp_path):
+    path = tmp_path / "dit.safetensors"
+    offsets = _two_block_file(path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())  # the kernel drops only clean pages
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if page_cache.cached_bytes(path) > whole_job.PAGE:
+        pytest.skip("this file system keeps the file's pages cached (tmpfs)")
+    monitor = whole_job.Monitor(os.getpid(), interval=0.01, files={"dit": path}, cache_every=1)
+    monitor.start()
+    time.sleep(0.05)
+    with open(path, "rb") as f:  # the second block's weight, as a loader reads it
+        f.seek(offsets["blocks.1.attn.weight"])
+        f.read(64 * 1024 * 4)
+    time.sleep(0.05)
+    monitor.stop()
+    read = {}
+    for _, role, groups in monitor.reads:
+        assert role == "dit"
+        for group, n in groups.items():
+            read[group] = read.get(group, 0) + n
+    block = 64 * 1024 * 4
+    # the second block's pages, once each, and none of the first block's (the kernel reads ahead, never behind)
+    assert block - 2 * whole_job.PAGE <= read.get("blocks.*.attn.weight", 0) <= block + whole_job.PAGE, read

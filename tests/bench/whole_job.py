@@ -65,8 +65,10 @@ opened with PyAV (frames, streams) and deleted. The bytes the server's processes
 stage (/proc/<pid>/io, every 20 ms: `disk_read_by_stage`, `disk_written_by_stage`). How much of each model file
 the page cache held at each stage's start and end (mincore, every 0.5 s: `page_cache_by_stage_gib`), and as
 VAEDecode starts (`page_cache_at_decode_gib`; the vae_decode stage starts at the VAELoaders, which ComfyUI runs
-first); each node's disk reads (`nodes`' `disk_read_gib`) and, in a memory cgroup, the file pages it read again
-after the kernel had dropped them (`file_refaulted_gib`).
+first); which tensors of each file (grouped by name, digits as "*") the pages newly cached in each stage belong
+to (`file_reads_by_stage_gib`: what a stage read of the DiT's file, and whether a LoRA's); each node's disk reads
+(`nodes`' `disk_read_gib`) and, in a memory cgroup, the file pages it read again after the kernel had dropped them
+(`file_refaulted_gib`).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -123,7 +125,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
-from page_cache import cached_bytes  # noqa: E402
+from page_cache import newly_cached, resident_pages, tensor_pages  # noqa: E402
 import job_profile  # noqa: E402
 from _pack import RESULTS  # noqa: E402
 from comfy_e2e import (BenchServer, compare, gpu_name, gpu_slug, log_lines, package_version, run_and_write,  # noqa: E402
@@ -132,6 +134,11 @@ from comfy_harness import PromptError, _validation_message, comfyui_version  # n
 
 GIB = 1024 ** 3
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+try:  # the page reads by tensor (Monitor.reads) need it; the rest of the benchmark does not
+    import numpy  # noqa: F401
+    HAVE_NUMPY = True
+except ImportError:
+    HAVE_NUMPY = False
 PROMPTS = BENCH_DIR / "job_prompts"
 SETTINGS = ("turbo", "default")
 
@@ -433,7 +440,9 @@ class Monitor(threading.Thread):
     `interval` s), and their memory (every 5th poll; the process tree is listed then too): samples (time, device
     used, RSS, unreclaimable, bytes read from the disk, bytes written, the cgroup's anon, file, refaulted file
     bytes), reads, writes and refaults cumulative; one more sample when stopped. `files` (role: path): each file's
-    bytes in the page cache every `cache_every`th poll and when stopped, in `cached` as (time, {role: bytes})."""
+    bytes in the page cache every `cache_every`th poll and when stopped, in `cached` as (time, {role: bytes}), and
+    where numpy is there, the pages cached since the last poll by the file's tensor groups (page_cache.newly_cached),
+    in `reads` as (time, role, {group: bytes})."""
 
     def __init__(self, pid: int, interval: float = SAMPLE_S, memory_stat: Path | None = None,
                  files: dict | None = None, cache_every: int = CACHE_EVERY):
@@ -441,6 +450,9 @@ class Monitor(threading.Thread):
         self.pid, self.interval, self.memory_stat = pid, interval, memory_stat
         self.files, self.cache_every = files or {}, cache_every
         self.cached: list[tuple] = []
+        self.reads: list[tuple] = []
+        self._pages: dict = {}  # role: the file's resident pages at the last poll
+        self._layouts: dict = {}  # role: its tensor_pages, None for a file that is no safetensors
         self.samples: list[tuple] = []
         self.stop_event = threading.Event()
         self.nvml_error = None
@@ -487,7 +499,18 @@ class Monitor(threading.Thread):
             self.stop_event.wait(self.interval)
 
     def _cache(self):
-        self.cached.append((time.time(), {role: cached_bytes(path) for role, path in self.files.items()}))
+        t, cached = time.time(), {}
+        for role, path in self.files.items():
+            if role not in self._layouts:  # read before the first residency, which then holds the header's pages
+                self._layouts[role] = tensor_pages(path) if HAVE_NUMPY else None
+            pages = resident_pages(path)
+            cached[role] = None if pages is None else min(os.path.getsize(path), pages.count(1) * PAGE)
+            last, self._pages[role] = self._pages.get(role), pages
+            if last is not None and pages is not None and self._layouts[role] is not None:
+                new = newly_cached(last, pages, self._layouts[role])
+                if new:
+                    self.reads.append((t, role, new))
+        self.cached.append((t, cached))
 
     def stop(self):
         self.stop_event.set()
@@ -707,6 +730,27 @@ def cached_by_stage(segs, cached) -> dict:
         first, last = cached_at(cached, start), cached_at(cached, end)
         out[stage] = {role: [None if first[role] is None else first[role] / GIB,
                              None if last[role] is None else last[role] / GIB] for role in first}
+    return out
+
+
+def reads_by_stage(segs, reads, top: int = 8, least: int = 16 * 2 ** 20) -> dict:
+    """Each stage's {role: {group: GiB}}: the pages of each file newly cached during it (Monitor.reads, each poll's
+    reads counted in the segment holding the poll), by tensor group, the `top` largest of at least `least` bytes."""
+    starts = [seg[0] for seg in segs]
+    summed: dict = {}
+    for t, role, groups in reads:
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0 or t > segs[i][1]:
+            continue  # before the job, or after it
+        into = summed.setdefault(segs[i][2], {}).setdefault(role, {})
+        for group, n in groups.items():
+            into[group] = into.get(group, 0) + n
+    out = {}
+    for stage, roles in summed.items():
+        for role, groups in roles.items():
+            kept = sorted(((n, g) for g, n in groups.items() if n >= least), reverse=True)[:top]
+            if kept:
+                out.setdefault(stage, {})[role] = {g: round(n / GIB, 3) for n, g in kept}
     return out
 
 
@@ -1122,7 +1166,8 @@ class Job:
                    disk_read_by_stage=bytes_by_stage(segs, samples, 4),
                    disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples),
                    page_cache_by_stage_gib=cached_by_stage(segs, monitor.cached),
-                   page_cache_at_decode_gib=cached_at_decode(segs, graph, monitor.cached))
+                   page_cache_at_decode_gib=cached_at_decode(segs, graph, monitor.cached),
+                   file_reads_by_stage_gib=reads_by_stage(segs, monitor.reads))
         if any(s[8] is not None for s in samples):  # the server's memory cgroup (v2): what its page cache did
             # each node's file pages read again after the kernel dropped them: a file its loader reads twice
             for entry, grown in zip(out["nodes"], bytes_by_segment(node_segs, samples, 8)):
@@ -1190,6 +1235,8 @@ class Job:
         self.write()
         print(f"[{self.elapsed():4.0f} s] {result_line(rec)}", flush=True)
         for line in job_profile.profile_lines(rec):
+            print(line, flush=True)
+        for line in reads_lines(rec):
             print(line, flush=True)
 
     def run(self):
@@ -1269,6 +1316,18 @@ def server_hwm(pid: int) -> float | None:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) / GIB
     except (OSError, StopIteration):
         return None
+
+
+def reads_lines(rec, stages=("model_load", "sampling"), top: int = 3) -> list[str]:
+    """A line per stage of `stages` that read model files: the largest tensor groups it read of each."""
+    lines = []
+    for stage in stages:
+        roles = (rec.get("file_reads_by_stage_gib") or {}).get(stage)
+        if roles:
+            lines.append(f"    read in {stage}: " + "; ".join(
+                f"{role} " + ", ".join(f"{group} {gib:.2f}" for group, gib in list(groups.items())[:top])
+                for role, groups in roles.items()) + " GiB")
+    return lines
 
 
 def result_line(rec) -> str:
