@@ -32,23 +32,34 @@ def copy_rate_gib_s(device) -> float:
     return 2 * a.numel() / 2 ** 30 / (ms / 1e3)
 
 
-def sweep_shape(name, k, act, rows, rate):
-    x = torch.randn(rows, 2 * k if act == "swiglu" else k, device="cuda", dtype=torch.bfloat16)
+def sweep_shape(name, k, act, rows, rate, device="cuda"):
+    x = torch.randn(rows, 2 * k if act == "swiglu" else k, device=device, dtype=torch.bfloat16)
     q, scale, launch = int8_triton._rows_launch(x, True, GROUP, act)
     current, source = int8_triton.choose_config("activation", launch.shape, launch.device)
     moved = x.numel() * x.element_size() + q.numel() + scale.numel() * 4
     floor_ms = moved / 2 ** 30 / rate * 1e3
-    results = []
+    results, reference = [], None
     for config in [current] + [c for c in CONFIGS if c != current]:
         if not int8_triton.fits("activation", config, launch.shape):
             continue
         try:
+            q.zero_()
             launch.launch(config)
+            if reference is None:  # today's config's rows and scales: every other config must give the same
+                reference = q.clone(), scale.clone()
+            same = torch.equal(q, reference[0]) and torch.equal(scale, reference[1])
             ms = cuda_time_ms(lambda: launch.launch(config))
-            results.append({"config": config, "ms": round(ms, 4), "of_bandwidth": round(floor_ms / ms, 3)})
+            results.append({"config": config, "ms": round(ms, 4), "of_bandwidth": round(floor_ms / ms, 3),
+                            "same_as_today": same})
         except Exception as exc:  # a config this GPU cannot run (registers, shared memory)
             results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
-    timed = [r for r in results if "ms" in r]
+    timed = [r for r in results if "ms" in r and r["same_as_today"]]
+    for r in results:
+        if "ms" in r and not r["same_as_today"]:
+            print(f"    {r['config']}: rows or scales differ from today's config's; left out")
+    if not timed:
+        print(f"{name:9s} K={k}: no config ran")
+        return {"shape": name, "K": k, "act": act, "rows": rows, "current": current, "results": results}
     best = min(timed, key=lambda r: r["ms"])
     now = timed[0] if timed and timed[0]["config"] == current else None
     print(f"{name:9s} K={k} {act or '':6s} floor {floor_ms:.3f} ms ({moved / 2 ** 30:.2f} GiB moved)")
