@@ -315,11 +315,12 @@ class BranchSummary:
 
 def take_out_loaded_fold(patcher, path: str, layer: ComfyQuantLinear) -> int:
     """Take out what ComfyUI wrote into `layer` at this load from the backups it keeps (a layer it loaded, or one
-    upstream's dynamic VRAM force-loads): the fold its set_weight wrote into the weight, a patched bias. The original
-    tensors come back on the device the layer holds its tensors on, and ComfyUI's backups of them are dropped (it
-    would put them back over the same tensors). 1 if anything was taken out."""
+    upstream's dynamic VRAM force-loads): the fold its set_weight wrote into the weight, a patched bias. Each original
+    tensor comes back on the device of the tensor it replaces, and the layer's other tensors stay where the host put
+    them (dynamic VRAM pages weight and bias from RAM and loads the scales to the card); ComfyUI's backups of the
+    originals are dropped (it would put them back over the same tensors). 1 if anything was taken out."""
     backup = getattr(patcher, "backup", {})
-    device = layer.weight.device
+    placed = {name: param.device for name, param in layer._parameters.items() if param is not None}
     taken = 0
     if f"{path}.weight" in backup and layer._unpatched is not None:
         original = backup.pop(f"{path}.weight").weight
@@ -333,6 +334,7 @@ def take_out_loaded_fold(patcher, path: str, layer: ComfyQuantLinear) -> int:
         layer._parameters["bias"] = bias.weight
         taken = 1
     for name, param in layer._parameters.items():
+        device = placed.get(name, layer.weight.device)
         if param is not None and (param.device != device or not isinstance(param, nn.Parameter)):
             layer._parameters[name] = nn.Parameter(param.to(device), requires_grad=False)
     return taken

@@ -13,7 +13,8 @@ LoRAs stacked, a bias diff, a zero strength, a layer fed SwiGLU of a wider input
 upstream skips a LoRA on). Each patch the branch cannot compute exactly (LoHa, LoKr, DoRA, a full weight diff, a
 set weight, an offset, a model strength, a function) gives no branch, saying why; through a real ModelPatcher load
 (no dynamic VRAM) such a layer keeps ComfyUI's fold, and the report says which path each layer took. Where the
-host's LoRA adapter has upstream's bypass `h`, the branch computes the same product.
+host's LoRA adapter has upstream's bypass `h`, the branch computes the same product. Taking ComfyUI's fold out leaves
+each of a layer's tensors on the device the host put it on (dynamic VRAM's scales on the card, weight in RAM).
 """
 import json
 import subprocess
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 import comfy.lora, comfy.model_patcher, comfy.weight_adapter as adapters
 pkg = types.ModuleType("bigdit"); pkg.__path__ = [pack_root]; sys.modules["bigdit"] = pkg
 from bigdit.host.layers import ComfyQuantLinear
-from bigdit.host.lora_branch import build_branch
+from bigdit.host.lora_branch import build_branch, take_out_loaded_fold
 from bigdit.host.lora_fold import LAST_LINE, install_lora_fold
 from bigdit.quant import get_method
 from bigdit.quant.kitchen_api import apply_input_act
@@ -195,6 +196,18 @@ load["branches_after_unpatch"] = [getattr(model, n).lora_branch is not None for 
 patched.detach(unpatch_all=True)
 load["branches_after_detach"] = [getattr(model, n).lora_branch is not None for n in "abc"]
 out["load"] = load
+
+# upstream's dynamic VRAM pages weight and bias from RAM and loads a layer's other tensors (its scales) whole to the
+# load device ("meta" stands in for the card here): with no fold to take out, each tensor stays where the host put it
+layer = make_layer(method)
+for key in [k for k in layer._parameters if k not in ("weight", "bias")]:
+    layer._parameters[key] = torch.nn.Parameter(layer._parameters[key].to("meta"), requires_grad=False)
+try:
+    taken = take_out_loaded_fold(types.SimpleNamespace(backup={}), "k", layer)
+except Exception as exc:  # moving a tensor the host placed on another device (here: copying out of "meta")
+    taken = f"{type(exc).__name__}: {exc}"
+out["dynamic_take_out"] = {"taken": taken, "devices": {k: str(v.device) for k, v in layer._parameters.items()
+                                                       if v is not None}}
 print(json.dumps(out))
 """
 
@@ -250,3 +263,9 @@ def test_a_load_takes_the_branch_where_it_can_and_keeps_the_fold_elsewhere(probe
     assert "(1 tensors ComfyUI left in RAM folded by the pack)" in offloaded["line"][1], offloaded["line"]
     assert load["restored"] and load["branches_after_unpatch"] == [True, True, False], load
     assert load["branches_after_detach"] == [False, False, False], load
+
+
+def test_taking_a_fold_out_leaves_each_tensor_where_the_host_put_it(probe):
+    # under dynamic VRAM the scales are on the card and weight and bias in RAM: none moves to the weight's device
+    assert probe["dynamic_take_out"] == {"taken": 0, "devices": {"weight": "cpu", "weight_scale": "meta",
+                                                                 "bias": "cpu"}}, probe["dynamic_take_out"]
