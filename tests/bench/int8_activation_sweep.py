@@ -4,8 +4,9 @@ per-row quantization) timed over a grid of configs at MiniMax-H3 pruned's four i
 For each shape (int8_linear.py's SHAPES: K, with fc2's SwiGLU) at --rows rows: every config of CONFIGS that fits
 the shape (`int8_triton.fits`), ms per call (CUDA events, median of three runs of ten calls) and the share of the
 GPU's memory bandwidth its bytes (x read once, int8 rows and scales written) would take at the device-to-device
-copy rate measured in the same run; the config the pack runs today (store, shipped table or rule) is marked, and
-the fastest is named with its ratio to it. A config that does not compile or run is listed with its error.
+copy rate measured in the same run, and whether its rows and scales equal those of the config the pack runs today
+(store, shipped table or rule; marked): one that differs is left out of the ranking. The fastest is named with its
+ratio to today's. A config that does not compile or run is listed with its error.
 
     python tests/bench/int8_activation_sweep.py [--rows 32700] [--out FILE]
 """
@@ -45,23 +46,24 @@ def sweep_shape(name, k, act, rows, rate, device="cuda"):
         try:
             q.zero_()
             launch.launch(config)
-            if reference is None:  # today's config's rows and scales: every other config must give the same
+            if config == current:  # today's rows and scales: every other config must give the same
                 reference = q.clone(), scale.clone()
-            same = torch.equal(q, reference[0]) and torch.equal(scale, reference[1])
+            # None: today's config did not run, so there is nothing to hold this one to
+            same = None if reference is None else torch.equal(q, reference[0]) and torch.equal(scale, reference[1])
             ms = cuda_time_ms(lambda: launch.launch(config))
             results.append({"config": config, "ms": round(ms, 4), "of_bandwidth": round(floor_ms / ms, 3),
                             "same_as_today": same})
         except Exception as exc:  # a config this GPU cannot run (registers, shared memory)
             results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
-    timed = [r for r in results if "ms" in r and r["same_as_today"]]
+    timed = [r for r in results if "ms" in r and r["same_as_today"] is not False]
     for r in results:
-        if "ms" in r and not r["same_as_today"]:
+        if "ms" in r and r["same_as_today"] is False:
             print(f"    {r['config']}: rows or scales differ from today's config's; left out")
     if not timed:
         print(f"{name:9s} K={k}: no config ran")
         return {"shape": name, "K": k, "act": act, "rows": rows, "current": current, "results": results}
     best = min(timed, key=lambda r: r["ms"])
-    now = timed[0] if timed and timed[0]["config"] == current else None
+    now = timed[0] if timed[0]["config"] == current else None
     print(f"{name:9s} K={k} {act or '':6s} floor {floor_ms:.3f} ms ({moved / 2 ** 30:.2f} GiB moved)")
     for r in sorted(timed, key=lambda r: r["ms"])[:8]:
         mark = " <- runs today (" + source + ")" if r["config"] == current else ""

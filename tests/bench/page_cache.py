@@ -11,7 +11,11 @@ import struct
 def cached_bytes(path) -> int | None:
     """The bytes of `path` in the page cache; None where the system has no mincore (not Linux) or the file cannot be
     mapped."""
-    pages = resident_pages(path)
+    return cached_size(path, resident_pages(path))
+
+
+def cached_size(path, pages: bytes | None) -> int | None:
+    """The bytes of `path` its `pages` (resident_pages) say are cached; None where they are unknown."""
     return None if pages is None else min(os.path.getsize(path), pages.count(1) * mmap.PAGESIZE)
 
 
@@ -86,6 +90,7 @@ def newly_cached(before: bytes, after: bytes, layout: tuple[list[int], list[str]
         return {}
     starts, groups = layout
     names = sorted(set(groups))
-    ids = np.array([names.index(g) for g in groups])
+    index = {g: i for i, g in enumerate(names)}
+    ids = np.array([index[g] for g in groups])
     counts = np.bincount(ids[np.searchsorted(np.array(starts), new, side="right") - 1], minlength=len(names))
     return {names[i]: int(c) * mmap.PAGESIZE for i, c in enumerate(counts) if c}

@@ -125,7 +125,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 
 import e2e_models  # noqa: E402
-from page_cache import newly_cached, resident_pages, tensor_pages  # noqa: E402
+from page_cache import cached_size, newly_cached, resident_pages, tensor_pages  # noqa: E402
 import job_profile  # noqa: E402
 from _pack import RESULTS  # noqa: E402
 from comfy_e2e import (BenchServer, compare, gpu_name, gpu_slug, log_lines, package_version, run_and_write,  # noqa: E402
@@ -504,7 +504,7 @@ class Monitor(threading.Thread):
             if role not in self._layouts:  # read before the first residency, which then holds the header's pages
                 self._layouts[role] = tensor_pages(path) if HAVE_NUMPY else None
             pages = resident_pages(path)
-            cached[role] = None if pages is None else min(os.path.getsize(path), pages.count(1) * PAGE)
+            cached[role] = cached_size(path, pages)
             last, self._pages[role] = self._pages.get(role), pages
             if last is not None and pages is not None and self._layouts[role] is not None:
                 new = newly_cached(last, pages, self._layouts[role])
