@@ -70,7 +70,8 @@ class LoadH3Quantized(io.ComfyNode):
                 "quantizes it while loading, one layer at a time: each layer's weight is read from the file, "
                 "quantized on the GPU and stored, so the full-precision model is never resident twice. AdaLN "
                 "projections, output heads and patch projections stay in full precision, as do layers stored in "
-                "fp32. Layers the file already quantized keep their format (scaled_fp8 files' layers stay FP8)."
+                "fp32. Layers the file already quantized keep their format (scaled_fp8 files' layers stay FP8), "
+                "and in such a file the layers it left in full precision stay so, as ComfyUI runs them."
             ),
             inputs=[
                 io.Combo.Input(

@@ -58,3 +58,20 @@ def test_load_h3_quantized_on_the_int8_file_does_the_same(comfy, tiny_wan2, int8
     assert KEPT in report.splitlines() and "re-quantized" not in report, report
     assert torch.equal(h3, marker)
     assert last_run.startswith("last run: ") and "ran 20/20 quantized layers; ran int8: kitchen x" in last_run, last_run
+
+
+def test_load_h3_quantized_leaves_the_files_full_precision_layers_as_stored(comfy, tiny_wan2, int8_file):
+    """Asked to quantize a file that already quantizes its blocks, the loader quantizes none of the layers the
+    file left in bf16 (as the host runs them): the same model as MixedCheckpointLoader's, bit for bit."""
+    marker, _, _ = run(comfy, tiny_wan2, ("MixedCheckpointLoader", {"unet_name": int8_file, "int8": "keep"}))
+    h3, report, _ = run(comfy, tiny_wan2, ("LoadH3Quantized", {
+        "unet_name": int8_file, "quantization": "int8_convrot", "offload": "none", "int8": "keep"}))
+    lines = report.splitlines()
+    assert lines[0] == "quantized 20/26 linear layers" and "formats: int8_convrot x20" in lines, report
+    left = "kept as stored: the file quantizes 20 other layers and leaves this one as it is"
+    assert {f"  {name}: {left}" for name in ("text_embedding.0", "text_embedding.2", "time_embedding.0",
+                                             "time_embedding.2")} <= set(lines), report
+    assert "  head.head: ignored (matches 'head.*')" in lines, report  # a pattern's reason stays its own
+    assert "quantized while loading" not in report and "scratch file" not in report, report
+    assert torch.equal(h3, marker)
+
