@@ -626,8 +626,8 @@ def test_a_hit_replaced_while_checked_or_failing_rebuilds_with_the_right_weights
 
 def test_an_already_quantized_file_is_neither_written_nor_hashed(cached, comfy, tiny_wan2):
     """The tiny Wan with its block linears stored as INT8 ConvRot markers (the layout of Comfy-Org's INT8 files),
-    loaded with `int8_convrot`: only its few plain linears are quantized at load, well under half of the weights
-    (host/cache.py WORTH_CACHING), so no entry of the whole model is written and the file's data is never hashed."""
+    loaded with `int8_convrot`: its plain linears stay as the file keeps them, nothing is quantized at load, so no
+    entry is written and the file's data is never hashed."""
     from checkpoint_files import write_markers
     markers = {f"blocks.{b}.{name}": {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
                for b in range(2) for name in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
@@ -637,12 +637,25 @@ def test_an_already_quantized_file_is_neither_written_nor_hashed(cached, comfy, 
     write_markers(tiny_wan2["path"], cached.server.models_dir / "diffusion_models" / name, markers)
     cached.clear()
     _, report = cached.load({**INPUTS, "unet_name": name})
+    assert (f"{LABEL}: miss (no cache file yet); not written: nothing was quantized or converted, the file loads "
+            "as it is") in report, report
+    assert cached.entries() == []
+    memo = cached.folder / MEMO_NAME
+    assert not memo.exists() or name not in memo.read_text()
+
+
+def test_a_load_that_quantizes_a_small_share_is_neither_written_nor_hashed(cached):
+    """The bf16 tiny Wan with its blocks kept (`ignored_layers`): only the few plain linears outside them are
+    quantized, well under half of the weights (host/cache.py WORTH_CACHING), so no entry of the whole model is
+    written and the file's data is never hashed."""
+    cached.clear()
+    _, report = cached.load({**INPUTS, "ignored_layers": "blocks.*"})
     assert f"{LABEL}: miss (no cache file yet); not written: the layers quantized or converted at load held" in report, \
         report
     assert "quantizing them again costs less than a cache file of the whole model" in report
     assert cached.entries() == []
     memo = cached.folder / MEMO_NAME
-    assert not memo.exists() or name not in memo.read_text()
+    assert not memo.exists() or SOURCE not in memo.read_text()
 
 
 # ---- auto's first-call checks, carried by the entry ----------------------------------------------------------------
