@@ -47,7 +47,8 @@ def environment() -> dict:
     return env
 
 
-def write_json(path: Path, payload: dict) -> None:
+def write_json(path: Path | str, payload: dict) -> None:
+    path = Path(path)  # --out comes as text
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str))
     print(f"wrote {path}")
