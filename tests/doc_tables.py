@@ -103,14 +103,12 @@ def headline() -> str:
 # The whole MiniMax-H3 job (tests/bench/whole_job.py), the README's first table: per setting, the runs that hold
 # its configurations (the reference, template_sage, first); each row group's runs came from one GPU machine, an H100
 # unless the label names another.
-R = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-06.json"
 R7 = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-07.json"
 JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations shown: all where None)
     ("turbo, 64 GiB", "turbo", 64, ("whole-job-turbo-64g-6dd69a6" + R7,), None),
     ("turbo, 64 GiB, again", "turbo", 64, ("whole-job-turbo-64g-follow-ccf1860" + R7,), ("template_sage", "pack_fast")),
     ("turbo, 32 GiB", "turbo", 32, ("whole-job-turbo-32g-6dd69a6" + R7,), None),
-    ("turbo, 32 GiB, restarted, earlier code", "turbo", 32, ("whole-job-turbo-32g-restarted" + R,),
-     ("template_sage", "pack")),
+    ("turbo, 32 GiB, file's layers kept", "turbo", 32, ("whole-job-turbo-32g-0270751" + R7,), None),
     ("default, 64 GiB", "default", 64, ("whole-job-default-64g-6dd69a6" + R7,), None),
     ("turbo, 32 GiB, H200", "turbo", 32, ("whole-job-turbo-32g-4e985fb-nvidia-h200-comfyui-0.33.0-2026-12-07.json",),
      None),
