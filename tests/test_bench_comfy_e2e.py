@@ -536,7 +536,7 @@ def test_a_profiled_call_is_timed_without_the_profilers_own_work(monkeypatch):
     monkeypatch.setattr(bench, "_cuda", lambda: True)
     monkeypatch.setattr(bench, "_sync", lambda: None)
     monkeypatch.setattr(bench, "_host_memory", lambda: {})
-    record = bench._RECORD = bench._Record()
+    record = bench._RECORD = bench._Record(timer_node=None, model_bytes=0)
     for t in (0.9, 0.5, 0.1):  # one call a step; the second step's is profiled
         bench._apply_model(lambda x, t: x, torch.zeros(1), torch.tensor([t]))
     report = record.as_dict()

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -613,13 +614,13 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
                 "finite"]
     template, pack = by[("template", 1)], by[("pack", 1)]
     assert "vs_template" not in template.get("latent", {})
-    # the pack's loader: the quantize-once cache in a fresh folder of the server's own; the INT8 file's few plain
-    # layers quantized at load are too small a share to write the whole model for (host/cache.py WORTH_CACHING), so
-    # each job's load, the second after ComfyUI's cache was freed, is a miss that writes nothing
+    # the pack's loader: the quantize-once cache in a fresh folder of the server's own; the INT8 file's plain layers
+    # stay as stored, so nothing is quantized at load and each job's load, the second after ComfyUI's cache was
+    # freed, is a miss that writes nothing
     load = {r["job"]: next(i for i in r["loads"] if i["class_type"] == "LoadH3Quantized") for r in
             (pack, by[("pack", 2)])}
     for job in (1, 2):
-        assert load[job]["cache"] == "miss" and "not written: the layers quantized or converted at load held" in \
+        assert load[job]["cache"] == "miss" and "not written: nothing was quantized or converted" in \
             load[job]["cache_line"], load[job]
         assert load[job]["report"].startswith("quantized ")
     assert pack["quant_cache"].startswith("on") and pack["quant_cache_files"]["files"] == 0
@@ -641,6 +642,26 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
     printed = subprocess.run([sys.executable, str(TESTS / "bench" / "job_profile.py"), str(out), "--config", "pack"],
                              capture_output=True, text=True, timeout=60)
     assert printed.returncode == 0 and printed.stdout.count("  profile ") == 4, printed.stderr  # the pack's jobs
+
+
+
+def test_a_second_job_samples_the_first_jobs_model_as_a_users_does(tmp_path):
+    """With ComfyUI's cache kept between the jobs, the second job reuses every node of the model's chain, the
+    benchmark's step timer too (cached, it hands the sampler the same clone of the model): the model is not loaded
+    again, as in a user's second job, and the second sampling still has a record of its own."""
+    host = upstream_host()
+    out = tmp_path / "job.json"
+    run = subprocess.run([str(host.python), str(TESTS / "bench" / "whole_job.py"), "--tiny", "--comfyui",
+                          str(host.comfyui), "--configs", "pack", "--work", str(tmp_path / "w"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "BIGDIT_READ_AHEAD": "0"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    by = {r["job"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(by) == [1, 2] and all(r["status"] == "ok" for r in by.values())
+    assert by[2]["between_jobs"] == "keep"
+    assert all(r["sampling"]["steps"] == 2 and r["sampling"]["calls_per_step"] == [1, 1] for r in by.values())
+    assert by[2]["sampling"]["step_seconds"] != by[1]["sampling"]["step_seconds"]  # the second job's own record
+    log = out.with_suffix(".log").read_text()
+    assert len(re.findall(r"Requested to load MiniMaxH3$", log, re.M)) == 1, log[-4000:]  # the first job's only
 
 
 # ---- the memory limit (on a model of /sys/fs/cgroup: a write the kernel refuses is a folder in the way) -----

@@ -506,7 +506,7 @@ def measurements(report: dict, entry: dict) -> dict:
         # weights into the first step, so its first step's excess over a steady one is part of its load
         "ready_s": (report["first_call"] - start + steps[0] - statistics.median(steady)
                     if start and report["first_call"] and len(steps) > 1 else None),
-        "loader_s": report["timer_node"] - start if start else None,
+        "loader_s": report["timer_node"] - start if start and report["timer_node"] else None,
         "to_gpu_s": report["first_call"] - report["sample_start"] if report["first_call"] else None,
         "sampling_s": report["sample_end"] - report["sample_start"],
         "latent_shape": report["latent_shape"],
