@@ -20,9 +20,9 @@ from ..hardware import device_text
 from ..quant import QuantConfig, get_method
 from ..quant.keep import keep_patterns
 from ..quant.kitchen_layout import BlockFormat
-from ..quant.patterns import first_match
 from ..quant.kitchen_api import require_kitchen
 from ..quant.linear import QuantLinear
+from ..quant.patterns import first_match
 from ..quant.quantize_pass import online_method, stored_conversions
 from ..quant.registry import fit_formats
 from ..quant.report import QuantReport
