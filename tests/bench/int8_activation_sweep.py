@@ -6,7 +6,9 @@ the shape (`int8_triton.fits`), ms per call (CUDA events, median of three runs o
 GPU's memory bandwidth its bytes (x read once, int8 rows and scales written) would take at the device-to-device
 copy rate measured in the same run, and whether its rows and scales equal those of the config the pack runs today
 (store, shipped table or rule; marked): one that differs is left out of the ranking. The fastest is named with its
-ratio to today's. A config that does not compile or run is listed with its error.
+ratio to today's. A config that does not compile or run is listed with its error. Today's config is also timed
+with parts of the work left out (`without`: the rotation; at fc2 SwiGLU, its input's first half read instead), to
+show what limits a pass that is far from its bytes' floor.
 
     python tests/bench/int8_activation_sweep.py [--rows 32700] [--out FILE]
 """
@@ -70,8 +72,32 @@ def sweep_shape(name, k, act, rows, rate, device="cuda"):
         print(f"    {r['ms']:.3f} ms {r['of_bandwidth']:5.0%} of bandwidth  {r['config']}{mark}")
     if now is not None:
         print(f"    today {now['ms']:.3f} ms; fastest {best['ms']:.3f} ms ({now['ms'] / best['ms']:.2f}x)")
+    parts = without_parts(x, act, current, device)
+    if parts:
+        print("    today's config " + ", ".join(f"{what} {ms:.3f} ms" for what, ms in parts.items()))
     return {"shape": name, "K": k, "act": act, "rows": rows, "current": current, "current_source": source,
-            "floor_ms": floor_ms, "fastest": best, "results": results}
+            "floor_ms": floor_ms, "fastest": best, "results": results, "without": parts}
+
+
+def without_parts(x, act, config, device) -> dict:
+    """ms of today's config with a part of the work left out (its outputs are not the layer's): without the
+    rotation, and with SwiGLU's input without SwiGLU (the first half of the row read), so that what each costs
+    beside the bytes shows."""
+    variants = {"without the rotation": (x, False, act)}
+    if act == "swiglu":
+        half = x[:, :x.shape[1] // 2]
+        variants["without SwiGLU (half the row read)"] = (half, True, None)
+        variants["without either"] = (half, False, None)
+    out = {}
+    for what, (rows, convrot, input_act) in variants.items():
+        _, _, launch = int8_triton._rows_launch(rows, convrot, GROUP, input_act)
+        if not int8_triton.fits("activation", config, launch.shape):
+            continue
+        try:
+            out[what] = round(cuda_time_ms(lambda: launch.launch(config)), 4)
+        except Exception as exc:  # as in the sweep: a variant this GPU cannot run is said, not fatal
+            out[what] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return out
 
 
 def main():
