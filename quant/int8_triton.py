@@ -5,7 +5,8 @@ dense INT8 rate at MiniMax-H3's shapes (0.75-1.21x bf16 F.linear). Two kernels t
 
 - `_rotate_quantize_kernel`, the activations in one kernel (torch has no fused form): the input
   activation (SwiGLU), ConvRot's group-wise Hadamard rotation and per-row INT8 quantization. A row's
-  scale spans all its groups: a row up to 16384 wide is held whole and read once; a wider one is read
+  scale spans all its groups: a row up to 16384 wide is held whole and read once, in one power-of-two tile
+  or, where a config asks, in up to three that add up to the row (no padding rotated); a wider one is read
   twice (rotate for the absmax, rotate again to quantize). The rotation runs on fp16 tensor cores, a
   group of 256 as H16 (x) H16 (two 16-wide products instead of one 256-wide one).
 - the GEMM: int8 x int8 -> int32 on tensor cores, the row scale times the weight's channel (or tensor)
@@ -257,6 +258,7 @@ def _rows_launch(x: torch.Tensor, convrot: bool, group_size: int,
     def launch(config: dict, warmup: bool = False):
         meta, run = _split(config)
         grid = (triton.cdiv(rows, meta["ROWS"]),)
+        meta.update(row_tiles(meta["WIDTH"], k, group))
         if warmup:
             return _rotate_quantize_kernel.warmup(**args, **meta, **run, grid=grid)
         _rotate_quantize_kernel[grid](**args, **meta, **run)
@@ -339,17 +341,38 @@ def shape_text(kernel: str, shape: dict) -> str:
 def fits(kernel: str, config, shape: dict) -> bool:
     """Whether `config` (a dict, as stored) is one `kernel` can run at `shape`: its keys, and the widths the kernel
     assumes (an activation step holds whole groups and, where the rotation is one full-matrix product, 16 of them;
-    a GEMM's K step no wider than K's power of two)."""
+    a WIDTH that is no power of two is K, the row in `row_pieces`; a GEMM's K step no wider than K's power of
+    two)."""
     if not isinstance(config, dict) or not all(isinstance(v, int) and v > 0 for v in config.values()):
         return False
     if kernel == "activation":
         if set(config) != {"ROWS", "WIDTH", *LAUNCH}:
             return False
-        k, g, rotate = shape["K"], shape["G"], shape["ROTATE"]
-        return (g <= config["WIDTH"] <= next_pow2(k) and config["WIDTH"] % g == 0
-                and (not rotate or g == KRON * KRON or config["ROWS"] * config["WIDTH"] // g >= 16))
+        k, g, rotate, width = shape["K"], shape["G"], shape["ROTATE"], config["WIDTH"]
+        if width & (width - 1):  # not a power of two: the whole row in pieces
+            pieces = row_pieces(k, g) if width == k else ()
+            return bool(pieces) and (not rotate or g == KRON * KRON or config["ROWS"] * pieces[-1] // g >= 16)
+        return (g <= width <= next_pow2(k) and width % g == 0
+                and (not rotate or g == KRON * KRON or config["ROWS"] * width // g >= 16))
     return (set(config) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", *LAUNCH}
             and config["BLOCK_K"] <= max(16, next_pow2(shape["K"])))
+
+
+def row_pieces(k: int, group: int) -> tuple[int, ...]:
+    """A row of `k` columns as the activation kernel's power-of-two pieces of whole groups, widest first (K's
+    binary digits from the group's up: 5376 = 4096 + 1024 + 256); () where that takes more than three, or `k` is
+    not a multiple of the group."""
+    if k % group:
+        return ()
+    pieces = tuple(1 << bit for bit in reversed(range(k.bit_length())) if k >> bit & 1)
+    return pieces if len(pieces) <= 3 else ()
+
+
+def row_tiles(width: int, k: int, group: int) -> dict:
+    """The activation kernel's tile widths for a config's WIDTH: {WIDTH, W1, W2}, the pieces of `row_pieces` where
+    WIDTH is K and no power of two, else WIDTH alone."""
+    pieces = (row_pieces(k, group) if width == k and k & (k - 1) else ()) or (width,)
+    return dict(zip(("WIDTH", "W1", "W2"), pieces + (0, 0)))
 
 
 def activation_rule(shape: dict) -> dict:
@@ -392,11 +415,12 @@ def gemm_small(shape: dict) -> dict:
 
 
 def search_candidates(kernel: str, shape: dict) -> list[dict]:
-    """What a search times: each kernel's candidate list (the configs of the H200's development runs), those
-    that fit the shape."""
+    """What a search times: each kernel's candidate list (the configs of the H200's development runs, and the
+    whole row in pieces), those that fit the shape, each once."""
     if kernel == "activation":
         found = [{"ROWS": r, "WIDTH": w, "num_warps": nw, "num_stages": 3}
-                 for r, w, nw in [(8, 256, 4), (2, 1024, 4), (1, 8192, 4), (1, 8192, 8), (1, 16384, 16)]]
+                 for r, w, nw in [(8, 256, 4), (2, 1024, 4), (1, 8192, 4), (1, 8192, 8), (1, 16384, 16),
+                                  (1, shape["K"], 4), (1, shape["K"], 8)]]
     else:
         tiles = ([(128, 256, 128, 4, 8, 16), (128, 256, 128, 4, 8, 8), (256, 128, 128, 4, 8, 16),
                   (128, 128, 128, 4, 4, 8), (64, 256, 128, 4, 4, 8)] if kernel == "gemm_tma" else
@@ -404,7 +428,7 @@ def search_candidates(kernel: str, shape: dict) -> list[dict]:
                   (128, 128, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8)])
         found = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": w, "num_stages": s}
                  for bm, bn, bk, s, w, gm in tiles]
-    return [config for config in found if fits(kernel, config, shape)]
+    return [config for i, config in enumerate(found) if config not in found[:i] and fits(kernel, config, shape)]
 
 
 def _shipped() -> tuple[str | None, dict]:
@@ -540,9 +564,11 @@ if triton is not None:
     @triton.jit
     def _rotate_quantize_kernel(x_ptr, h_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, K: tl.constexpr,
                                 G: tl.constexpr, HG: tl.constexpr, SWIGLU: tl.constexpr, ROTATE: tl.constexpr,
-                                ROWS: tl.constexpr, WIDTH: tl.constexpr):
+                                ROWS: tl.constexpr, WIDTH: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
         """ROWS rows of x per program: int8 rows into q, scales into scale. With WIDTH >= K each row is read
-        once, whole; otherwise twice, WIDTH columns (whole groups) a step: for the absmax, then to quantize."""
+        once, whole; with W1 (and W2) too, once in two (three) power-of-two pieces of WIDTH + W1 + W2 == K
+        columns, so no masked-out column is rotated; otherwise twice, WIDTH columns (whole groups) a step: for
+        the absmax, then to quantize."""
         hk = tl.arange(0, HG)
         h = tl.load(h_ptr + hk[:, None] * HG + hk[None, :])
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -550,7 +576,23 @@ if triton is not None:
         cols = tl.arange(0, WIDTH)
         x_offs = rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
         q_offs = rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
-        if WIDTH >= K:
+        if W1 > 0:
+            mask = row_ok[:, None] & (cols[None, :] < WIDTH)
+            r = _rotated(x_ptr, h, x_offs, mask, K, ROWS, WIDTH, G, HG, SWIGLU, ROTATE)
+            cols1 = tl.arange(0, W1)
+            x1 = rows.to(tl.int64)[:, None] * stride_x + WIDTH + cols1[None, :]
+            q1 = rows.to(tl.int64)[:, None] * stride_q + WIDTH + cols1[None, :]
+            mask1 = row_ok[:, None] & (cols1[None, :] < W1)
+            r1 = _rotated(x_ptr, h, x1, mask1, K, ROWS, W1, G, HG, SWIGLU, ROTATE)
+            amax = tl.maximum(tl.max(tl.abs(r), axis=1), tl.max(tl.abs(r1), axis=1))
+            if W2 > 0:
+                cols2 = tl.arange(0, W2)
+                x2 = rows.to(tl.int64)[:, None] * stride_x + (WIDTH + W1) + cols2[None, :]
+                q2 = rows.to(tl.int64)[:, None] * stride_q + (WIDTH + W1) + cols2[None, :]
+                mask2 = row_ok[:, None] & (cols2[None, :] < W2)
+                r2 = _rotated(x_ptr, h, x2, mask2, K, ROWS, W2, G, HG, SWIGLU, ROTATE)
+                amax = tl.maximum(amax, tl.max(tl.abs(r2), axis=1))
+        elif WIDTH >= K:
             mask = row_ok[:, None] & (cols[None, :] < K)
             r = _rotated(x_ptr, h, x_offs, mask, K, ROWS, WIDTH, G, HG, SWIGLU, ROTATE)
             amax = tl.max(tl.abs(r), axis=1)
@@ -562,7 +604,12 @@ if triton is not None:
                 amax = tl.maximum(amax, tl.max(tl.abs(r), axis=1))
         scale = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-30)  # kitchen's (absmax / 127).clamp(min=1e-30)
         inv_scale = tl.math.div_rn(1.0, scale)  # once per row, correctly rounded; then a product per element
-        if WIDTH >= K:
+        if W1 > 0:
+            _store_quantized(q_ptr, q_offs, r, inv_scale, mask)
+            _store_quantized(q_ptr, q1, r1, inv_scale, mask1)
+            if W2 > 0:
+                _store_quantized(q_ptr, q2, r2, inv_scale, mask2)
+        elif WIDTH >= K:
             _store_quantized(q_ptr, q_offs, r, inv_scale, mask)
         else:
             for k0 in range(0, K, WIDTH):

@@ -76,13 +76,41 @@ def activation():
             q = torch.full((11, k), 99, dtype=torch.int8)
             scale = torch.empty(11, 1)
             kernel[(triton_cdiv(11, rows),)](x, h, q, scale, 11, x.stride(0), q.stride(0), K=k, G=group, HG=hg,
-                                             SWIGLU=act == "swiglu", ROTATE=True, ROWS=rows, WIDTH=width)
+                                             SWIGLU=act == "swiglu", ROTATE=True, ROWS=rows, WIDTH=width, W1=0, W2=0)
             check_rows(q, scale, x, True, group, act, (group, act, dtype, rows, width))
     # as int8_linear launches it (the rule's config on CPU), and without the rotation (plain int8_tensorwise)
     for convrot in (True, False):
         x = activations(7, 768, torch.bfloat16, False)
         q, scale = it.quantize_rows(x, convrot, 256, None)
         check_rows(q, scale, x, convrot, 256, None, ("quantize_rows", convrot))
+
+
+def activation_pieces():
+    """A row whose width is no power of two, held whole in the power-of-two pieces that add up to it (config WIDTH
+    = K), as quantize_rows launches it: each group size, two and three pieces, SwiGLU; the same rows and scales as
+    the row in one padded tile (bit for bit), both against the definition."""
+    chosen = it.config_for
+    cases = [(256, 1792, None, torch.bfloat16, 1), (256, 1280, "swiglu", torch.float16, 2),
+             (64, 1344, None, torch.float16, 16), (16, 112, "swiglu", torch.float16, 16)]
+    try:
+        for group, k, act, dtype, rows in cases:
+            pieces = it.row_pieces(k, group)
+            assert sum(pieces) == k and len(pieces) in (2, 3), (k, pieces)
+            x = activations(rows + 5, k, dtype, act == "swiglu")  # the last program partly past the end
+            out = {}
+            for width in (k, it.next_pow2(k)):
+                config = {"ROWS": rows, "WIDTH": width, "num_warps": 4, "num_stages": 3}
+                assert it.fits("activation", config, {"K": k, "G": group, "ROTATE": True}), config
+                it.config_for = lambda *_args, config=config, **_kw: config
+                out[width] = it.quantize_rows(x, True, group, act)
+                check_rows(*out[width], x, True, group, act, (group, k, act, config))
+            assert all(torch.equal(a, b) for a, b in zip(out[k], out[it.next_pow2(k)])), (group, k)
+    finally:
+        it.config_for = chosen
+    # no more than three pieces, whole groups only, and a width of K alone
+    assert it.row_pieces(256 * 15, 256) == () and it.row_pieces(1000, 256) == ()
+    assert not it.fits("activation", {"ROWS": 1, "WIDTH": 1280, "num_warps": 4, "num_stages": 3},
+                       {"K": 1792, "G": 256, "ROTATE": True})
 
 
 def triton_cdiv(a, b):
@@ -511,7 +539,7 @@ def persistent_gemm():
         assert torch.equal(got, want), (options, (got.float() - want.float()).abs().max())
 
 
-CHECKS = {f.__name__: f for f in (activation, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
+CHECKS = {f.__name__: f for f in (activation, activation_pieces, gemm_int32, gemm_epilogue, int8_linear_vs_kitchen, unavailable,
                                   method_and_compile, shipped_configs, gemm_low_rank, method_low_rank, w4a8_method,
                                   w4a8_decode, w4a8_fused_gemm, persistent_gemm)}
 

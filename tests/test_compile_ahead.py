@@ -42,8 +42,10 @@ def activation_source(k: int) -> ASTSource:
         fn=it._rotate_quantize_kernel,
         signature={"x_ptr": "*bf16", "h_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "M": "i32",
                    "stride_x": "i32", "stride_q": "i32", "K": "constexpr", "G": "constexpr", "HG": "constexpr",
-                   "SWIGLU": "constexpr", "ROTATE": "constexpr", "ROWS": "constexpr", "WIDTH": "constexpr"},
-        constexprs={"K": k, "G": 256, "HG": it.KRON, "SWIGLU": False, "ROTATE": True, "ROWS": 1, "WIDTH": k})
+                   "SWIGLU": "constexpr", "ROTATE": "constexpr", "ROWS": "constexpr", "WIDTH": "constexpr",
+                   "W1": "constexpr", "W2": "constexpr"},
+        constexprs={"K": k, "G": 256, "HG": it.KRON, "SWIGLU": False, "ROTATE": True, "ROWS": 1, "WIDTH": k,
+                    "W1": 0, "W2": 0})
 
 
 def warm_up(key, compile_fn, seen: list, cache: dict | None = None):

@@ -26,7 +26,7 @@ if it.triton is None:
     pytest.skip("Triton (with tensor descriptors) cannot be imported", allow_module_level=True)
 
 TESTS = Path(__file__).resolve().parent
-CHECKS = ["activation", "gemm_int32", "gemm_epilogue", "int8_linear_vs_kitchen", "unavailable", "method_and_compile",
+CHECKS = ["activation", "activation_pieces", "gemm_int32", "gemm_epilogue", "int8_linear_vs_kitchen", "unavailable", "method_and_compile",
           "shipped_configs", "gemm_low_rank", "method_low_rank", "w4a8_method", "w4a8_decode", "w4a8_fused_gemm",
           "persistent_gemm"]
 

@@ -1,8 +1,8 @@
 """The INT8 activation kernel (quant/int8_triton.py `_rotate_quantize_kernel`: input activation, ConvRot rotation,
 per-row quantization) timed over a grid of configs at MiniMax-H3 pruned's four input widths (run on a GPU).
 
-For each shape (int8_linear.py's SHAPES: K, with fc2's SwiGLU) at --rows rows: every config of CONFIGS that fits
-the shape (`int8_triton.fits`), ms per call (CUDA events, median of three runs of ten calls) and the share of the
+For each shape (int8_linear.py's SHAPES: K, with fc2's SwiGLU) at --rows rows: every config of CONFIGS, and the
+row held whole in power-of-two pieces (WIDTH = K), that fits the shape (`int8_triton.fits`), ms per call (CUDA events, median of three runs of ten calls) and the share of the
 GPU's memory bandwidth its bytes (x read once, int8 rows and scales written) would take at the device-to-device
 copy rate measured in the same run, and whether its rows and scales equal those of the config the pack runs today
 (store, shipped table or rule; marked): one that differs is left out of the ranking. The fastest is named with its
@@ -42,7 +42,8 @@ def sweep_shape(name, k, act, rows, rate, device="cuda"):
     moved = x.numel() * x.element_size() + q.numel() + scale.numel() * 4
     floor_ms = moved / 2 ** 30 / rate * 1e3
     results, reference = [], None
-    for config in [current] + [c for c in CONFIGS if c != current]:
+    whole = [{"ROWS": 1, "WIDTH": k, "num_warps": warps, "num_stages": 3} for warps in (4, 8, 16)]  # in pieces
+    for config in [current] + [c for c in CONFIGS + whole if c != current]:
         if not int8_triton.fits("activation", config, launch.shape):
             continue
         try:

@@ -54,12 +54,13 @@ def sources(arch: int) -> list[tuple[str, ASTSource, dict]]:
     for name, (k, n, swiglu) in SHAPES.items():
         act_shape = {"M_BUCKET": rows_bucket(ROWS), "K": k, "G": GROUP, "SWIGLU": swiglu, "ROTATE": True}
         meta, run = int8_triton._split(config("activation", act_shape, arch))
+        meta.update(int8_triton.row_tiles(meta["WIDTH"], k, GROUP))
         out.append((f"{name} activation", ASTSource(
             fn=int8_triton._rotate_quantize_kernel,
             signature={"x_ptr": "*bf16", "h_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "M": "i32",
                        "stride_x": "i32", "stride_q": "i32", "K": "constexpr", "G": "constexpr",
                        "HG": "constexpr", "SWIGLU": "constexpr", "ROTATE": "constexpr", "ROWS": "constexpr",
-                       "WIDTH": "constexpr"},
+                       "WIDTH": "constexpr", "W1": "constexpr", "W2": "constexpr"},
             constexprs={"K": k, "G": GROUP, "HG": int8_triton.KRON, "SWIGLU": swiglu, "ROTATE": True, **meta}), run))
         shape = {"M_BUCKET": rows_bucket(ROWS), "N": n, "K": k}
         meta, run = int8_triton._split(config("gemm_tma", shape, arch))
