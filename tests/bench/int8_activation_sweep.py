@@ -10,7 +10,7 @@ ratio to today's. A config that does not compile or run is listed with its error
 with parts of the work left out (`without`: the rotation; at fc2 SwiGLU, its input's first half read instead), to
 show what limits a pass that is far from its bytes' floor.
 
-    python tests/bench/int8_activation_sweep.py [--rows 32700] [--out FILE]
+    python tests/bench/int8_activation_sweep.py [--rows 32700] [--short] [--out FILE]
 """
 import argparse
 import itertools
@@ -35,7 +35,7 @@ def copy_rate_gib_s(device) -> float:
     return 2 * a.numel() / 2 ** 30 / (ms / 1e3)
 
 
-def sweep_shape(name, k, act, rows, rate, device="cuda"):
+def sweep_shape(name, k, act, rows, rate, short=False, device="cuda"):
     x = torch.randn(rows, 2 * k if act == "swiglu" else k, device=device, dtype=torch.bfloat16)
     q, scale, launch = int8_triton._rows_launch(x, True, GROUP, act)
     current, source = int8_triton.choose_config("activation", launch.shape, launch.device)
@@ -43,7 +43,7 @@ def sweep_shape(name, k, act, rows, rate, device="cuda"):
     floor_ms = moved / 2 ** 30 / rate * 1e3
     results, reference = [], None
     whole = [{"ROWS": 1, "WIDTH": k, "num_warps": warps, "num_stages": 3} for warps in (4, 8, 16)]  # in pieces
-    for config in [current] + [c for c in CONFIGS + whole if c != current]:
+    for config in [current] + [c for c in ([] if short else CONFIGS) + whole if c != current]:
         if not int8_triton.fits("activation", config, launch.shape):
             continue
         try:
@@ -105,11 +105,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32700)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--short", action="store_true", help="today's config and the row in pieces only")
     opts = parser.parse_args()
     torch.manual_seed(0)
     rate = copy_rate_gib_s("cuda")
     print(f"{torch.cuda.get_device_name()}: device copy {rate:.0f} GiB/s; {len(CONFIGS)} configs")
-    shapes = [sweep_shape(name, k, act, opts.rows, rate) for name, (k, _, act) in SHAPES.items()]
+    shapes = [sweep_shape(name, k, act, opts.rows, rate, opts.short) for name, (k, _, act) in SHAPES.items()]
     write_json(opts.out or default_out(f"int8-activation-sweep-{opts.rows}"),
                {"bench": "int8_activation_sweep", "environment": environment(), "copy_gib_s": rate,
                 "shapes": shapes})
