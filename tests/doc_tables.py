@@ -105,7 +105,7 @@ def headline() -> str:
 # unless the label names another.
 R7 = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-07.json"
 JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations shown: all where None)
-    ("turbo, 64 GiB", "turbo", 64, ("whole-job-turbo-64g-6dd69a6" + R7,), None),
+    ("turbo, 64 GiB", "turbo", 64, ("whole-job-turbo-64g-081a891" + R7,), None),
     ("turbo, 64 GiB, again", "turbo", 64, ("whole-job-turbo-64g-follow-ccf1860" + R7,), ("template_sage", "pack_fast")),
     ("turbo, 32 GiB", "turbo", 32, ("whole-job-turbo-32g-6dd69a6" + R7,), None),
     ("turbo, 32 GiB, file's layers kept", "turbo", 32, ("whole-job-turbo-32g-0270751" + R7,), None),
