@@ -2,8 +2,9 @@
 per-row quantization) timed over a grid of configs at MiniMax-H3 pruned's four input widths (run on a GPU).
 
 For each shape (int8_linear.py's SHAPES: K, with fc2's SwiGLU) at --rows rows: every config of CONFIGS, and the
-row held whole in power-of-two pieces (WIDTH = K), that fits the shape (`int8_triton.fits`), ms per call (CUDA events, median of three runs of ten calls) and the share of the
-GPU's memory bandwidth its bytes (x read once, int8 rows and scales written) would take at the device-to-device
+row held whole in power-of-two pieces (WIDTH = K; with --short these and today's config only), that fits the shape
+(`int8_triton.fits`), ms per call (CUDA events, median of three runs of ten calls) and the share of the GPU's memory
+bandwidth its bytes (x read once, int8 rows and scales written) would take at the device-to-device
 copy rate measured in the same run, and whether its rows and scales equal those of the config the pack runs today
 (store, shipped table or rule; marked): one that differs is left out of the ranking. The fastest is named with its
 ratio to today's. A config that does not compile or run is listed with its error. Today's config is also timed
