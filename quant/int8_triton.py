@@ -351,9 +351,12 @@ def fits(kernel: str, config, shape: dict) -> bool:
         k, g, rotate, width = shape["K"], shape["G"], shape["ROTATE"], config["WIDTH"]
         if width & (width - 1):  # not a power of two: the whole row in pieces
             pieces = row_pieces(k, g) if width == k else ()
-            return bool(pieces) and (not rotate or g == KRON * KRON or config["ROWS"] * pieces[-1] // g >= 16)
-        return (g <= width <= next_pow2(k) and width % g == 0
-                and (not rotate or g == KRON * KRON or config["ROWS"] * width // g >= 16))
+            if not pieces:
+                return False
+            width = pieces[-1]  # the narrowest tile
+        elif not (g <= width <= next_pow2(k) and width % g == 0):
+            return False
+        return not rotate or g == KRON * KRON or config["ROWS"] * width // g >= 16
     return (set(config) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", *LAUNCH}
             and config["BLOCK_K"] <= max(16, next_pow2(shape["K"])))
 
