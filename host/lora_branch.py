@@ -6,9 +6,10 @@ adds to the dequantized weight. Where every entry of a layer's weight and bias i
 branch computes exactly, the layer's quantized tensors stay as they are and, after its own
 GEMM, the layer adds for each LoRA `strength * alpha / rank * up(mid(down(x)))` (F.linear in
 the activations' dtype; the last product fused with the scale and the sum by addmm, or, for a
-lone LoRA on an INT8 layer run by the Triton GEMM, accumulated in that GEMM's epilogue:
-quant/int8_lora.py) and for each bias diff `strength * diff`: calculate_weight's patched weight
-applied to x, up to the rounding of the branch in bf16. Nothing is folded, requantized or copied in RAM; ConvRot's
+lone LoRA on an INT8 layer run by the Triton kernels, down(x) from the path's own INT8 rows and
+the up projection in its GEMM's epilogue: quant/int8_lora.py) and for each bias diff
+`strength * diff`: calculate_weight's patched weight applied to x, up to the rounding of the
+branch in bf16 (on the INT8 path, its rounding of the input). Nothing is folded, requantized or copied in RAM; ConvRot's
 rotation and packed 4-bit layers are untouched (the branch works on the layer's input).
 
 Exactly expressible (`branch_part`): a LoRA adapter (comfy.weight_adapter.LoRAAdapter, on
@@ -45,9 +46,9 @@ from dataclasses import dataclass, field
 import comfy.model_patcher
 import comfy.weight_adapter
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..quant.low_rank import LowRank, like as _like
 from ..units import format_gib
 from .layers import ComfyQuantLinear
 
@@ -64,35 +65,6 @@ _ADAPTER_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "glora": "GLoR
 def _lowvram_patch(function) -> bool:
     patch_type = getattr(comfy.model_patcher, "LowVramPatch", None)
     return patch_type is not None and isinstance(function, patch_type)
-
-
-def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return t if t.device == ref.device and t.dtype == ref.dtype else t.to(ref.device, ref.dtype)
-
-
-@dataclass(eq=False)
-class LowRank:
-    """One LoRA on a layer, `scale * up @ mid @ down` added to its weight, computed on the input instead; `source`:
-    the host's (up, down, mid), of which down, mid and up are the device copies."""
-    source: tuple
-    down: torch.Tensor
-    mid: torch.Tensor | None
-    up: torch.Tensor
-    scale: float
-
-    @property
-    def rank(self) -> int:
-        return self.down.shape[0]
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.down, self.mid, self.up) if t is not None]
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.linear(x, _like(self.down, x))
-        return hidden if self.mid is None else F.linear(hidden, _like(self.mid, x))
-
-    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        out.addmm_(self.hidden(x), _like(self.up, x).t(), alpha=self.scale)
 
 
 @dataclass(eq=False)
@@ -130,13 +102,10 @@ class LoraBranch:
             part.add_to(x2d, out2d)
         return out
 
-    def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """A lone LoRA's part as (h, up, alpha) for a method that adds it inside its GEMM (QuantLinear's
-        output_branches); None for any other branch, which adds its parts itself."""
-        if len(self.parts) != 1 or not isinstance(self.parts[0], LowRank):
-            return None
-        part, x2d = self.parts[0], x.reshape(-1, x.shape[-1])
-        return part.hidden(x2d), _like(part.up, x2d), part.scale
+    def low_rank(self) -> LowRank | None:
+        """A lone LoRA's part, for a method that adds it itself (QuantLinear's output_branches); None for any other
+        branch, which adds its parts itself."""
+        return self.parts[0] if len(self.parts) == 1 and isinstance(self.parts[0], LowRank) else None
 
     def covers(self, function) -> bool:
         """Whether `function` is ComfyUI's per-call patch (LowVramPatch) of patches this branch computes."""
@@ -198,7 +167,7 @@ def _lora_part(v, strength: float, layer, reuse: dict, device, dtype):
     copy = (lambda t, attr: getattr(old, attr) if old is not None else device_copy(t, device, dtype))
     return LowRank(source, copy(down, "down").flatten(start_dim=1),
                    None if mid is None else copy(mid, "mid").reshape(rank, rank), copy(up, "up").flatten(start_dim=1),
-                   scale)
+                   scale, old.derived if old is not None else {})
 
 
 def _bias_part(v, strength: float, layer, reuse: dict, device, dtype):

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ..hardware import cuda_at_least
-from . import compiled_ops, int8_lora, int8_triton, tuning, witness
+from . import compiled_ops, int8_lora, int8_triton, swiglu, tuning, witness
 from .descriptor import PER_ROW, Contract, MarkerParam, QuantFormat, power_of_4
 from .layer import Layer
 from .kernel_select import KernelChooser, rows_bucket
 from .linear_method import LinearMethod, output_dtype
+from .low_rank import LowRank
 from .registry import register_format
 
 CONVROT = "int8_convrot"        # the online format (its files carry int8_tensorwise markers with convrot flags)
@@ -121,12 +122,12 @@ class Int8ConvRotMethod(LinearMethod):
         params = self._params(t["weight_scale"], layer.compute_dtype, t["weight"].shape)
         return TensorWiseINT8Layout.dequantize(t["weight"], params)
 
-    fuses_low_rank = True  # apply(low_rank=...): the Triton GEMM adds a LoRA's up projection in its epilogue
+    fuses_low_rank = True  # apply(low_rank=...): the Triton path adds a LoRA's part in its GEMM's epilogue
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None,
-              low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
-        """The layer's output; with `low_rank` (h [rows, R], up [N, R], alpha: a LoRA branch's part) plus
-        alpha * h @ up^T, inside the Triton GEMM where that is the kernel chosen (int8_lora), else by an addmm."""
+              low_rank: LowRank | None = None) -> torch.Tensor:
+        """The layer's output; with `low_rank` (a LoRA branch's part) plus that part, inside the Triton GEMM where
+        that is the kernel chosen (int8_lora), else by an addmm after the GEMM of the activated input."""
         t = layer.tensors_for(x)
         weight, scale, bias = t["weight"], t["weight_scale"], t.get("bias")
         lead = x.shape[:-1]
@@ -173,16 +174,19 @@ class Int8ConvRotMethod(LinearMethod):
                                  default="triton" if x.is_cuda and cuda_at_least(x.device, TRITON_FROM) else "kitchen")
         if low_rank is not None:
             compute = candidates[choice]
-            if choice == "triton" and int8_lora.fusable(x2d, *low_rank[:2]):
+            if choice == "triton" and int8_lora.fusable(x2d, low_rank):
                 try:
                     out = int8_lora.linear_low_rank(x2d, weight, scale, bias, out_dtype, self.convrot,
-                                                    self.group_size, input_act, *low_rank)
+                                                    self.group_size, input_act, low_rank)
                 except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
                     out, compute = None, kitchen
                 if out is not None:
                     return out.reshape(*lead, n_out)
-            h, up, alpha = low_rank
-            return compute().addmm_(h, up.t(), alpha=alpha).reshape(*lead, n_out)
+            # activated once, for the GEMM and the branch (the candidates read x2d and input_act when called)
+            x2d, input_act = swiglu.activated(x2d, input_act), None
+            out = compute()
+            low_rank.add_to(x2d, out)
+            return out.reshape(*lead, n_out)
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 

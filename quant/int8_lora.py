@@ -1,14 +1,19 @@
-"""The pack's INT8 linear with a LoRA's up projection in its GEMM's epilogue: out = W_q x + alpha * h @ up^T.
+"""The pack's INT8 linear with a LoRA's part in its GEMM's epilogue: out = W_q x + alpha * down(x) @ up^T.
 
-A LoRA beside a quantized layer (a QuantLinear output branch that offers its part as `low_rank(x)`: the hidden
-h = down(x) [M, R] and `up` [N, R], in the activations' dtype, with its scale `alpha`) otherwise adds its product
-with a separate addmm, which reads and writes the layer's whole output once more: at 32,700 rows of H3's qkv
-(21504 wide) 2.8 GB, the larger part of the branch's cost. Here each output tile, once the INT8 product is scaled,
-accumulates h's rows times up's columns on the tensor cores in fp32 (R in steps of BLOCK_R, masked at its end)
-before the bias and the one store. The product is the addmm's (fp32 accumulation of bf16 operands, one alpha),
-summed into the tile before its rounding to the output dtype instead of after.
+A LoRA beside a quantized layer (a QuantLinear output branch that offers its part, quant.low_rank.LowRank)
+otherwise adds its product with a separate addmm, which reads and writes the layer's whole output once more: at
+32,700 rows of H3's qkv (21504 wide) 2.8 GB, the larger part of the branch's cost. Here each output tile, once the
+INT8 product is scaled, accumulates h's rows times up's columns on the tensor cores in fp32 (R in steps of
+BLOCK_R, masked at its end) before the bias and the one store: the addmm's product (fp32 accumulation of bf16
+operands, one alpha), summed into the tile before its rounding to the output dtype instead of after.
 
-The INT8 product is int8_triton's: its activation kernel, its tiles and their order, and its configs for the
+The hidden h = down(x) [M, R] comes from the rows the INT8 path quantized for its own GEMM: their INT8 GEMM with
+the down matrix rotated as the weights are and quantized per row (`down_rows`, made once per part). It reads the
+input at a byte an element instead of two, and a SwiGLU input, which the activation kernel folds into its
+quantizer, is never written out for the branch; h carries the INT8 path's rounding of the input, as the layer's
+own product does.
+
+The INT8 products are int8_triton's: its activation kernel, its tiles and their order, and its configs for the
 shape (the tuning store, the shipped table, the rule; int8_triton.config_for); a config whose pipeline leaves no
 room for the epilogue's operands runs with a stage fewer, then with the smallest tiles. Any other failure turns
 the fused path off for the process with one warning: the layer then runs its GEMM and the branch's addmm.
@@ -18,8 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..pack_logging import pack_logger
-from . import int8_triton, witness
+from . import int8_triton, swiglu, witness
 from .kernel_select import rows_bucket
+from .kitchen_api import hadamard
+from .low_rank import LowRank
 
 log = pack_logger(__name__)
 BLOCK_R = 32  # ranks a step: 24 KiB of operands beside a 128x256 tile
@@ -167,27 +174,48 @@ def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
     return out, LowRankLaunch("gemm_tma" if tma else "gemm", shape, a.device, launch, variant="+lora")
 
 
-def fusable(x: torch.Tensor, h: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether this call can take the fused path: eager, on CUDA, Triton working, operands in the activations'
-    dtype with unit column stride."""
+def fusable(x: torch.Tensor, part: LowRank) -> bool:
+    """Whether this call can take the fused path: eager, on CUDA, Triton working, the part's up matrix in the
+    activations' dtype with unit column stride."""
     return (_failed is None and int8_triton.triton is not None and x.is_cuda and not torch.compiler.is_compiling()
-            and h.dtype == up.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and h.stride(-1) == 1 and up.stride(-1) == 1)
+            and part.up.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16) and part.up.stride(-1) == 1)
+
+
+def down_rows(down: torch.Tensor, convrot: bool, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA's down matrix [R, K] as the INT8 path's weights are: rotated as ConvRot rotates a weight (each
+    group of K times the group's Hadamard matrix, which is its own transpose and inverse), then quantized per
+    row to int8: (int8 [R, K], fp32 [R] scales). Its product with the path's quantized rows is down(x)."""
+    d = down.float()
+    if convrot:
+        d = (d.reshape(d.shape[0], -1, group_size) @ hadamard(group_size, d.device)).reshape(d.shape)
+    scale = d.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    return torch.round(d / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 def linear_low_rank(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     out_dtype: torch.dtype, convrot: bool, group_size: int, input_act: str | None,
-                    h: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor | None:
-    """int8_triton.int8_linear's result plus alpha * h @ up^T, computed in one GEMM; None where it failed (the
+                    part: LowRank) -> torch.Tensor | None:
+    """int8_triton.int8_linear's result plus the LoRA part's, in the GEMM's epilogue; None where it failed (the
     caller then runs the GEMM and the addmm), `int8_triton.Compiling` while its kernels compile ahead; counted in
-    the run witness as int8_triton's calls are."""
+    the run witness as int8_triton's calls are. The part's hidden h = down(x) is the INT8 GEMM of the call's own
+    quantized rows with `down_rows` (the input read at a byte an element, a SwiGLU input never written out); a
+    part with a mid matrix takes h = part.hidden(x) in the activations' dtype."""
     global _failed
     x2d = x.reshape(-1, x.shape[-1])
     try:
-        q, scale, rows = int8_triton._rows_launch(x2d, convrot, group_size, input_act)
-        out, product = _low_rank_launch(q, scale, weight, weight_scale, bias, h, up, alpha, out_dtype,
-                                        tma=int8_triton._tma(x.device))
-        int8_triton.run_when_compiled(rows, product)
+        tma = int8_triton._tma(x.device)
+        if part.mid is None:
+            q, scale, rows = int8_triton._rows_launch(x2d, convrot, group_size, input_act)
+            down_q, down_scale = part.derive(("int8_rows", convrot, group_size),
+                                             lambda down: down_rows(down, convrot, group_size))
+            h, hidden = int8_triton._gemm_launch(q, scale, down_q, down_scale, None, x2d.dtype, tma)
+        else:
+            x2d = swiglu.activated(x2d, input_act)
+            q, scale, rows = int8_triton._rows_launch(x2d, convrot, group_size, None)
+            h, hidden = part.hidden(x2d), None
+        out, product = _low_rank_launch(q, scale, weight, weight_scale, bias, h, part.up, part.scale, out_dtype,
+                                        tma=tma)
+        int8_triton.run_when_compiled(rows, hidden, product)
     except int8_triton.Compiling:
         raise
     except Exception as exc:  # a Triton that cannot compile this kernel for this GPU, or no memory left

@@ -193,15 +193,15 @@ class QuantLinear(nn.Module):
             x = apply_input_act(x, input_act) * pre_scale.to(x.device, x.dtype)
             input_act = None
         branches = self.output_branches()
-        if branches and input_act is not None:
-            x, input_act = swiglu.activated(x, input_act), None  # once, for the GEMM and the branches
         weight_patches, bias_patches = self.weight_patches("weight"), self.weight_patches("bias")
         if (len(branches) == 1 and getattr(self.method, "fuses_low_rank", False) and not weight_patches
                 and not bias_patches and self.real_check is None):
             low_rank = getattr(branches[0], "low_rank", None)
-            term = low_rank(x) if low_rank is not None else None
-            if term is not None:  # the branch's part added by the method, inside its GEMM where it can
-                return self.method.apply(self, x, input_act=input_act, low_rank=term)
+            part = low_rank() if low_rank is not None else None
+            if part is not None:  # the branch's part added by the method, from its own rows where it can
+                return self.method.apply(self, x, input_act=input_act, low_rank=part)
+        if branches and input_act is not None:
+            x, input_act = swiglu.activated(x, input_act), None  # once, for the GEMM and the branches
         if weight_patches or bias_patches:
             out = self._forward_patched(x, input_act, weight_patches, bias_patches)
         elif self.real_check is not None:
@@ -222,9 +222,10 @@ class QuantLinear(nn.Module):
     def output_branches(self) -> list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
         """Callables `branch(x, out)` run after the GEMM, in order, on its input (activation and smoothing
         applied) and its output, which is the layer's own: each returns the output with its part added (in
-        place or not). A lone branch may also offer `low_rank(x)`: its whole part as (h [rows, R], up [N, R],
-        alpha), alpha * h @ up^T, or None; a method that `fuses_low_rank` then adds it itself (the INT8 Triton
-        GEMM in its epilogue). A host's subclass gives its own (host/layers.py)."""
+        place or not). A lone branch may also offer `low_rank()`: its whole part as a quant.low_rank.LowRank, or
+        None; a method that `fuses_low_rank` then adds it itself, on the input before its activation (the INT8
+        Triton path from its own quantized rows, in its GEMM's epilogue). A host's subclass gives its own
+        (host/layers.py)."""
         return []
 
     def _forward_patched(self, x: torch.Tensor, input_act: str | None, weight_patches: list,

@@ -26,11 +26,12 @@ import torch
 
 from ..hardware import cuda_at_least
 from ..pack_logging import pack_logger
-from . import compiled_ops, int8_lora, int8_triton
+from . import compiled_ops, int8_lora, int8_triton, swiglu
 from .descriptor import Contract, MarkerParam, QuantFormat, power_of_4
 from .int8_convrot import TRITON_FROM, pinned_kernel
 from .kitchen_layout import KitchenLayoutMethod
 from .linear_method import output_dtype
+from .low_rank import LowRank
 from .registry import register_format
 
 NAME = "asym_w4a8_int8"
@@ -89,7 +90,7 @@ class W4A8Int8Method(KitchenLayoutMethod):
                 tensors[role] = value
         return tensors
 
-    fuses_low_rank = True  # apply(low_rank=...): on the INT8 kernels, a LoRA's up projection in the GEMM's epilogue
+    fuses_low_rank = True  # apply(low_rank=...): on the INT8 kernels, a LoRA's part in the GEMM's epilogue
 
     def _on_int8_kernels(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> bool:
         """Where the pack's INT8 kernels are the default (unless BIGDIT_INT8_KERNEL pins another) and the layer has
@@ -100,35 +101,37 @@ class W4A8Int8Method(KitchenLayoutMethod):
                 and compiled_ops.w4a8_decodes(t["weight"], t["weight_s_rel"], self.group_size))
 
     def apply(self, layer, x: torch.Tensor, input_act: str | None = None,
-              low_rank: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+              low_rank: LowRank | None = None) -> torch.Tensor:
         """The layer's output on the pack's INT8 kernels (`_on_int8_kernels`), else comfy-kitchen's W4A8 linear; with
-        `low_rank` (h, up, alpha: a LoRA branch's part) plus alpha * h @ up^T, in the INT8 GEMM's epilogue where the
-        layer runs those kernels eagerly on CUDA, else by an addmm."""
+        `low_rank` (a LoRA branch's part) plus that part, in the INT8 GEMM's epilogue where the layer runs those
+        kernels eagerly on CUDA, else by an addmm after the GEMM of the activated input."""
         t = layer.tensors_for(x)
         x2d, n, out_dtype = x.reshape(-1, x.shape[-1]), layer.out_features, output_dtype(x, layer.compute_dtype)
-        out = None
-        if not self._on_int8_kernels(t, x):
-            out = super().apply(layer, x, input_act).reshape(-1, n)
-        elif low_rank is not None and int8_lora.fusable(x2d, *low_rank[:2]):
-            weight = compiled_ops.w4a8_decoded(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
-                                               self.group_size)
-            args = (x2d, weight, t["weight_s_channel"], t.get("bias"), out_dtype)
-            try:
-                fused = int8_lora.linear_low_rank(*args, True, self.convrot_groupsize, input_act, *low_rank)
-            except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
-                out = compiled_ops.int8_linear(*args, convrot=True, convrot_groupsize=self.convrot_groupsize,
-                                               input_act=input_act)
-            else:
-                if fused is not None:
-                    return fused.reshape(*x.shape[:-1], n)
-        if out is None:
+        on_kernels, out = self._on_int8_kernels(t, x), None
+        if low_rank is not None:
+            if on_kernels and int8_lora.fusable(x2d, low_rank):
+                weight = compiled_ops.w4a8_decoded(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
+                                                   self.group_size)
+                args = (weight, t["weight_s_channel"], t.get("bias"), out_dtype)
+                try:
+                    fused = int8_lora.linear_low_rank(x2d, *args, True, self.convrot_groupsize, input_act, low_rank)
+                except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
+                    x2d, input_act = swiglu.activated(x2d, input_act), None
+                    out = compiled_ops.int8_linear(x2d, *args, convrot=True, convrot_groupsize=self.convrot_groupsize,
+                                                   input_act=None)
+                else:
+                    if fused is not None:
+                        return fused.reshape(*x.shape[:-1], n)
+            x2d, input_act = swiglu.activated(x2d, input_act), None  # once, for the GEMM and the branch
+        if out is None and not on_kernels:
+            out = super().apply(layer, x2d, input_act).reshape(-1, n)
+        elif out is None:
             out = compiled_ops.w4a8_linear_triton(
                 x2d, t["weight"], t["weight_s_rel"], t["weight_s_channel"], t.get("weight_codebook"), t.get("bias"),
                 out_dtype, group_size=self.group_size,
                 convrot_groupsize=self.convrot_groupsize, input_act=input_act)
         if low_rank is not None:
-            h, up, alpha = low_rank
-            out = out.addmm_(h, up.t(), alpha=alpha)
+            low_rank.add_to(x2d, out)
         return out.reshape(*x.shape[:-1], n)
 
     def layout_params(self, tensors, layer, dtype):

@@ -373,31 +373,50 @@ def gemm_low_rank():
 
 
 def method_low_rank():
-    """Int8ConvRotMethod.apply with a LoRA's part: the fused GEMM (forced Triton, the interpreter standing in for
-    CUDA) against the same layer's output plus the addmm the unfused path runs; SwiGLU's activated input too."""
+    """Int8ConvRotMethod.apply with a LoRA's part (quant.low_rank.LowRank), the fused path forced (Triton, the
+    interpreter standing in for CUDA): its hidden the INT8 GEMM of the call's own quantized rows with the down matrix
+    rotated and quantized per row (`down_rows`, which dequantized and rotated back is the down matrix within 2^-7),
+    against float64's layer output plus the part on the activated input: within 2^-7 of the output, the part itself
+    within 2^-5 (the INT8 roundings of the input and of the down matrix, under 1% each); SwiGLU's input (never
+    activated for the branch); a part with a mid matrix (its hidden in the activations' dtype)."""
     import os
     from bigdit.quant import int8_lora, witness
     from bigdit.quant.int8_convrot import Int8ConvRotMethod
+    from bigdit.quant.kitchen_api import apply_input_act, hadamard
     from bigdit.quant.linear import quantized_layer
-    int8_lora.fusable = lambda x, h, up: True  # the interpreter's CPU tensors in place of CUDA ones
+    from bigdit.quant.low_rank import LowRank
+    int8_lora.fusable = lambda x, part: True  # the interpreter's CPU tensors in place of CUDA ones
     os.environ["BIGDIT_INT8_KERNEL"] = "triton"  # on CPU the measured default is kitchen
     torch.manual_seed(5)
-    for k, n, rank, dtype in ((512, 96, 16, torch.float16), (256, 48, 70, torch.float16)):  # see gemm_low_rank
+    dtype = torch.float16  # see gemm_low_rank
+    for k, n, rank, act, with_mid in ((512, 96, 16, None, False), (256, 48, 70, "swiglu", False),
+                                      (512, 96, 24, None, True)):
         method = Int8ConvRotMethod(256)
-        weight = torch.randn(n, k) * k ** -0.5
-        layer = quantized_layer(method, weight, k, n, torch.randn(n).to(dtype), dtype, torch.device("cpu"),
-                                torch.device("cpu"))
-        x = torch.randn(2, 9, k).to(dtype)
-        h, up = torch.randn(18, rank).to(dtype), (torch.randn(n, rank) * 0.05).to(dtype)
-        plain = compiled_ops.int8_linear_triton(x.reshape(18, k), layer.weight, layer.weight_scale, layer.bias,
-                                                dtype, convrot=True, convrot_groupsize=256, input_act=None)
+        layer = quantized_layer(method, torch.randn(n, k) * k ** -0.5, k, n, torch.randn(n).to(dtype), dtype,
+                                torch.device("cpu"), torch.device("cpu"))
+        x = torch.randn(2, 9, 2 * k if act else k).to(dtype)
+        down, up = (torch.randn(rank, k) * k ** -0.5).to(dtype), (torch.randn(n, rank) * 0.05).to(dtype)
+        mid = (torch.randn(rank, rank) * rank ** -0.5).to(dtype) if with_mid else None
+        part = LowRank((None, None, None), down, mid, up, 0.5)
+        plain = compiled_ops.int8_linear_triton(x.reshape(18, -1), layer.weight, layer.weight_scale, layer.bias,
+                                                dtype, convrot=True, convrot_groupsize=256, input_act=act).double()
         before = witness.TALLY.calls[it.TALLY, "triton+lora"]
-        fused = method.apply(layer, x, low_rank=(h, up, 0.5))
+        fused = method.apply(layer, x, act, low_rank=part)
         assert witness.TALLY.calls[it.TALLY, "triton+lora"] == before + 1, (k, n, int8_lora._failed, witness.TALLY.calls)
-        unfused = plain.float() + 0.5 * (h.float() @ up.float().T)
         assert fused.shape == (2, 9, n) and fused.dtype == dtype
-        rel = ((fused.reshape(18, n).float() - unfused).norm() / unfused.norm()).item()
-        assert rel <= 2 ** -7, (k, n, rank, dtype, rel)
+        hidden = apply_input_act(x, act).reshape(18, k).double() @ down.double().T
+        if mid is not None:
+            hidden = hidden @ mid.double().T
+        lora = 0.5 * hidden @ up.double().T
+        label = (k, n, rank, act, with_mid)
+        assert rel(fused.reshape(18, n), plain + lora) <= 2 ** -7, (label, rel(fused.reshape(18, n), plain + lora))
+        assert rel(fused.reshape(18, n).double() - plain, lora) <= 2 ** -5, (
+            label, rel(fused.reshape(18, n).double() - plain, lora))
+        assert (("int8_rows", True, 256) in part.derived) == (mid is None), label
+        if mid is None:
+            q, scale = part.derived["int8_rows", True, 256]
+            back = (q.double() * scale.double()[:, None]).reshape(rank, -1, 256) @ hadamard(256, q.device).double()
+            assert q.dtype == torch.int8 and rel(back.reshape(rank, k), down) <= 2 ** -7, label
 
 
 def w4a8_method():
@@ -439,16 +458,19 @@ def w4a8_method():
         assert witness.TALLY.calls[it.TALLY, "triton"] == before + 1, witness.TALLY.calls
     if runtime_loop_bounds() is None:  # the LoRA's part: in the GEMM's epilogue, else the addmm
         from bigdit.quant import int8_lora
-        xa = apply_input_act(x, act)  # QuantLinear activates the input once where a LoRA branch is attached
-        h, up = torch.randn(37, 24).to(dtype), (torch.randn(n, 24) * 0.05).to(dtype)
+        from bigdit.quant.low_rank import LowRank
+        xa = apply_input_act(x, act)
+        down, up = (torch.randn(24, k) * k ** -0.5).to(dtype), (torch.randn(n, 24) * 0.05).to(dtype)
+        part = LowRank((None, None, None), down, None, up, 0.5)
         plain = method.apply(layer, xa)
+        h = torch.nn.functional.linear(xa.reshape(37, k), down)
         unfused = plain.reshape(37, n).float() + 0.5 * (h.float() @ up.float().T)
         fusable, int8_lora.fusable = int8_lora.fusable, lambda *_: True  # CPU tensors in place of CUDA ones
-        fused = method.apply(layer, xa, low_rank=(h, up, 0.5))
+        fused = method.apply(layer, x, act, low_rank=part)  # the hidden from the INT8 rows: see method_low_rank
         int8_lora.fusable = fusable
         assert witness.TALLY.calls[it.TALLY, "triton+lora"] == 1, witness.TALLY.calls
         assert fused.shape == (1, 37, n) and rel(fused.reshape(37, n), unfused) <= 2 ** -7
-        assert torch.equal(method.apply(layer, xa, low_rank=(h, up, 0.5)),
+        assert torch.equal(method.apply(layer, x, act, low_rank=part),
                            plain.reshape(37, n).addmm(h, up.t(), alpha=0.5).reshape(1, 37, n))
     torch._dynamo.reset()
     compiled = torch.compile(lambda v: method.apply(layer, v, act), backend="aot_eager", fullgraph=True)

@@ -17,6 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime import _async_compile  # noqa: E402
 
 from bigdit.quant import compile_ahead, int8_triton as it, tuning, witness  # noqa: E402
+from bigdit.quant.low_rank import LowRank  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 pytestmark = pytest.mark.skipif(compile_ahead.AsyncCompileMode is None, reason="this Triton has no AsyncCompileMode")
@@ -268,13 +269,14 @@ def test_on_cuda_a_lora_layer_compiling_runs_kitchen_and_the_branch_not_the_gemm
         pytest.skip("the fused LoRA GEMM is measured on Hopper")
     layer, q = cold_layer(3328, 1280)
     x = torch.randn(600, 3328, device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(600, 48, device="cuda", dtype=torch.bfloat16)
-    up = torch.randn(1280, 48, device="cuda", dtype=torch.bfloat16) * 0.01
-    ref = (torch.nn.functional.linear(x.double(), layer.weight.double()) + 0.5 * h.double() @ up.double().T)
-    first = q.method.apply(q, x, None, low_rank=(h, up, 0.5))
+    part = LowRank((None, None, None), torch.randn(48, 3328, device="cuda", dtype=torch.bfloat16) * 3328 ** -0.5,
+                   None, torch.randn(1280, 48, device="cuda", dtype=torch.bfloat16) * 0.01, 0.5)
+    ref = (torch.nn.functional.linear(x.double(), layer.weight.double())
+           + 0.5 * (x.double() @ part.down.double().T) @ part.up.double().T)
+    first = q.method.apply(q, x, None, low_rank=part)
     assert dict(witness.TALLY.calls) == {("int8", "kitchen"): 1}, dict(witness.TALLY.calls)
     assert not any(key[0] == "gemm_tma" for key in it._LAUNCHED if key[2][1:] == (1280, 3328))
-    out = until("triton+lora", lambda: q.method.apply(q, x, None, low_rank=(h, up, 0.5)))
+    out = until("triton+lora", lambda: q.method.apply(q, x, None, low_rank=part))
     assert rel(first, ref) < 5e-2 and rel(out, ref) <= 1.1 * rel(first, ref), (rel(out, ref), rel(first, ref))
 
 

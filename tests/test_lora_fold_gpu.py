@@ -146,10 +146,10 @@ def layer_state(p=None):
     for name, m in layers.items():
         held = {k: v.to(device) for k, v in m._parameters.items() if v is not None and k != "bias"}
         stand_in = QuantLinear(m.method, m.in_features, m.out_features, held, m.bias.to(device), m.compute_dtype)
+        if m.lora_branch is not None:  # the same branch, by the same path (fused where the layer's is)
+            stand_in.output_branches = lambda branch=m.lora_branch: [branch]
         with torch.no_grad():
             paged, direct = m(x_layer[name]), stand_in(x_layer[name])
-            if m.lora_branch is not None:
-                direct = m.lora_branch(x_layer[name], direct.contiguous())
         pins = []
         for subset, entry in (m.__dict__.get("_pins") or {}).items():
             if entry.get("pin") is not None:

@@ -4,8 +4,9 @@ importable: --comfyui or BIGDIT_COMFYUI): what the branch (host/lora_branch.py) 
 For each of H3's four Linear shapes at 32,700 rows (INT8 ConvRot, group 256, as the official file; fc2 takes SwiGLU
 of fc1's 28672-wide output, as the model runs it), with the turbo LoRA's ranks (128; 384 on the fused qkv): the layer
 as the pack runs it (Int8ConvRotMethod, its measured kernel), the same layer with the branch through its
-output_branches (its up projection in the Triton GEMM's epilogue, quant/int8_lora.py), the same without that
-fusion (the branch's addmm after the GEMM: `unfused`), and for comparison the same product as upstream's bypass
+output_branches (its hidden from the INT8 path's quantized rows, its up projection in the Triton GEMM's epilogue,
+quant/int8_lora.py; `branch_vs_bypass_rel`: its part's error against `h`'s), the same without that fusion (the
+branch's addmm after the GEMM: `unfused`), and for comparison the same product as upstream's bypass
 `h` computes it (two F.linear, a scale, then the sum with the layer's output). Each: ms (CUDA events, warmed up, median of three runs of ten calls); the
 branch's cost in ms and in % of the layer; the sum over one block (its four layers). With --step-s (the s/step
 measured at that length, e.g. from whole_job.py) and --blocks, the branch's share of a step; the target is at most 3%.
@@ -47,7 +48,8 @@ def kernel_breakdown(fn, top: int = 8) -> list[dict]:
 
 def bench_shape(name, k, n, act, rank, rows, profiled=False):
     from bigdit.host.layers import ComfyQuantLinear
-    from bigdit.host.lora_branch import LoraBranch, LowRank
+    from bigdit.host.lora_branch import LoraBranch
+    from bigdit.quant.low_rank import LowRank
     from bigdit.quant.int8_convrot import Int8ConvRotMethod
     from bigdit.quant.kitchen_api import apply_input_act
     from bigdit.quant.linear import quantized_layer
