@@ -155,10 +155,20 @@ class Int8ConvRotMethod(LinearMethod):
             return F.linear(apply_input_act(x2d, input_act).to(out_dtype), w,
                             None if bias is None else bias.to(out_dtype))
 
+        def with_branch(compute) -> torch.Tensor:
+            """compute() plus the LoRA's part by an addmm, on the input activated once for both (the candidates
+            read x2d and input_act when called)."""
+            nonlocal x2d, input_act
+            x2d, input_act = swiglu.activated(x2d, input_act), None
+            out = compute()
+            low_rank.add_to(x2d, out)
+            return out
+
         rows, n_out = x2d.shape[0], weight.shape[0]
         forced_rows = forced_row_split(rows, n_out)
         if forced_rows:
-            return split(forced_rows).reshape(*lead, n_out)
+            compute = lambda: split(forced_rows)  # noqa: E731
+            return (compute() if low_rank is None else with_branch(compute)).reshape(*lead, n_out)
         candidates = {"kitchen": kitchen}
         if (forced_rows is None and x.device.type == "cuda" and self.row_split == "auto"
                 and rows > DEFAULT_SPLIT_ROWS):
@@ -182,11 +192,7 @@ class Int8ConvRotMethod(LinearMethod):
                     out, compute = None, kitchen
                 if out is not None:
                     return out.reshape(*lead, n_out)
-            # activated once, for the GEMM and the branch (the candidates read x2d and input_act when called)
-            x2d, input_act = swiglu.activated(x2d, input_act), None
-            out = compute()
-            low_rank.add_to(x2d, out)
-            return out.reshape(*lead, n_out)
+            return with_branch(compute).reshape(*lead, n_out)
         out = candidates[choice]()
         return out.reshape(*lead, n_out)
 

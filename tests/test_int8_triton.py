@@ -99,6 +99,28 @@ def test_a_failing_kernel_warns_once_and_kitchen_computes(monkeypatch, caplog):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.mark.skipif(it._INTERPRETED, reason="this process runs Triton's interpreter")
+@pytest.mark.parametrize("act", [None, "swiglu"])
+def test_a_lora_part_the_fused_path_cannot_take_is_added_after_the_gemm(monkeypatch, act):
+    """Where the fused path cannot run (on CPU; under a row split the user forces), the method adds a LoRA's part by
+    an addmm on the input activated once: the same numbers as the layer's own output plus the part computed apart."""
+    from bigdit.quant.low_rank import LowRank
+    from bigdit.quant.swiglu import activated
+    _, q = quantized(256, 96)
+    torch.manual_seed(1)
+    x = torch.randn(2, 50, 512 if act else 256, dtype=torch.bfloat16)
+    part = LowRank((None, None, None), torch.randn(8, 256, dtype=torch.bfloat16) * 0.06, None,
+                   torch.randn(96, 8, dtype=torch.bfloat16) * 0.05, 0.5)
+    for max_rows in (None, "16"):
+        if max_rows:
+            monkeypatch.setenv("BIGDIT_INT8_MAX_ROWS", max_rows)
+        xa = activated(x, act).reshape(100, 256)
+        want = q.method.apply(q, xa).reshape(100, 96).addmm(part.hidden(xa), part.up.t(), alpha=0.5)
+        got = q.method.apply(q, x, act, low_rank=part)
+        assert got.shape == (2, 50, 96) and torch.equal(got.reshape(100, 96), want), max_rows
+        assert not torch.equal(want, q.method.apply(q, xa).reshape(100, 96))  # the part is there
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
