@@ -60,8 +60,11 @@ TARGETS = {"blocks.0.ffn.0": (512, 256), "blocks.0.ffn.2": (256, 512), "blocks.1
 PAGE_SAME = 1e-3
 # The branch: a layer against the exact LoRA'd layer (F.linear on calculate_weight's patched weight, fp32) may exceed
 # the unpatched layer's own distance to F.linear on its dequantized weight by this much (bf16 rounding of the
-# branch, tests/integration/test_lora_branch.py).
+# branch, tests/integration/test_lora_branch.py), plus this part of the LoRA's own part of the output: on the INT8
+# kernels its hidden comes from the layer's quantized rows, with the INT8 roundings of the input and of the down
+# matrix (the bound of tests/test_int8_lora_gpu.py).
 BRANCH_ROUNDING = 2 ** -7
+INT8_HIDDEN = 2 ** -5
 
 PROBE = DYNAMIC_VRAM_PRELUDE + r"""
 import json, tempfile, time
@@ -174,6 +177,7 @@ def layer_state(p=None):
                 own = rel(original(x_layer[name]).float(), torch.nn.functional.linear(xf, dequantized, bias), ref)
                 out[name]["exact_err"] = rel(paged.float(), ref)
                 out[name]["base_own"] = own
+                out[name]["part"] = rel(ref, torch.nn.functional.linear(xf, dequantized, bias), ref)
     return out
 
 
@@ -278,7 +282,8 @@ def test_lora_branch_and_fold_pages_and_pins_under_dynamic_vram():
             assert layer["branch"] is branch, (state, name, layer)
             assert layer["file_backed"] or not folded_file, (state, name, layer)
             if "exact_err" in layer:
-                assert layer["exact_err"] < layer["base_own"] + BRANCH_ROUNDING, (state, name, layer)
+                bound = layer["base_own"] + BRANCH_ROUNDING + INT8_HIDDEN * layer["part"]
+                assert layer["exact_err"] < bound, (state, name, layer, bound)
 
     pages_and_pins("base", original=True)
     # the LoRA as a branch: nothing computed at the load or per call, the layers' bytes the originals

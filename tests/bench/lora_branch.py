@@ -117,6 +117,9 @@ def main():
     args = ap.parse_args()
     if not args.comfyui:
         raise SystemExit("give upstream ComfyUI's folder: --comfyui PATH or BIGDIT_COMFYUI")
+    # each kernel compiled at its first launch: on the compile pool, the first calls (whose outputs are compared)
+    # and the timed ones would run kitchen's GEMM while the Triton kernels compile
+    os.environ.setdefault("BIGDIT_TRITON_COMPILE_AHEAD", "0")
     sys.path.insert(0, args.comfyui)
     import comfy.model_patcher  # noqa: F401 - ComfyUI's modules the branch's module imports
 
