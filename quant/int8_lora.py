@@ -175,10 +175,11 @@ def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
 
 
 def fusable(x: torch.Tensor, part: LowRank) -> bool:
-    """Whether this call can take the fused path: eager, on CUDA, Triton working, the part's up matrix in the
-    activations' dtype with unit column stride."""
+    """Whether this call can take the fused path: eager, on CUDA, Triton working, the part's matrices on the
+    activations' device and its up matrix in their dtype with unit column stride."""
     return (_failed is None and int8_triton.triton is not None and x.is_cuda and not torch.compiler.is_compiling()
-            and part.up.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16) and part.up.stride(-1) == 1)
+            and part.up.device == part.down.device == x.device and part.up.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and part.up.stride(-1) == 1)
 
 
 def down_rows(down: torch.Tensor, convrot: bool, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
