@@ -99,6 +99,23 @@ def test_a_failing_kernel_warns_once_and_kitchen_computes(monkeypatch, caplog):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def test_down_rows_rotates_as_kitchen_rotates_weights_and_quantizes_each_row():
+    """A LoRA's down matrix for the INT8 path's rows: rotated as comfy-kitchen rotates a ConvRot weight (its own
+    _rotate_weight, the reference), then each row to int8 within half a step of its scale, its largest value at 127;
+    a zero row keeps a positive scale and zero codes; without ConvRot, the matrix itself quantized."""
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
+    from bigdit.quant.int8_lora import down_rows
+    torch.manual_seed(2)
+    down = torch.randn(24, 512, dtype=torch.bfloat16) * 0.05
+    down[3] = 0
+    for convrot, group in ((True, 256), (True, 64), (False, 256)):
+        q, scale = down_rows(down, convrot, group)
+        ref = _rotate_weight(down.float(), _build_hadamard(group), group) if convrot else down.float()
+        assert q.dtype == torch.int8 and q.shape == (24, 512) and scale.shape == (24,) and bool((scale > 0).all())
+        assert bool(((q.float() * scale[:, None] - ref).abs() <= scale[:, None] * 0.5001 + 1e-8).all()), (convrot, group)
+        assert q[3].eq(0).all() and q.abs().amax(dim=1)[torch.arange(24) != 3].eq(127).all(), (convrot, group)
+
+
 @pytest.mark.skipif(it._INTERPRETED, reason="this process runs Triton's interpreter")
 @pytest.mark.parametrize("act", [None, "swiglu"])
 def test_a_lora_part_the_fused_path_cannot_take_is_added_after_the_gemm(monkeypatch, act):
