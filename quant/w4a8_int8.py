@@ -107,7 +107,7 @@ class W4A8Int8Method(KitchenLayoutMethod):
         kernels eagerly on CUDA, else by an addmm after the GEMM of the activated input."""
         t = layer.tensors_for(x)
         x2d, n, out_dtype = x.reshape(-1, x.shape[-1]), layer.out_features, output_dtype(x, layer.compute_dtype)
-        on_kernels, out = self._on_int8_kernels(t, x), None
+        on_kernels, compiling = self._on_int8_kernels(t, x), False
         if low_rank is not None:
             if on_kernels and int8_lora.fusable(x2d, low_rank):
                 weight = compiled_ops.w4a8_decoded(t["weight"], t["weight_s_rel"], t.get("weight_codebook"),
@@ -115,17 +115,18 @@ class W4A8Int8Method(KitchenLayoutMethod):
                 args = (weight, t["weight_s_channel"], t.get("bias"), out_dtype)
                 try:
                     fused = int8_lora.linear_low_rank(x2d, *args, True, self.convrot_groupsize, input_act, low_rank)
-                except int8_triton.Compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
-                    x2d, input_act = swiglu.activated(x2d, input_act), None
-                    out = compiled_ops.int8_linear(x2d, *args, convrot=True, convrot_groupsize=self.convrot_groupsize,
-                                                   input_act=None)
+                except int8_triton.Compiling:
+                    compiling = True
                 else:
                     if fused is not None:
                         return fused.reshape(*x.shape[:-1], n)
             x2d, input_act = swiglu.activated(x2d, input_act), None  # once, for the GEMM and the branch
-        if out is None and not on_kernels:
+        if compiling:  # kitchen's GEMM meanwhile, not the Triton one without the LoRA
+            out = compiled_ops.int8_linear(x2d, *args, convrot=True, convrot_groupsize=self.convrot_groupsize,
+                                           input_act=None)
+        elif not on_kernels:
             out = super().apply(layer, x2d, input_act).reshape(-1, n)
-        elif out is None:
+        else:
             out = compiled_ops.w4a8_linear_triton(
                 x2d, t["weight"], t["weight_s_rel"], t["weight_s_channel"], t.get("weight_codebook"), t.get("bias"),
                 out_dtype, group_size=self.group_size,
