@@ -5,7 +5,9 @@ otherwise adds its product with a separate addmm, which reads and writes the lay
 32,700 rows of H3's qkv (21504 wide) 2.8 GB, the larger part of the branch's cost. Here each output tile, once the
 INT8 product is scaled, accumulates h's rows times up's columns on the tensor cores in fp32 (R in steps of
 BLOCK_R, masked at its end) before the bias and the one store: the addmm's product (fp32 accumulation of bf16
-operands, one alpha), summed into the tile before its rounding to the output dtype instead of after.
+operands, one alpha), summed into the tile before its rounding to the output dtype instead of after. Where up is
+block-diagonal (LowRank.diagonal_blocks) and a tile's columns lie in one block, the tile reads only that block's
+ranks.
 
 The hidden h = down(x) [M, R] comes from the rows the INT8 path quantized for its own GEMM: their INT8 GEMM with
 the down matrix rotated as the weights are and quantized per row (`down_rows`, made once per part). It reads the
@@ -42,10 +44,11 @@ if int8_triton.triton is not None:
 
     @triton.jit
     def _low_rank_epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
-                           M, N, R, stride_out, stride_h, stride_u, PER_CHANNEL: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_R: tl.constexpr):
-        """acc * (row scale * weight scale) + alpha * h @ up^T + bias, into the output dtype."""
+                           M, N, N_PER_BLOCK, R_PER_BLOCK, stride_out, stride_h, stride_u,
+                           PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+        """acc * (row scale * weight scale) + alpha * h @ up^T + bias, into the output dtype; up's ranks read for
+        the tile: those of its columns' diagonal block (all R where N_PER_BLOCK is N)."""
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         a_scale = tl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
@@ -59,8 +62,10 @@ if int8_triton.triton is not None:
             # beside it), the tile divided by alpha first and multiplied back after
             c = c * (1.0 / alpha)
             ranks = tl.arange(0, BLOCK_R)
-            for r0 in range(0, R, BLOCK_R):
-                r_ok = (r0 + ranks) < R
+            r_first = (pid_n * BLOCK_N // N_PER_BLOCK) * R_PER_BLOCK
+            r_end = r_first + R_PER_BLOCK
+            for r0 in range(r_first, r_end, BLOCK_R):
+                r_ok = (r0 + ranks) < r_end
                 h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + (r0 + ranks)[None, :],
                             mask=(rows < M)[:, None] & r_ok[None, :], other=0.0)
                 u = tl.load(u_ptr + cols.to(tl.int64)[:, None] * stride_u + (r0 + ranks)[None, :],
@@ -74,7 +79,8 @@ if int8_triton.triton is not None:
 
     @triton.jit
     def _gemm_low_rank_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
-                              M, N, R, stride_a, stride_w, stride_out, stride_h, stride_u, K: tl.constexpr,
+                              M, N, N_PER_BLOCK, R_PER_BLOCK, stride_a, stride_w, stride_out, stride_h, stride_u,
+                              K: tl.constexpr,
                               PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                               BLOCK_R: tl.constexpr):
@@ -93,12 +99,13 @@ if int8_triton.triton is not None:
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         _low_rank_epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
-                           M, N, R, stride_out, stride_h, stride_u, PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N,
-                           BLOCK_R)
+                           M, N, N_PER_BLOCK, R_PER_BLOCK, stride_out, stride_h, stride_u, PER_CHANNEL, HAS_BIAS,
+                           BLOCK_M, BLOCK_N, BLOCK_R)
 
     @triton.jit
     def _gemm_low_rank_tma_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr,
-                                  alpha, M, N, R, stride_out, stride_h, stride_u, K: tl.constexpr,
+                                  alpha, M, N, N_PER_BLOCK, R_PER_BLOCK, stride_out, stride_h, stride_u,
+                                  K: tl.constexpr,
                                   PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                   BLOCK_R: tl.constexpr):
@@ -110,15 +117,16 @@ if int8_triton.triton is not None:
             w = w_desc.load([pid_n * BLOCK_N, k0])
             acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
         _low_rank_epilogue(acc, pid_m, pid_n, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, h_ptr, u_ptr, alpha,
-                           M, N, R, stride_out, stride_h, stride_u, PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N,
-                           BLOCK_R)
+                           M, N, N_PER_BLOCK, R_PER_BLOCK, stride_out, stride_h, stride_u, PER_CHANNEL, HAS_BIAS,
+                           BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 def gemm_low_rank(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   bias: torch.Tensor | None, h: torch.Tensor, up: torch.Tensor, alpha: float,
-                  out_dtype: torch.dtype, tma: bool) -> torch.Tensor:
-    """int8_triton.gemm's product plus alpha * h [M, R] @ up [N, R]^T, in out_dtype."""
-    out, launch = _low_rank_launch(a, a_scale, weight, weight_scale, bias, h, up, alpha, out_dtype, tma)
+                  out_dtype: torch.dtype, tma: bool, blocks: int = 1) -> torch.Tensor:
+    """int8_triton.gemm's product plus alpha * h [M, R] @ up [N, R]^T, in out_dtype; `blocks`: up's diagonal blocks
+    (LowRank.diagonal_blocks), whose off-diagonal ranks are not read."""
+    out, launch = _low_rank_launch(a, a_scale, weight, weight_scale, bias, h, up, alpha, out_dtype, tma, blocks)
     if launch is not None:
         launch.run()
     return out
@@ -143,7 +151,7 @@ class LowRankLaunch(int8_triton.Launch):
 
 def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None, h: torch.Tensor, up: torch.Tensor, alpha: float,
-                     out_dtype: torch.dtype, tma: bool) -> tuple[torch.Tensor, LowRankLaunch | None]:
+                     out_dtype: torch.dtype, tma: bool, blocks: int) -> tuple[torch.Tensor, LowRankLaunch | None]:
     """gemm_low_rank's output, allocated, and its launch (None for no rows)."""
     m, k = a.shape
     n, r = weight.shape[0], h.shape[1]
@@ -153,12 +161,15 @@ def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
     w_scale = weight_scale.reshape(-1).float()
     common = dict(out_ptr=out, a_scale_ptr=a_scale, w_scale_ptr=w_scale,
                   bias_ptr=bias if bias is not None else w_scale, h_ptr=h, u_ptr=up, alpha=float(alpha),
-                  M=m, N=n, R=r, stride_out=out.stride(0), stride_h=h.stride(0), stride_u=up.stride(0), K=k,
+                  M=m, N=n, stride_out=out.stride(0), stride_h=h.stride(0), stride_u=up.stride(0), K=k,
                   PER_CHANNEL=w_scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R)
 
     def launch(config: dict, warmup: bool = False):
         meta, run = int8_triton._split(config)
         tiles = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        # a tile straddling two blocks reads every rank
+        block = dict(N_PER_BLOCK=n // blocks, R_PER_BLOCK=r // blocks) if (n // blocks) % meta["BLOCK_N"] == 0 \
+            else dict(N_PER_BLOCK=n, R_PER_BLOCK=r)
         if tma:
             kernel, operands = _gemm_low_rank_tma_kernel, dict(
                 a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),
@@ -167,8 +178,8 @@ def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
             kernel, operands = _gemm_low_rank_kernel, dict(a_ptr=a, w_ptr=weight, stride_a=a.stride(0),
                                                            stride_w=weight.stride(0))
         if warmup:
-            return kernel.warmup(**operands, **common, **meta, **run, grid=tiles)
-        kernel[tiles](**operands, **common, **meta, **run)
+            return kernel.warmup(**operands, **common, **block, **meta, **run, grid=tiles)
+        kernel[tiles](**operands, **common, **block, **meta, **run)
 
     shape = {"M_BUCKET": rows_bucket(m), "N": n, "K": k}
     return out, LowRankLaunch("gemm_tma" if tma else "gemm", shape, a.device, launch, variant="+lora")
@@ -215,7 +226,7 @@ def linear_low_rank(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
             q, scale, rows = int8_triton._rows_launch(x2d, convrot, group_size, None)
             h, hidden = part.hidden(x2d), None
         out, product = _low_rank_launch(q, scale, weight, weight_scale, bias, h, part.up, part.scale, out_dtype,
-                                        tma=tma)
+                                        tma=tma, blocks=part.diagonal_blocks())
         int8_triton.run_when_compiled(rows, hidden, product)
     except int8_triton.Compiling:
         raise

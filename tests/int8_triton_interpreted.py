@@ -348,6 +348,7 @@ def runtime_loop_bounds() -> str | None:
 def gemm_low_rank():
     """int8_lora's GEMM: the scaled INT8 product, plus alpha * h @ up^T accumulated in fp32 (ranks under one
     BLOCK_R step, a multiple of it and past one, masked; alpha 0: the product alone), plus the bias, against float64 with one rounding to the output dtype; both kernels.
+    A block-diagonal up: its off-diagonal blocks unread where each tile lies in one block, all read where not.
     The operands in float16: the interpreter's dot reads bfloat16 operands as raw bits (the GPU test takes those)."""
     from bigdit.quant import int8_lora
     torch.manual_seed(4)
@@ -370,6 +371,23 @@ def gemm_low_rank():
                     rank, dtype, tma, rel)
                 zero = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.0, dtype, tma=tma)
                 assert torch.equal(zero, it.gemm(a, a_scale, w, w_scale, bias, dtype, tma=tma)), (rank, dtype, tma)
+    # a block-diagonal up (q, k and v's LoRAs side by side): 3 blocks of 128 columns, the rule's 128-wide tiles each
+    # in one block, so the off-diagonal blocks are never read (filled with garbage here, which a read would add);
+    # 48 columns in 3 blocks of 16: tiles across blocks, every rank read (a true block-diagonal up, zeros there)
+    for n_blocks, garbage in ((384, True), (48, False)):
+        w = torch.randint(-127, 128, (n_blocks, k), dtype=torch.int8)
+        w_scale = torch.rand(n_blocks, 1) * 1e-2
+        bias = torch.randn(n_blocks, dtype=torch.bfloat16)
+        product = (a.double() @ w.double().T) * (a_scale.double() * w_scale.double().reshape(1, -1))
+        h = torch.randn(m, 48).half()
+        diagonal = torch.block_diag(*(torch.randn(n_blocks // 3, 16) * 0.1 for _ in range(3))).half()
+        up = (diagonal + (diagonal == 0) * 7.0 * garbage).half()
+        ref = product + 0.7 * (h.double() @ diagonal.double().T) + bias.double()
+        size = product.abs() + (0.7 * h.double()).abs() @ diagonal.double().abs().T + bias.double().abs()
+        for tma in (False, True):
+            out = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.7, torch.float16, tma=tma, blocks=3)
+            rel = ((out.double() - ref).abs() / size).max().item()
+            assert rel <= 2 ** -10, (n_blocks, tma, rel)
 
 
 def method_low_rank():

@@ -42,17 +42,24 @@ def rel(a, b):
 
 
 @pytest.mark.skipif(int8_triton.triton is None, reason="Triton is not installed")
-@pytest.mark.parametrize("k,n,rank,input_act", [(5376, 21504, 384, None), (14336, 5376, 128, "swiglu")])
+@pytest.mark.parametrize("k,n,rank,input_act,up_blocks", [(5376, 21504, 384, None, 1), (5376, 21504, 384, None, 3),
+                                                           (14336, 5376, 128, "swiglu", 1)],
+                         ids=["qkv", "qkv_side_by_side", "fc2"])
 @pytest.mark.parametrize("method", [lambda: Int8ConvRotMethod(256), lambda: W4A8Int8Method(16, 256)],
                          ids=["int8_convrot", "asym_w4a8_int8"])
-def test_fused_lora_matches_the_layer_plus_the_part_on_its_input(k, n, rank, input_act, method):
+def test_fused_lora_matches_the_layer_plus_the_part_on_its_input(k, n, rank, input_act, up_blocks, method):
+    """up_blocks 3: q, k and v's LoRAs side by side on the fused qkv (up block-diagonal, its off-diagonal blocks
+    not read by the epilogue)."""
     torch.manual_seed(0)
     device = torch.device("cuda")
     weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
     layer = quantized_layer(method(), weight, k, n, None, torch.bfloat16, device, device,
                             layer_type=BranchedLinear)
+    up = torch.randn(n, rank, device=device, dtype=torch.bfloat16) * 0.05
+    up *= torch.block_diag(*[torch.ones(n // up_blocks, rank // up_blocks, device=device)] * up_blocks).bfloat16()
     part = LowRank((None, None, None), torch.randn(rank, k, device=device, dtype=torch.bfloat16) * k ** -0.5, None,
-                   torch.randn(n, rank, device=device, dtype=torch.bfloat16) * 0.05, 0.7)
+                   up, 0.7)
+    assert part.diagonal_blocks() == up_blocks
     layer.branch = Branch(part)
     x = torch.randn(3, 1000, 2 * k if input_act else k, device=device, dtype=torch.bfloat16)
     before = witness.TALLY.calls[int8_triton.TALLY, "triton+lora"]

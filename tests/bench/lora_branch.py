@@ -10,6 +10,9 @@ branch's addmm after the GEMM: `unfused`), and for comparison the same product a
 `h` computes it (two F.linear, a scale, then the sum with the layer's output). Each: ms (CUDA events, warmed up, median of three runs of ten calls); the
 branch's cost in ms and in % of the layer; the sum over one block (its four layers). With --step-s (the s/step
 measured at that length, e.g. from whole_job.py) and --blocks, the branch's share of a step; the target is at most 3%.
+One more qkv row, `side by side`: the same rank 384 made of q, k and v's rank-128 LoRAs (up block-diagonal, the
+form a fused projection's LoRA takes when made of separate projections' LoRAs), whose off-diagonal blocks the
+epilogue does not read; the block's sum with it instead of the dense qkv row is `block_cost_ms_qkv_side_by_side`.
 
     python tests/bench/lora_branch.py --comfyui /path/to/comfyui-0.33.0 [--rows 32700] [--step-s S --blocks N] \
         [--profile]   # --profile: each variant's CUDA kernels, the longest first
@@ -46,7 +49,7 @@ def kernel_breakdown(fn, top: int = 8) -> list[dict]:
     return [{"kernel": e.key[:90], "ms": device_us(e) / 1000} for e in events[:top]]
 
 
-def bench_shape(name, k, n, act, rank, rows, profiled=False):
+def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1):
     from bigdit.host.layers import ComfyQuantLinear
     from bigdit.host.lora_branch import LoraBranch
     from bigdit.quant.low_rank import LowRank
@@ -63,6 +66,9 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False):
     x = torch.randn(rows, 2 * k if act else k, device=device, dtype=torch.bfloat16)
     down = torch.randn(rank, k, device=device, dtype=torch.bfloat16) * k ** -0.5
     up = torch.randn(n, rank, device=device, dtype=torch.bfloat16) * 0.01
+    if up_blocks > 1:
+        up *= torch.block_diag(*[torch.ones(n // up_blocks, rank // up_blocks, device=device,
+                                            dtype=torch.bfloat16)] * up_blocks)
     scale = 0.7
     branch = LoraBranch([LowRank((None, None, None), down, None, up, scale)], {})
 
@@ -86,7 +92,9 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False):
         xa = apply_input_act(x, act) if act else x
         return layer(x, input_act=act) + F.linear(F.linear(xa, down), up) * scale
 
-    row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act, "rank": rank}
+    row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act, "rank": rank,
+           "up_blocks": branch.parts[0].diagonal_blocks()}
+    assert row["up_blocks"] == up_blocks, row
     with torch.no_grad():
         outs = {}
         for cand, fn in (("layer", plain), ("branch", with_branch), ("unfused", unfused), ("bypass_h", bypass_h)):
@@ -125,7 +133,8 @@ def main():
 
     print(f"{torch.cuda.get_device_name()}, {args.rows} rows: ms per call (branch cost: ms, % of the layer)")
     results = [bench_shape(name, *shape, args.rows, args.profile) for name, shape in SHAPES.items()]
-    for r in results:
+    side = bench_shape("qkv_proj side by side", *SHAPES["qkv_proj"], args.rows, args.profile, up_blocks=3)
+    for r in results + [side]:
         print(f"{r['shape']:9} rank {r['rank']:3}: layer {r['layer']['ms']:7.3f}  with the branch "
               f"{r['branch']['ms']:7.3f} (+{r['branch']['cost_ms']:.3f}, {100 * r['branch']['cost_fraction']:.1f}%)"
               f"  unfused {r['unfused']['ms']:7.3f} (+{r['unfused']['cost_ms']:.3f})"
@@ -135,16 +144,20 @@ def main():
         for cand in ("layer", "branch", "unfused") if args.profile else ():
             print(f"    {cand:6} " + "; ".join(f"{k['kernel'][:48]} {k['ms']:.3f}" for k in r[cand]["kernels"]))
     block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "unfused", "bypass_h")}
-    summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results)}
+    summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results),
+               "block_cost_ms_qkv_side_by_side": block["branch"] - results[0]["branch"]["cost_ms"]
+               + side["branch"]["cost_ms"]}
     print(f"one block: the four layers {summary['block_layers_ms']:.2f} ms; the branch adds {block['branch']:.2f} ms "
-          f"(unfused {block['unfused']:.2f} ms, as bypass h {block['bypass_h']:.2f} ms)")
+          f"(unfused {block['unfused']:.2f} ms, as bypass h {block['bypass_h']:.2f} ms); with qkv's LoRA side by side "
+          f"{summary['block_cost_ms_qkv_side_by_side']:.2f} ms")
     if args.step_s and args.blocks:
         share = block["branch"] * args.blocks / 1000 / args.step_s
         summary["step_share"] = share
         print(f"per step ({args.blocks} blocks, {args.step_s} s/step): the branch {100 * share:.2f}% "
               f"(target <= {100 * TARGET_STEP_SHARE:.0f}%: {'met' if share <= TARGET_STEP_SHARE else 'MISSED'})")
     write_json(Path(args.out) if args.out else default_out("lora_branch"), {
-        "bench": "lora_branch", "env": environment(), "group_size": GROUP, "rows": results, "summary": summary})
+        "bench": "lora_branch", "env": environment(), "group_size": GROUP, "rows": results + [side],
+        "summary": summary})
 
 
 if __name__ == "__main__":

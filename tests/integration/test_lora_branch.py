@@ -63,8 +63,10 @@ def make_layer(method):
                            layer_type=ComfyQuantLinear)
 
 
-def lora(rank=RANK, alpha=4.0, mid=False, dora=False, dtype=torch.bfloat16):
+def lora(rank=RANK, alpha=4.0, mid=False, dora=False, dtype=torch.bfloat16, side_by_side=1):
     up, down = randn(OUT, rank, scale=0.02).to(dtype), randn(rank, IN, scale=0.3).to(dtype)
+    if side_by_side > 1:  # separate projections' LoRAs on a fused one (q, k, v on qkv): up block-diagonal
+        up = up * torch.block_diag(*[torch.ones(OUT // side_by_side, rank // side_by_side)] * side_by_side).to(dtype)
     mid_t = randn(rank, rank, 1, 1, scale=0.5).to(dtype) if mid else None
     dora_t = (1 + randn(OUT, 1, scale=0.1)).to(dtype) if dora else None
     return adapters.LoRAAdapter(set(), (up, down, alpha, mid_t, dora_t, None))
@@ -98,6 +100,7 @@ CASES = {
     "bias_diff": {"weight": [entry(lora())], "bias": [entry(("diff", (randn(OUT, scale=0.2),)), strength=0.8)]},
     "zero_strength": {"weight": [entry(lora(), strength=0.0), entry(lora(), strength=0.5)]},
     "swiglu_input": {"weight": [entry(lora())]},  # H3's fc2: the layer takes SwiGLU of a twice wider input
+    "side_by_side": {"weight": [entry(lora(rank=12, side_by_side=3))]},
 }
 loha = adapters.LoHaAdapter(set(), (randn(OUT, 4, scale=0.3), randn(4, IN, scale=0.3), 4.0, randn(OUT, 4, scale=0.3),
                                     randn(4, IN, scale=0.3), None, None, None))
@@ -138,6 +141,7 @@ for name, options in formats.items():
                      "effect": rel(got, base), "dtypes": sorted({str(t.dtype) for p in branch.parts
                                                                    for t in vars(p).values() if torch.is_tensor(t)}),
                      "parts": len(branch.parts), "rank": branch.rank,
+                     "blocks": [getattr(p, "blocks", None) for p in branch.parts],
                      "untouched": all(torch.equal(v, stored[k]) for k, v in layer.named_parameters())}
     # upstream's bypass mode computes the same product (LoRAAdapter.h, where the host has it)
     strength, adapter = CASES["no_alpha_strength"]["weight"][0][:2]
@@ -233,6 +237,7 @@ def test_branch_matches_the_hosts_patched_weight(probe, fmt):
     assert probe[fmt]["stacked"]["parts"] == 2 and probe[fmt]["stacked"]["rank"] == 12
     assert probe[fmt]["zero_strength"]["parts"] == 1  # a zero strength adds nothing, as calculate_weight
     assert probe[fmt]["bias_diff"]["parts"] == 2
+    assert probe[fmt]["side_by_side"]["blocks"] == [3] and probe[fmt]["lora"]["blocks"] == [1]
     if "vs_bypass_h" in probe[fmt]:  # upstream's bypass `h`: the same product, rounded as bf16 rounds
         assert probe[fmt]["vs_bypass_h"] < BRANCH_ROUNDING, probe[fmt]["vs_bypass_h"]
 
