@@ -106,10 +106,12 @@ def headline() -> str:
 R7 = "-nvidia-h100-80gb-hbm3-comfyui-0.33.0-2026-12-07.json"
 JOB_RUNS = (  # (what the rows are, setting, RAM GiB, files, the configurations shown: all where None)
     ("turbo, 64 GiB", "turbo", 64, ("whole-job-turbo-64g-081a891" + R7,), None),
-    ("turbo, 64 GiB, again", "turbo", 64, ("whole-job-turbo-64g-follow-ccf1860" + R7,), ("template_sage", "pack_fast")),
+    ("turbo, 64 GiB, again", "turbo", 64, ("whole-job-turbo-64g-lora-int8-hidden-98d992d" + R7,),
+     ("template_sage", "pack_fast")),
     ("turbo, 32 GiB", "turbo", 32, ("whole-job-turbo-32g-6dd69a6" + R7,), None),
     ("turbo, 32 GiB, file's layers kept", "turbo", 32, ("whole-job-turbo-32g-0270751" + R7,), None),
     ("default, 64 GiB", "default", 64, ("whole-job-default-64g-6dd69a6" + R7,), None),
+    ("default, 32 GiB", "default", 32, ("whole-job-default-32g-98d992d" + R7,), None),
     ("turbo, 32 GiB, H200", "turbo", 32, ("whole-job-turbo-32g-4e985fb-nvidia-h200-comfyui-0.33.0-2026-12-07.json",),
      None),
 )
