@@ -167,9 +167,11 @@ def _low_rank_launch(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
     def launch(config: dict, warmup: bool = False):
         meta, run = int8_triton._split(config)
         tiles = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        # a tile straddling two blocks reads every rank
-        block = dict(N_PER_BLOCK=n // blocks, R_PER_BLOCK=r // blocks) if (n // blocks) % meta["BLOCK_N"] == 0 \
-            else dict(N_PER_BLOCK=n, R_PER_BLOCK=r)
+        # no tile across two blocks: the most blocks, `blocks` or a divisor of it (blocks merged), whose width the
+        # tiles divide; 1 (every rank) where none
+        merged = next(d for d in range(blocks, 0, -1)
+                      if blocks % d == 0 and (d == 1 or (n // d) % meta["BLOCK_N"] == 0))
+        block = dict(N_PER_BLOCK=n // merged, R_PER_BLOCK=r // merged)
         if tma:
             kernel, operands = _gemm_low_rank_tma_kernel, dict(
                 a_desc=TensorDescriptor(a, [m, k], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]]),

@@ -371,23 +371,29 @@ def gemm_low_rank():
                     rank, dtype, tma, rel)
                 zero = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.0, dtype, tma=tma)
                 assert torch.equal(zero, it.gemm(a, a_scale, w, w_scale, bias, dtype, tma=tma)), (rank, dtype, tma)
-    # a block-diagonal up (q, k and v's LoRAs side by side): 3 blocks of 128 columns, the rule's 128-wide tiles each
-    # in one block, so the off-diagonal blocks are never read (filled with garbage here, which a read would add);
-    # 48 columns in 3 blocks of 16: tiles across blocks, every rank read (a true block-diagonal up, zeros there)
-    for n_blocks, garbage in ((384, True), (48, False)):
-        w = torch.randint(-127, 128, (n_blocks, k), dtype=torch.int8)
-        w_scale = torch.rand(n_blocks, 1) * 1e-2
-        bias = torch.randn(n_blocks, dtype=torch.bfloat16)
+    # a block-diagonal up (q, k and v's LoRAs side by side), the rule's tiles 128 columns wide: 3 blocks of 128
+    # columns, each tile in one block, the off-diagonal blocks never read (garbage there, which a read would add); 6
+    # blocks of 64, merged into 3 of 128 (garbage off those 3, zeros off the 6); 3 blocks of 16: tiles across
+    # blocks, every rank read (a true block-diagonal up, zeros off it)
+    def diagonal_of(n_out, blocks, rank):
+        return torch.block_diag(*[torch.ones(n_out // blocks, rank // blocks)] * blocks).bool()
+
+    for n_out, blocks, unread in ((384, 3, 3), (384, 6, 3), (48, 3, None)):
+        w = torch.randint(-127, 128, (n_out, k), dtype=torch.int8)
+        w_scale = torch.rand(n_out, 1) * 1e-2
+        bias = torch.randn(n_out, dtype=torch.bfloat16)
         product = (a.double() @ w.double().T) * (a_scale.double() * w_scale.double().reshape(1, -1))
         h = torch.randn(m, 48).half()
-        diagonal = torch.block_diag(*(torch.randn(n_blocks // 3, 16) * 0.1 for _ in range(3))).half()
-        up = (diagonal + (diagonal == 0) * 7.0 * garbage).half()
+        diagonal = (torch.randn(n_out, 48) * 0.1 * diagonal_of(n_out, blocks, 48)).half()
+        garbage = 7.0 * ~diagonal_of(n_out, unread, 48) if unread else 0.0
+        up = (diagonal + garbage).half()
         ref = product + 0.7 * (h.double() @ diagonal.double().T) + bias.double()
         size = product.abs() + (0.7 * h.double()).abs() @ diagonal.double().abs().T + bias.double().abs()
         for tma in (False, True):
-            out = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.7, torch.float16, tma=tma, blocks=3)
+            out = int8_lora.gemm_low_rank(a, a_scale, w, w_scale, bias, h, up, 0.7, torch.float16, tma=tma,
+                                          blocks=blocks)
             rel = ((out.double() - ref).abs() / size).max().item()
-            assert rel <= 2 ** -10, (n_blocks, tma, rel)
+            assert rel <= 2 ** -10, (n_out, blocks, tma, rel)
 
 
 def method_low_rank():
