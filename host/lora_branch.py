@@ -165,11 +165,9 @@ def _lora_part(v, strength: float, layer, reuse: dict, device, dtype):
     source = (up, down, mid)
     old = reuse.get(tuple(map(id, source)))
     copy = (lambda t, attr: getattr(old, attr) if old is not None else device_copy(t, device, dtype))
-    part = LowRank(source, copy(down, "down").flatten(start_dim=1),
+    return LowRank(source, copy(down, "down").flatten(start_dim=1),
                    None if mid is None else copy(mid, "mid").reshape(rank, rank), copy(up, "up").flatten(start_dim=1),
                    scale, old.derived if old is not None else {}, old.blocks if old is not None else None)
-    part.diagonal_blocks()  # found here, where nothing is traced
-    return part
 
 
 def _bias_part(v, strength: float, layer, reuse: dict, device, dtype):

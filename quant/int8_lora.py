@@ -6,7 +6,7 @@ otherwise adds its product with a separate addmm, which reads and writes the lay
 INT8 product is scaled, accumulates h's rows times up's columns on the tensor cores in fp32 (R in steps of
 BLOCK_R, masked at its end) before the bias and the one store: the addmm's product (fp32 accumulation of bf16
 operands, one alpha), summed into the tile before its rounding to the output dtype instead of after. Where up is
-block-diagonal (LowRank.diagonal_blocks) and a tile's columns lie in one block, the tile reads only that block's
+block-diagonal (LowRank.blocks) and a tile's columns lie in one block, the tile reads only that block's
 ranks.
 
 The hidden h = down(x) [M, R] comes from the rows the INT8 path quantized for its own GEMM: their INT8 GEMM with
@@ -125,7 +125,7 @@ def gemm_low_rank(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, 
                   bias: torch.Tensor | None, h: torch.Tensor, up: torch.Tensor, alpha: float,
                   out_dtype: torch.dtype, tma: bool, blocks: int = 1) -> torch.Tensor:
     """int8_triton.gemm's product plus alpha * h [M, R] @ up [N, R]^T, in out_dtype; `blocks`: up's diagonal blocks
-    (LowRank.diagonal_blocks), whose off-diagonal ranks are not read."""
+    (LowRank.blocks), whose off-diagonal ranks are not read."""
     out, launch = _low_rank_launch(a, a_scale, weight, weight_scale, bias, h, up, alpha, out_dtype, tma, blocks)
     if launch is not None:
         launch.run()
@@ -228,7 +228,7 @@ def linear_low_rank(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
             q, scale, rows = int8_triton._rows_launch(x2d, convrot, group_size, None)
             h, hidden = part.hidden(x2d), None
         out, product = _low_rank_launch(q, scale, weight, weight_scale, bias, h, part.up, part.scale, out_dtype,
-                                        tma=tma, blocks=part.diagonal_blocks())
+                                        tma=tma, blocks=part.blocks)
         int8_triton.run_when_compiled(rows, hidden, product)
     except int8_triton.Compiling:
         raise

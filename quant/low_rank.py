@@ -5,8 +5,8 @@ computes it from the input (`hidden`) or from its own quantized rows, with a for
 kept with the part (`derived`: the INT8 path's rotated, row-quantized copy, quant/int8_lora.py).
 
 A LoRA on a fused projection made of separate ones' LoRAs side by side (q, k and v's on a fused qkv: down their
-downs stacked, up block-diagonal) has zeros in up's off-diagonal blocks; `diagonal_blocks` finds them once, and the
-products skip them: exactly the same sums, a third of the up projection's work on a qkv.
+downs stacked, up block-diagonal) has zeros in up's off-diagonal blocks; the part finds them when made (`blocks`),
+and the products skip them: exactly the same sums, a third of the up projection's work on a qkv.
 """
 from __future__ import annotations
 
@@ -32,7 +32,14 @@ class LowRank:
     up: torch.Tensor
     scale: float
     derived: dict = field(default_factory=dict, repr=False)  # forms of `down` made by methods, by their key
-    blocks: int | None = field(default=None, repr=False)  # up's diagonal blocks once found (diagonal_blocks)
+    blocks: int | None = field(default=None, repr=False)  # up's diagonal blocks, found when made (None given)
+
+    def __post_init__(self):
+        """`blocks`: n where up [N, R] is block-diagonal in n equal blocks (each N/n outputs reads only its R/n
+        ranks), the largest such n up to MAX_BLOCKS; 1 otherwise or with a mid matrix (one read of up, at the
+        part's making, never while a call is traced)."""
+        if self.blocks is None:
+            self.blocks = 1 if self.mid is not None else _diagonal_blocks(self.up)
 
     @property
     def rank(self) -> int:
@@ -47,18 +54,8 @@ class LowRank:
         hidden = F.linear(x, like(self.down, x))
         return hidden if self.mid is None else F.linear(hidden, like(self.mid, x))
 
-    def diagonal_blocks(self) -> int:
-        """n where up [N, R] is block-diagonal in n equal blocks (each N/n outputs reads only its R/n ranks), the
-        largest such n up to MAX_BLOCKS; 1 otherwise or with a mid matrix. Found once, eagerly (a traced call
-        takes 1 until then: finding it reads values)."""
-        if self.blocks is None:
-            if torch.compiler.is_compiling():
-                return 1
-            self.blocks = 1 if self.mid is not None else _diagonal_blocks(self.up)
-        return self.blocks
-
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        hidden, up, n = self.hidden(x), like(self.up, x), self.diagonal_blocks()
+        hidden, up, n = self.hidden(x), like(self.up, x), self.blocks
         rows, ranks = up.shape[0] // n, up.shape[1] // n
         for b in range(n):
             out[..., b * rows:(b + 1) * rows].addmm_(hidden[..., b * ranks:(b + 1) * ranks],

@@ -59,7 +59,7 @@ def test_fused_lora_matches_the_layer_plus_the_part_on_its_input(k, n, rank, inp
     up *= torch.block_diag(*[torch.ones(n // up_blocks, rank // up_blocks, device=device)] * up_blocks).bfloat16()
     part = LowRank((None, None, None), torch.randn(rank, k, device=device, dtype=torch.bfloat16) * k ** -0.5, None,
                    up, 0.7)
-    assert part.diagonal_blocks() == up_blocks
+    assert part.blocks == up_blocks
     layer.branch = Branch(part)
     x = torch.randn(3, 1000, 2 * k if input_act else k, device=device, dtype=torch.bfloat16)
     before = witness.TALLY.calls[int8_triton.TALLY, "triton+lora"]

@@ -17,19 +17,18 @@ def side_by_side(n_out, rank, blocks):
 
 def test_diagonal_blocks_are_found_where_up_has_them_and_only_there():
     torch.manual_seed(0)
-    assert part(torch.randn(96, 24)).diagonal_blocks() == 1
-    assert part(side_by_side(96, 24, 3)).diagonal_blocks() == 3
-    assert part(side_by_side(96, 24, 6)).diagonal_blocks() == 6  # the finest split found (6 blocks are 3 and 2 too)
-    assert part(side_by_side(96, 24, 2)).diagonal_blocks() == 2
+    assert part(torch.randn(96, 24)).blocks == 1
+    assert part(side_by_side(96, 24, 3)).blocks == 3
+    assert part(side_by_side(96, 24, 6)).blocks == 6  # the finest split found (6 blocks are 3 and 2 too)
+    assert part(side_by_side(96, 24, 2)).blocks == 2
     one_off = side_by_side(96, 24, 3)
     one_off[40, 2] = 1e-3  # one value off the diagonal, not at a corner: dense
-    assert part(one_off).diagonal_blocks() == 1
-    assert MAX_BLOCKS < 9 and part(side_by_side(90, 27, 9)).diagonal_blocks() == 3  # 9 blocks: 3 of them each
-    assert part(side_by_side(96, 24, 3), mid=torch.randn(24, 24)).diagonal_blocks() == 1  # a mid mixes the ranks
+    assert part(one_off).blocks == 1
+    assert MAX_BLOCKS < 9 and part(side_by_side(90, 27, 9)).blocks == 3  # 9 blocks: 3 of them each
+    assert part(side_by_side(96, 24, 3), mid=torch.randn(24, 24)).blocks == 1  # a mid mixes the ranks
     found = part(side_by_side(96, 24, 3))
-    found.diagonal_blocks()
-    found.up.fill_(1.0)  # found once: not read again
-    assert found.diagonal_blocks() == 3
+    found.up.fill_(1.0)  # found when made: not read again
+    assert found.blocks == 3
 
 
 def test_the_product_on_diagonal_blocks_is_the_dense_product_and_reads_only_them():

@@ -93,7 +93,7 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1):
         return layer(x, input_act=act) + F.linear(F.linear(xa, down), up) * scale
 
     row = {"shape": name, "K": k, "N": n, "rows": rows, "input_act": act, "rank": rank,
-           "up_blocks": branch.parts[0].diagonal_blocks()}
+           "up_blocks": branch.parts[0].blocks}
     assert row["up_blocks"] == up_blocks, row
     with torch.no_grad():
         outs = {}
