@@ -324,6 +324,59 @@ def test_monitor_samples_keep_their_columns_with_and_without_a_cgroup(tmp_path):
         assert sample[4] is not None and sample[4] <= whole_job.io_bytes(monitor.pids)[0]
 
 
+def _proc(tmp_path, threads, machine="cpu  100 0 50 900 30 5 5 0 0 0\n"):
+    """A /proc with process 7 ({tid: (name, user ticks, system ticks)}) and the machine's first /proc/stat line."""
+    rest = "0 0 0 0 0 0 0 0 0 0"  # fields 4-13 of a stat line, before utime
+    (tmp_path / "stat").write_text(machine)
+    total = [sum(t[1] for t in threads.values()), sum(t[2] for t in threads.values())]
+    (tmp_path / "7" / "task").mkdir(parents=True)
+    (tmp_path / "7" / "stat").write_text(f"7 (python3 main) S {rest} {total[0] + 40} {total[1]} 0 0 20\n")
+    for tid, (name, user, system) in threads.items():
+        (tmp_path / "7" / "task" / str(tid)).mkdir()
+        (tmp_path / "7" / "task" / str(tid) / "stat").write_text(f"{tid} ({name}) R {rest} {user} {system} 0 0 20\n")
+    return tmp_path
+
+
+def test_cpu_seconds_groups_threads_by_name_and_keeps_the_process_and_machine_counts(tmp_path):
+    tick = whole_job.TICK
+    proc = _proc(tmp_path, {7: ("python3 main", 3 * tick, tick), 8: ("pt_autograd_0", tick, 0),
+                            9: ("pt_autograd_1", 2 * tick, 0), 10: ("x264", tick // 2, 0)})
+    counts = whole_job.cpu_seconds([7, 99], proc=proc)  # 99: a process that ended
+    assert counts["thread:python3 main"] == 4 and counts["thread:pt_autograd"] == 3
+    assert counts["thread:x"] == 0.5  # trailing digits go: "x264" is its group "x"
+    assert counts["process"] == (6 * tick + tick // 2 + 40 + tick) / tick  # ended threads' 40 ticks kept
+    assert counts["machine_busy"] == 160 / tick and counts["machine_iowait"] == 30 / tick
+    real = whole_job.cpu_seconds([os.getpid()])
+    assert real["process"] > 0 and real["machine_busy"] > 0
+    assert sum(v for k, v in real.items() if k.startswith("thread:")) <= real["process"] + 0.05
+
+
+def test_cpu_by_stage_is_what_each_count_grew_by_with_the_busiest_threads():
+    segs = [(10.0, 11.0, "vae_decode", "a"), (11.0, 15.0, "save", "b"), (15.0, 16.0, "vae_decode", "c")]
+    cpu = [(9.0, {"process": 1.0, "machine_busy": 10.0, "thread:main": 1.0, "thread:gone": 0.5}),
+           (11.0, {"process": 2.0, "machine_busy": 12.0, "thread:main": 1.5, "thread:gone": 1.0}),
+           (14.9, {"process": 9.0, "machine_busy": 40.0, "thread:main": 2.0, "thread:x": 4.0, "thread:idle": 1.0}),
+           (16.0, {"process": 9.5, "machine_busy": 41.0, "thread:main": 2.5, "thread:x": 4.0, "thread:idle": 1.0})]
+    out = whole_job.cpu_by_stage(segs, cpu, top=3)
+    assert out["save"] == {"process": 7.0, "machine_busy": 28.0, "threads": {"x": 4.0, "idle": 1.0, "main": 0.5}}
+    assert whole_job.cpu_by_stage(segs, cpu, top=1)["save"]["threads"] == {"x": 4.0}
+    assert out["vae_decode"]["process"] == 1.5 and out["vae_decode"]["machine_busy"] == 3.0
+    assert out["vae_decode"]["threads"] == {"main": 1.0, "gone": 0.5}  # the ended group is 0 after its end
+    assert whole_job.cpu_by_stage(segs, []) == {}
+
+
+def test_monitor_samples_the_trees_cpu_time():
+    monitor = whole_job.Monitor(os.getpid(), interval=0.01, cpu_every=2)
+    monitor.start()
+    while not monitor.cpu:  # its first poll lists the process tree (psutil's import)
+        time.sleep(0.01)
+    end = time.time() + 0.2
+    while time.time() < end:  # keep a core busy for the monitor to count
+        sum(range(1000))
+    monitor.stop()
+    assert len(monitor.cpu) >= 3 and monitor.cpu[-1][1]["process"] > monitor.cpu[0][1]["process"]
+
+
 # ---- the profile: FLOPs from upstream's classes, floors ------------------------------------------------------------
 
 # the FLOPs torch counts on upstream 0.33.0's own classes (a tiny configuration of each), run in the host's venv
@@ -569,6 +622,10 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
         stages = rec["stages"]
         assert all(stages[s] > 0 for s in ("queue", "encoder", "model_load", "sampling", "vae_decode", "save")), stages
         assert abs(rec["stage_sum_s"] - rec["wall_s"]) <= 0.1 * rec["wall_s"]
+        # the server's CPU seconds over the job (all on a CPU here), at most the machine's
+        cpu = rec["cpu_by_stage_s"].values()
+        process, busy = sum(c["process"] for c in cpu), sum(c["machine_busy"] for c in cpu)
+        assert 0 < process <= busy + 0.5 and any(c["threads"] for c in cpu), rec["cpu_by_stage_s"]
         # each node's reads: with the queue's, the job's (the nodes and the queue partition the job's time)
         assert sum(n["disk_read_gib"] for n in rec["nodes"]) * 2 ** 30 + rec["disk_read_by_stage"]["queue"] == \
             pytest.approx(sum(rec["disk_read_by_stage"].values()))

@@ -68,7 +68,8 @@ VAEDecode starts (`page_cache_at_decode_gib`; the vae_decode stage starts at the
 first); which tensors of each file (grouped by name, digits as "*") the pages newly cached in each stage belong
 to (`file_reads_by_stage_gib`: what a stage read of the DiT's file, and whether a LoRA's); each node's disk reads
 (`nodes`' `disk_read_gib`) and, in a memory cgroup, the file pages it read again after the kernel had dropped them
-(`file_refaulted_gib`).
+(`file_refaulted_gib`). The CPU seconds each stage used (every 0.2 s: `cpu_by_stage_s`): the server's, its
+busiest threads' by name, and the machine's busy and iowait seconds over all its cores (what else competed).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -204,6 +205,9 @@ SECOND_LORA_NODE = "bench_lora2"
 #: at or before its start and end, so a stage can be given what was read up to one interval before it started)
 SAMPLE_S = 0.02
 CACHE_EVERY = 25  # the model files' page-cache residency every 25th sample (0.5 s): mincore over ~40 GiB of maps
+CPU_EVERY = 10  # the server's CPU time by thread, and the machine's, every 10th sample (0.2 s)
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CPU_TOP = 6  # the thread groups a stage's CPU profile names, busiest first
 
 
 STAGES = ("queue", "encoder", "model_load", "sampling", "vae_decode", "save", "graph", "capture")
@@ -435,6 +439,67 @@ def io_bytes(pids) -> tuple[int, int]:
     return read, written
 
 
+def _stat_fields(text: str) -> tuple[str, list[str]]:
+    """(name, fields after it) of a /proc/<pid>/stat line: the name is in parentheses and may hold spaces."""
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def cpu_seconds(pids, proc: Path = Path("/proc")) -> dict:
+    """CPU seconds (user + system) the processes have used: "process", their own counts (threads that ended
+    included), and by live thread, grouped by the thread's name without its trailing digits ("pt_autograd_0",
+    "pt_autograd_1" -> "pt_autograd"); "machine_busy" and "machine_iowait" from /proc/stat, all of the machine's
+    cores: another process, or the kernel reclaiming memory, competing with the server shows there."""
+    out = {"process": 0.0}
+    for pid in pids:
+        try:
+            fields = _stat_fields((proc / str(pid) / "stat").read_text())[1]
+            out["process"] += (int(fields[11]) + int(fields[12])) / TICK
+            tasks = os.listdir(proc / str(pid) / "task")
+        except (OSError, ValueError, IndexError):
+            continue
+        for tid in tasks:
+            try:
+                name, fields = _stat_fields((proc / str(pid) / "task" / tid / "stat").read_text())
+                used = (int(fields[11]) + int(fields[12])) / TICK
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended
+            group = "thread:" + (name.rstrip("0123456789_-:.") or name)
+            out[group] = out.get(group, 0.0) + used
+    try:
+        ticks = [int(v) for v in (proc / "stat").read_text().splitlines()[0].split()[1:9]]
+        user, nice, system, _idle, iowait, irq, softirq, steal = ticks
+        out["machine_busy"] = (user + nice + system + irq + softirq + steal) / TICK
+        out["machine_iowait"] = iowait / TICK
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def cpu_by_stage(segs, cpu, top: int = CPU_TOP) -> dict:
+    """Each stage's CPU seconds from Monitor.cpu's cumulative counts (what each grew by from the last sample at or
+    before a segment's start to the last at or before its end, summed by stage): "process", "machine_busy",
+    "machine_iowait" and the `top` busiest thread groups of at least 0.05 s. A group whose threads ended in a
+    segment is counted as 0 there (the process's count keeps their time)."""
+    if not cpu:
+        return {}
+    times = [t for t, _ in cpu]
+
+    def at(t):
+        return cpu[max(0, bisect.bisect_right(times, t) - 1)][1]
+    summed: dict = {}
+    for start, end, stage, _ in segs:
+        first, last = at(start), at(end)
+        into = summed.setdefault(stage, {})
+        for key, value in last.items():
+            into[key] = into.get(key, 0.0) + max(0.0, value - first.get(key, 0.0))
+    out = {}
+    for stage, counts in summed.items():
+        threads = sorted(((v, k) for k, v in counts.items() if k.startswith("thread:") and v >= 0.05), reverse=True)
+        out[stage] = {k: round(v, 2) for k, v in counts.items() if not k.startswith("thread:")}
+        out[stage]["threads"] = {k[len("thread:"):]: round(v, 2) for v, k in threads[:top]}
+    return out
+
+
 class Monitor(threading.Thread):
     """Polls the device's used memory and the bytes the server's processes had the disk read and write (every
     `interval` s), and their memory (every 5th poll; the process tree is listed then too): samples (time, device
@@ -442,13 +507,15 @@ class Monitor(threading.Thread):
     bytes), reads, writes and refaults cumulative; one more sample when stopped. `files` (role: path): each file's
     bytes in the page cache every `cache_every`th poll and when stopped, in `cached` as (time, {role: bytes}), and
     where numpy is there, the pages cached since the last poll by the file's tensor groups (page_cache.newly_cached),
-    in `reads` as (time, role, {group: bytes})."""
+    in `reads` as (time, role, {group: bytes}); the CPU time of the tree and the machine (cpu_seconds) every
+    `cpu_every`th poll and when stopped, in `cpu` as (time, counts)."""
 
     def __init__(self, pid: int, interval: float = SAMPLE_S, memory_stat: Path | None = None,
-                 files: dict | None = None, cache_every: int = CACHE_EVERY):
+                 files: dict | None = None, cache_every: int = CACHE_EVERY, cpu_every: int = CPU_EVERY):
         super().__init__(daemon=True)
         self.pid, self.interval, self.memory_stat = pid, interval, memory_stat
-        self.files, self.cache_every = files or {}, cache_every
+        self.files, self.cache_every, self.cpu_every = files or {}, cache_every, cpu_every
+        self.cpu: list[tuple] = []
         self.cached: list[tuple] = []
         self.reads: list[tuple] = []
         self._pages: dict = {}  # role: the file's resident pages at the last poll
@@ -495,6 +562,8 @@ class Monitor(threading.Thread):
             self.samples.append(self._sample(memory))
             if self.files and count % self.cache_every == 0:
                 self._cache()
+            if count % self.cpu_every == 0 and self.pids:
+                self.cpu.append((time.time(), cpu_seconds(self.pids)))
             count += 1
             self.stop_event.wait(self.interval)
 
@@ -516,6 +585,8 @@ class Monitor(threading.Thread):
         self.stop_event.set()
         self.join()
         self.samples.append(self._sample(self._memory()))
+        if self.pids:
+            self.cpu.append((time.time(), cpu_seconds(self.pids)))
         if self.files:
             self._cache()
 
@@ -1167,7 +1238,8 @@ class Job:
                    disk_written_by_stage=bytes_by_stage(segs, samples, 5), samples=len(samples),
                    page_cache_by_stage_gib=cached_by_stage(segs, monitor.cached),
                    page_cache_at_decode_gib=cached_at_decode(segs, graph, monitor.cached),
-                   file_reads_by_stage_gib=reads_by_stage(segs, monitor.reads))
+                   file_reads_by_stage_gib=reads_by_stage(segs, monitor.reads),
+                   cpu_by_stage_s=cpu_by_stage(segs, monitor.cpu))
         if any(s[8] is not None for s in samples):  # the server's memory cgroup (v2): what its page cache did
             # each node's file pages read again after the kernel dropped them: a file its loader reads twice
             for entry, grown in zip(out["nodes"], bytes_by_segment(node_segs, samples, 8)):
