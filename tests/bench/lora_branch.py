@@ -13,9 +13,11 @@ measured at that length, e.g. from whole_job.py) and --blocks, the branch's shar
 One more qkv row, `side by side`: the same rank 384 made of q, k and v's rank-128 LoRAs (up block-diagonal, the
 form a fused projection's LoRA takes when made of separate projections' LoRAs), whose off-diagonal blocks the
 epilogue does not read; the block's sum with it instead of the dense qkv row is `block_cost_ms_qkv_side_by_side`.
+With --block-r, the branch again with each of those ranks per epilogue step (quant/int8_lora.py's BLOCK_R, the
+kernels compiled again for each): `branch_by_block_r` {ranks: ms}, and the block's sum at each.
 
     python tests/bench/lora_branch.py --comfyui /path/to/comfyui-0.33.0 [--rows 32700] [--step-s S --blocks N] \
-        [--profile]   # --profile: each variant's CUDA kernels, the longest first
+        [--profile] [--block-r 16,64]   # --profile: each variant's CUDA kernels, the longest first
 """
 import argparse
 import os
@@ -49,8 +51,9 @@ def kernel_breakdown(fn, top: int = 8) -> list[dict]:
     return [{"kernel": e.key[:90], "ms": device_us(e) / 1000} for e in events[:top]]
 
 
-def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1):
+def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1, block_rs=()):
     from bigdit.host.layers import ComfyQuantLinear
+    from bigdit.quant import int8_lora
     from bigdit.host.lora_branch import LoraBranch
     from bigdit.quant.low_rank import LowRank
     from bigdit.quant.int8_convrot import Int8ConvRotMethod
@@ -105,6 +108,18 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1):
         delta = outs["bypass_h"] - outs["layer"]
         row["branch_vs_bypass_rel"] = ((outs["branch"] - outs["bypass_h"]).norm() / delta.norm()).item()
         row["fused_vs_unfused_rel"] = ((outs["branch"] - outs["unfused"]).norm() / delta.norm()).item()
+        shipped, row["branch_by_block_r"] = int8_lora.BLOCK_R, {shipped: row["branch"]["ms"]}
+        for block_r in block_rs:
+            int8_lora.BLOCK_R = block_r
+            try:
+                assert int8_lora.fusable(x, branch.parts[0])
+                changed = (with_branch().float() - outs["branch"]).norm() / delta.norm()
+                assert changed < 0.01, f"BLOCK_R {block_r}: {changed:.1e} of the part from the shipped one"
+                row["branch_by_block_r"][block_r] = cuda_time_ms(with_branch)
+            except Exception as exc:  # one step size failing (shared memory, say) loses its row only
+                row["branch_by_block_r"][block_r] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                int8_lora.BLOCK_R = shipped
     for cand in ("branch", "unfused", "bypass_h"):
         row[cand]["cost_ms"] = row[cand]["ms"] - row["layer"]["ms"]
         row[cand]["cost_fraction"] = row[cand]["cost_ms"] / row["layer"]["ms"]
@@ -121,8 +136,10 @@ def main():
     ap.add_argument("--step-s", type=float, default=None, help="s/step measured at these rows")
     ap.add_argument("--blocks", type=int, default=None, help="blocks per step's forward(s)")
     ap.add_argument("--profile", action="store_true", help="also each variant's CUDA kernels, one call profiled")
+    ap.add_argument("--block-r", default="", help="comma list: the branch again with these ranks per epilogue step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    block_rs = [int(v) for v in args.block_r.split(",") if v]
     if not args.comfyui:
         raise SystemExit("give upstream ComfyUI's folder: --comfyui PATH or BIGDIT_COMFYUI")
     # each kernel compiled at its first launch: on the compile pool, the first calls (whose outputs are compared)
@@ -132,8 +149,9 @@ def main():
     import comfy.model_patcher  # noqa: F401 - ComfyUI's modules the branch's module imports
 
     print(f"{torch.cuda.get_device_name()}, {args.rows} rows: ms per call (branch cost: ms, % of the layer)")
-    results = [bench_shape(name, *shape, args.rows, args.profile) for name, shape in SHAPES.items()]
-    side = bench_shape("qkv_proj side by side", *SHAPES["qkv_proj"], args.rows, args.profile, up_blocks=3)
+    results = [bench_shape(name, *shape, args.rows, args.profile, block_rs=block_rs) for name, shape in SHAPES.items()]
+    side = bench_shape("qkv_proj side by side", *SHAPES["qkv_proj"], args.rows, args.profile, up_blocks=3,
+                       block_rs=block_rs)
     for r in results + [side]:
         print(f"{r['shape']:9} rank {r['rank']:3}: layer {r['layer']['ms']:7.3f}  with the branch "
               f"{r['branch']['ms']:7.3f} (+{r['branch']['cost_ms']:.3f}, {100 * r['branch']['cost_fraction']:.1f}%)"
@@ -141,12 +159,23 @@ def main():
               f"  as bypass h {r['bypass_h']['ms']:7.3f} (+{r['bypass_h']['cost_ms']:.3f})"
               f"  branch vs h: {r['branch_vs_bypass_rel']:.1e}, vs unfused {r['fused_vs_unfused_rel']:.1e}",
               flush=True)
+        if block_rs:
+            print("    the branch by ranks per epilogue step: " + ", ".join(
+                f"{br}: {ms:.3f} (+{ms - r['layer']['ms']:.3f})" if isinstance(ms, float) else f"{br}: {ms}"
+                for br, ms in r["branch_by_block_r"].items()))
         for cand in ("layer", "branch", "unfused") if args.profile else ():
             print(f"    {cand:6} " + "; ".join(f"{k['kernel'][:48]} {k['ms']:.3f}" for k in r[cand]["kernels"]))
     block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "unfused", "bypass_h")}
     summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results),
                "block_cost_ms_qkv_side_by_side": block["branch"] - results[0]["branch"]["cost_ms"]
                + side["branch"]["cost_ms"]}
+    if block_rs:
+        summary["block_cost_ms_by_block_r"] = {
+            br: sum(r["branch_by_block_r"][br] - r["layer"]["ms"] for r in results)
+            for br in results[0]["branch_by_block_r"]
+            if all(isinstance(r["branch_by_block_r"][br], float) for r in results)}
+        print("one block's branch by ranks per epilogue step: " + ", ".join(
+            f"{br}: {ms:.2f} ms" for br, ms in summary["block_cost_ms_by_block_r"].items()))
     print(f"one block: the four layers {summary['block_layers_ms']:.2f} ms; the branch adds {block['branch']:.2f} ms "
           f"(unfused {block['unfused']:.2f} ms, as bypass h {block['bypass_h']:.2f} ms); with qkv's LoRA side by side "
           f"{summary['block_cost_ms_qkv_side_by_side']:.2f} ms")
