@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 TESTS = Path(__file__).resolve().parent
@@ -543,6 +544,27 @@ def h3_shapes(blocks=50, refiner=2):
     return shapes
 
 
+@pytest.mark.parametrize("qkv", e2e_models.QKV_LAYOUTS)
+def test_the_random_turbo_loras_qkv_is_drawn_side_by_side_or_dense(tmp_path, qkv):
+    model = tmp_path / "dit.safetensors"
+    safetensors.torch.save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(3 * 32, 16),
+                                 "blocks.0.mlp.fc1.weight": torch.zeros(64, 16),
+                                 "blocks.0.norm.weight": torch.zeros(16)}, str(model))
+    job = {"model": str(model), "path": str(tmp_path / "lora.safetensors"), "rank": 4, "seed": 0, "qkv": qkv}
+    assert e2e_models._write_lora(job, "cpu")["qkv"] == qkv
+    lora = safetensors.torch.load_file(job["path"])
+    assert lora["diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight"].shape == (96, 12)
+    assert lora["diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight"].shape == (12, 16)
+    for name, blocks in (("attn.qkv_proj", 3 if qkv == "side_by_side" else 1), ("mlp.fc1", 1)):
+        up = lora[f"diffusion_model.blocks.0.{name}.lora_up.weight"].float()
+        mask = torch.block_diag(*[torch.ones(up.shape[0] // blocks, up.shape[1] // blocks)] * blocks).bool()
+        assert up[mask].ne(0).all() and not up[~mask].any(), name  # off the diagonal blocks: zero
+        # each output's delta about 2% of a unit-variance weight's: up's rows' norms 0.02, whichever the layout
+        assert 0.01 < up.norm(dim=1).mean().item() < 0.03, name
+    with pytest.raises(ValueError, match="qkv layout"):
+        e2e_models.make_turbo_lora(model, tmp_path / "x.safetensors", tmp_path, qkv="fused")
+
+
 def test_the_turbo_lora_has_the_published_files_size():
     targets = e2e_models.turbo_lora_targets(h3_shapes())
     assert len(targets) == 52 * 4 and {rank for *_, rank in targets} == {128, 384}
@@ -615,6 +637,7 @@ def test_tiny_whole_job_times_every_stage_and_profiles_both_jobs(tmp_path):
     file_bytes = round(sum(info["gib"] for role, info in data["files"].items() if isinstance(info, dict)
                            and role != "second_lora") * 2 ** 30)  # what the first job reads: the fourth's LoRA not
     assert data["files"]["second_lora"]["file"] == whole_job.SECOND_LORA_FILE
+    assert data["files"]["lora"]["qkv"] == data["settings"]["lora_qkv"] == "side_by_side"
     dit = job_profile.dit_config(e2e_models.TINY_H3.kwargs)
     video_vae = {**job_profile.VIDEO_VAE, **e2e_models.TINY_VAE["video_decoder"]}
     audio_vae = {**job_profile.AUDIO_VAE, **{k: e2e_models.TINY_VAE["audio"][k] for k in ("latent_dim", "decoder_dim")}}

@@ -486,8 +486,11 @@ COMPONENTS = {c.name: c for c in (
 
 # The turbo LoRAs (minimax_h3_fl2v_turbo_{8step,4step}_*_comfyui_bf16): 1,956,193,000 bytes, which is rank 128 on
 # out_proj, fc1 and fc2 and rank 384 on the fused qkv_proj (q, k and v's rank-128 LoRAs side by side) of the 50
-# blocks and the 2 token-refiner blocks, in bf16, and a header.
+# blocks and the 2 token-refiner blocks, in bf16, and a header. Side by side, up is block-diagonal: q's outputs
+# take only q's ranks. The size alone does not say whether the file's up matrices are so (a rank-384 LoRA trained on
+# the fused projection is as large): QKV_LAYOUTS draws either.
 TURBO_LORA_RANK = 128
+QKV_LAYOUTS = ("side_by_side", "dense")
 _TURBO_TARGET = re.compile(r"(token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)")
 
 
@@ -527,14 +530,18 @@ def generate_component(component: Component, path, comfyui, seed: int = 0, cpu: 
 
 
 def make_turbo_lora(model_path, lora_path, comfyui, rank: int = TURBO_LORA_RANK, seed: int = 0,
-                    cpu: bool = False) -> dict:
+                    cpu: bool = False, qkv: str = "side_by_side") -> dict:
     """A random turbo LoRA (turbo_lora_targets, lora_up/lora_down names, no alpha: scale 1) for the DiT file at
     `model_path`, drawn on the GPU where there is one as make_lora draws: down ~ N(0, 1/in), up ~ N(0, 0.02^2 /
-    rank), each layer's delta about 2% of a unit-variance weight. Returns generate's keys and "layers", "rank"."""
+    rank), each layer's delta about 2% of a unit-variance weight. `qkv` (QKV_LAYOUTS): the fused qkv_proj's up
+    block-diagonal (q, k and v's rank-`rank` LoRAs side by side, the off-diagonal blocks zero) or dense. Returns
+    generate's keys and "layers", "rank", "qkv"."""
+    if qkv not in QKV_LAYOUTS:
+        raise ValueError(f"unknown qkv layout {qkv!r} (known: {', '.join(QKV_LAYOUTS)})")
     lora_path = Path(lora_path).resolve()
     lora_path.parent.mkdir(parents=True, exist_ok=True)
     job = {"kind": "lora", "model": str(Path(model_path).resolve()), "path": str(lora_path), "rank": rank,
-           "comfyui": str(comfyui), "seed": seed, "cpu": cpu}
+           "comfyui": str(comfyui), "seed": seed, "cpu": cpu, "qkv": qkv}
     return _subprocess(job, comfyui, f"generating {lora_path.name}")
 
 
@@ -650,16 +657,20 @@ def _write_lora(job, device):
     for module, n_out, n_in, rank in targets:
         entries += [(f"diffusion_model.{module}.lora_up.weight", (n_out, rank), torch.bfloat16),
                     (f"diffusion_model.{module}.lora_down.weight", (rank, n_in), torch.bfloat16)]
+    qkv = job.get("qkv", "side_by_side")
     writer = StreamingSafetensorsWriter(job["path"], entries, metadata={"bigdit_bench": f"random turbo LoRA, "
-                                                                                      f"seed {job['seed']}"})
+                                                                                      f"seed {job['seed']}, qkv {qkv}"})
     gen = torch.Generator(device=device).manual_seed(job["seed"])
     for module, n_out, n_in, rank in targets:
-        writer.write(f"diffusion_model.{module}.lora_up.weight",
-                     (torch.randn(n_out, rank, device=device, generator=gen) * (0.02 / rank ** 0.5)).bfloat16())
+        up, terms = torch.randn(n_out, rank, device=device, generator=gen), rank  # terms: each output's delta's
+        if rank != job["rank"] and qkv == "side_by_side":  # the fused qkv: q, k and v's ranks on their own outputs
+            blocks, terms = rank // job["rank"], job["rank"]
+            up *= torch.block_diag(*[torch.ones(n_out // blocks, terms, device=device)] * blocks)
+        writer.write(f"diffusion_model.{module}.lora_up.weight", (up * (0.02 / terms ** 0.5)).bfloat16())
         writer.write(f"diffusion_model.{module}.lora_down.weight",
                      (torch.randn(rank, n_in, device=device, generator=gen) * n_in ** -0.5).bfloat16())
     writer.close()
-    return {"bytes": writer.total_bytes, "tensors": len(entries), "layers": len(targets), "rank": job["rank"],
+    return {"bytes": writer.total_bytes, "tensors": len(entries), "layers": len(targets), "rank": job["rank"], "qkv": qkv,
             "params": sum(math.prod(s) for _, s, _ in entries), "format": "lora_bf16", "quantized_layers": 0}
 
 

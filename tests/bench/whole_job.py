@@ -10,8 +10,9 @@ and `default` (20 steps, no LoRA).
 The files are full-size random weights under the template's names, in the published files' layouts
 (e2e_models): the pruned DiT as its INT8 ConvRot marker file, the Qwen3-VL-32B encoder as NVFP4 with AWQ scales
 and INT8 token embeddings (15,687,142,551 bytes, as published), the video VAE with its INT8 ConvRot decoder, the
-fp32 audio VAE and the 8-step turbo LoRA (rank 128, 384 on the fused qkv: 1.82 GiB, as published). Each is
-generated once, on the GPU, straight to disk.
+fp32 audio VAE and the 8-step turbo LoRA (rank 128, 384 on the fused qkv: 1.82 GiB, as published; its qkv as q, k
+and v's rank-128 LoRAs side by side, up block-diagonal, or with --lora-qkv dense one dense rank-384 LoRA: the
+published size fits both). Each is generated once, on the GPU, straight to disk.
 
 Configurations (CONFIGS: the prompt and a small table of node changes), each on a fresh server started through
 vram_cap.py on an emulated 24 GiB card and an emulated host RAM (--ram-gib, default 64: ComfyUI's RAM decisions
@@ -904,12 +905,13 @@ class Job:
             del files["text_encoder"]  # replaced by test conditioning
         paths = {role: self.base / "models" / folder / name for role, (folder, name) in files.items()}
         stamp = self.base / "models" / "bench_files.json"
-        wanted = {"tiny": opts.tiny, "files": {role: str(p) for role, p in paths.items()}}
+        wanted = {"tiny": opts.tiny, "files": {role: str(p) for role, p in paths.items()}, "lora_qkv": opts.lora_qkv}
         if stamp.exists() and all(p.exists() for p in paths.values()) and \
                 json.loads(stamp.read_text()).get("wanted") == wanted:
             info = {**json.loads(stamp.read_text())["info"], "reused": True}
         else:
             stamp.unlink(missing_ok=True)
+            (paths["lora"].parent / SECOND_LORA_FILE).unlink(missing_ok=True)  # drawn as the first LoRA is
             spec = e2e_models.TINY_H3 if opts.tiny else e2e_models.H3_PRUNED_RELEASED
             comps = {role: e2e_models.COMPONENTS[name] for role, name in (TINY_COMPONENTS if opts.tiny
                                                                           else COMPONENTS).items()}
@@ -920,7 +922,7 @@ class Job:
                 elif role == "lora":
                     made = e2e_models.make_turbo_lora(paths["dit"], path, opts.comfyui, cpu=opts.cpu,
                                                       rank=TINY["lora_rank"] if opts.tiny else
-                                                      e2e_models.TURBO_LORA_RANK)
+                                                      e2e_models.TURBO_LORA_RANK, qkv=opts.lora_qkv)
                 else:
                     made = e2e_models.generate_component(comps[role], path, opts.comfyui, cpu=opts.cpu)
                 made.update(file=path.name, published_gib=None if opts.tiny else PUBLISHED_GIB[role],
@@ -936,7 +938,7 @@ class Job:
             if not paths["second_lora"].exists():
                 made = e2e_models.make_turbo_lora(paths["dit"], paths["second_lora"], opts.comfyui, cpu=opts.cpu,
                                                   rank=TINY["lora_rank"] if opts.tiny else e2e_models.TURBO_LORA_RANK,
-                                                  seed=1)
+                                                  seed=1, qkv=opts.lora_qkv)
             info["second_lora"] = {**made, "file": SECOND_LORA_FILE, "gib": paths["second_lora"].stat().st_size / GIB}
         if self.needs_encoder_check():
             e2e_models.generate_component(e2e_models.COMPONENTS["encoder_probe"], self.base / "models" /
@@ -1493,6 +1495,9 @@ def parse_args(argv=None):
                         help=f"a fourth job: the second's with a second LoRA at strength {LORA_SECOND}")
     parser.add_argument("--lora-change", action="store_true",
                         help=f"a third job: the second's with the LoRA at strength {LORA_CHANGE}")
+    parser.add_argument("--lora-qkv", default="side_by_side", choices=e2e_models.QKV_LAYOUTS,
+                        help="the random turbo LoRA's fused qkv: q, k and v's LoRAs side by side (up block-diagonal, "
+                             "as a LoRA made of the separate projections' is), or one dense rank-384 LoRA")
     parser.add_argument("--cpu", action="store_true", help="run ComfyUI with --cpu")
     parser.add_argument("--work", default=None, help="server folder and files (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON path (the .log goes beside it)")
