@@ -53,7 +53,7 @@ def kernel_breakdown(fn, top: int = 8) -> list[dict]:
 
 def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1, block_rs=()):
     from bigdit.host.layers import ComfyQuantLinear
-    from bigdit.quant import int8_lora
+    from bigdit.quant import int8_lora, int8_triton, witness
     from bigdit.host.lora_branch import LoraBranch
     from bigdit.quant.low_rank import LowRank
     from bigdit.quant.int8_convrot import Int8ConvRotMethod
@@ -108,18 +108,22 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1, block_
         delta = outs["bypass_h"] - outs["layer"]
         row["branch_vs_bypass_rel"] = ((outs["branch"] - outs["bypass_h"]).norm() / delta.norm()).item()
         row["fused_vs_unfused_rel"] = ((outs["branch"] - outs["unfused"]).norm() / delta.norm()).item()
-        shipped, row["branch_by_block_r"] = int8_lora.BLOCK_R, {shipped: row["branch"]["ms"]}
+        shipped, failed = int8_lora.BLOCK_R, int8_lora._failed
+        row["branch_by_block_r"] = {shipped: row["branch"]["ms"]}
         for block_r in block_rs:
             int8_lora.BLOCK_R = block_r
+            fused = witness.TALLY.calls[int8_triton.TALLY, "triton+lora"]
             try:
-                assert int8_lora.fusable(x, branch.parts[0])
                 changed = (with_branch().float() - outs["branch"]).norm() / delta.norm()
+                # a kernel that failed at this step size leaves the call to the addmm, which is not what is timed
+                assert witness.TALLY.calls[int8_triton.TALLY, "triton+lora"] == fused + 1, \
+                    f"BLOCK_R {block_r}: the fused kernel did not run ({int8_lora._failed or 'a transient failure'})"
                 assert changed < 0.01, f"BLOCK_R {block_r}: {changed:.1e} of the part from the shipped one"
                 row["branch_by_block_r"][block_r] = cuda_time_ms(with_branch)
             except Exception as exc:  # one step size failing (shared memory, say) loses its row only
                 row["branch_by_block_r"][block_r] = f"{type(exc).__name__}: {exc}"[:300]
             finally:
-                int8_lora.BLOCK_R = shipped
+                int8_lora.BLOCK_R, int8_lora._failed = shipped, failed  # as before the sweep, for the rows after
     for cand in ("branch", "unfused", "bypass_h"):
         row[cand]["cost_ms"] = row[cand]["ms"] - row["layer"]["ms"]
         row[cand]["cost_fraction"] = row[cand]["cost_ms"] / row["layer"]["ms"]
