@@ -230,41 +230,45 @@ def _read(fd: int, start: int, size: int, chunk: int) -> int:
     return done
 
 
-def measure_disk(path, limit: int = 4 * GIB, chunk: int = 16 * 1024 ** 2, readers: int = 4) -> dict:
+def measure_disk(path, limit: int = 4 * GIB, chunk: int = 16 * 1024 ** 2, readers: tuple = (1, 4, 8, 16)) -> dict:
     """The disk's read bandwidth, cold: every dirty page written out (sync) and `path`'s pages dropped from the page
-    cache (POSIX_FADV_DONTNEED), then its first `limit` bytes read in 16 MiB reads, the first half by one reader, the
-    second by `readers` threads at once (a disk may serve several readers faster than one); `gib_s` is the faster.
-    `cold` says whether the disk delivered what was read (the kernel's count of this process's bytes read from
-    storage); the pages are dropped again after."""
+    cache (POSIX_FADV_DONTNEED), then its first `limit` bytes read in 16 MiB reads, in as many equal parts as
+    `readers` has counts, part i by readers[i] threads at once (a disk may serve several readers faster than one:
+    the read-ahead's stripes); `gib_s` is the fastest. `cold` says whether the disk delivered what was read (the
+    kernel's count of this process's bytes read from storage); the pages are dropped again after."""
     path = Path(path)
     size = min(path.stat().st_size, limit)
-    half = size // 2
+    part = size // len(readers)
     os.sync()
     fd = os.open(path, os.O_RDONLY)
+    speeds, done = {}, 0
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
         before = own_read_bytes()
         t0 = time.perf_counter()
-        one = _read(fd, 0, half, chunk)
-        t1 = time.perf_counter()
-        part = -(-(size - half) // readers)
-        with ThreadPoolExecutor(readers) as pool:
-            many = sum(pool.map(lambda i: _read(fd, half + i * part, max(0, min(part, size - half - i * part)), chunk),
-                                range(readers)))
-        t2 = time.perf_counter()
+        for i, count in enumerate(readers):
+            start = i * part
+            length = size - start if i == len(readers) - 1 else part
+            piece = -(-length // count)
+            t1 = time.perf_counter()
+            with ThreadPoolExecutor(count) as pool:
+                read = sum(pool.map(lambda j: _read(fd, start + j * piece, max(0, min(piece, length - j * piece)),
+                                                    chunk), range(count)))
+            t2 = time.perf_counter()
+            done += read
+            speeds[f"{count}_readers_gib_s"] = read / GIB / (t2 - t1) if t2 > t1 else None
         after = own_read_bytes()
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    done = one + many
     from_disk = after - before if before is not None and after is not None else None
-    speeds = {"one_reader_gib_s": one / GIB / (t1 - t0) if t1 > t0 else None,
-              f"{readers}_readers_gib_s": many / GIB / (t2 - t1) if t2 > t1 else None}
-    return {"file": path.name, "bytes": done, "seconds": t2 - t0,
-            "gib_s": max((v for v in speeds.values() if v), default=None), **speeds,
+    return {"file": path.name, "bytes": done, "seconds": time.perf_counter() - t0,
+            "gib_s": max((v for v in speeds.values() if v), default=None),
+            "one_reader_gib_s": speeds.get("1_readers_gib_s"), **speeds,
             "bytes_from_disk": from_disk, "cold": from_disk is not None and from_disk >= 0.9 * done,
-            "how": f"sync, posix_fadvise DONTNEED, then 16 MiB reads: half by one reader, half by {readers} threads"}
+            "how": "sync, posix_fadvise DONTNEED, then 16 MiB reads: equal parts by " +
+                   ", ".join(str(n) for n in readers) + " threads"}
 
 
 _DEVICE_CODE = r"""

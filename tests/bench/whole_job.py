@@ -959,8 +959,9 @@ class Job:
                   job_profile.measure_device())
         self.payload["machine"] = {"disk": disk, "device": device}
         print(f"[{self.elapsed():4.0f} s] disk: {disk['bytes'] / GIB:.2f} GiB of {disk['file']} in "
-              f"{disk['seconds']:.2f} s, {disk['gib_s'] or 0:.2f} GiB/s (one reader {disk['one_reader_gib_s'] or 0:.2f}, "
-              f"four {disk['4_readers_gib_s'] or 0:.2f}; cold: {disk['cold']}); device: "
+              f"{disk['seconds']:.2f} s, {disk['gib_s'] or 0:.2f} GiB/s (by readers: " + ", ".join(
+                  f"{k.split('_')[0]} {v or 0:.2f}" for k, v in disk.items() if k[0].isdigit() and k.endswith("_gib_s"))
+              + f"; cold: {disk['cold']}); device: "
               + (f"{device['gpu']}, copy {device['hbm_gib_s']:.0f} GiB/s, host-to-device {device['h2d_gib_s']:.1f} "
                  f"GiB/s, peak {device['peak_tflops']} TFLOP/s" if "gpu" in device else device["error"]), flush=True)
 
