@@ -14,10 +14,14 @@ One more qkv row, `side by side`: the same rank 384 made of q, k and v's rank-12
 form a fused projection's LoRA takes when made of separate projections' LoRAs), whose off-diagonal blocks the
 epilogue does not read; the block's sum with it instead of the dense qkv row is `block_cost_ms_qkv_side_by_side`.
 With --block-r, the branch again with each of those ranks per epilogue step (quant/int8_lora.py's BLOCK_R, the
-kernels compiled again for each): `branch_by_block_r` {ranks: ms}, and the block's sum at each.
+kernels compiled again for each): `branch_by_block_r` {ranks: ms}, and the block's sum at each. With --lora-configs
+("BLOCK_N=128,num_stages=3;num_stages=3"), the fused GEMM again with each set of changes to its shipped config (a
+tile whose epilogue overlaps another tile's main loop on the same SM, say): `branch_by_config` {changes: ms}. A
+variant that did not run as asked (its kernel failed, or gave way to a smaller config) records why instead.
 
     python tests/bench/lora_branch.py --comfyui /path/to/comfyui-0.33.0 [--rows 32700] [--step-s S --blocks N] \
-        [--profile] [--block-r 16,64]   # --profile: each variant's CUDA kernels, the longest first
+        [--profile] [--block-r 16,64] [--lora-configs "BLOCK_N=128,num_stages=3;num_stages=3"]
+    # --profile: each variant's CUDA kernels, the longest first
 """
 import argparse
 import os
@@ -51,7 +55,7 @@ def kernel_breakdown(fn, top: int = 8) -> list[dict]:
     return [{"kernel": e.key[:90], "ms": device_us(e) / 1000} for e in events[:top]]
 
 
-def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1, block_rs=()):
+def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1, block_rs=(), configs=()):
     from bigdit.host.layers import ComfyQuantLinear
     from bigdit.quant import int8_lora, int8_triton, witness
     from bigdit.host.lora_branch import LoraBranch
@@ -108,22 +112,49 @@ def bench_shape(name, k, n, act, rank, rows, profiled=False, up_blocks=1, block_
         delta = outs["bypass_h"] - outs["layer"]
         row["branch_vs_bypass_rel"] = ((outs["branch"] - outs["bypass_h"]).norm() / delta.norm()).item()
         row["fused_vs_unfused_rel"] = ((outs["branch"] - outs["unfused"]).norm() / delta.norm()).item()
-        shipped, failed = int8_lora.BLOCK_R, int8_lora._failed
-        row["branch_by_block_r"] = {shipped: row["branch"]["ms"]}
-        for block_r in block_rs:
-            int8_lora.BLOCK_R = block_r
-            fused = witness.TALLY.calls[int8_triton.TALLY, "triton+lora"]
+        failed, launched = int8_lora._failed, []
+        own_launch = witness.launch
+
+        def recording(kernels, first, run, config, *rest):  # the configs the kernels launch with
+            launched.append(dict(config))
+            return own_launch(kernels, first, run, config, *rest)
+
+        def fused_ms(what, config=None):
+            """The branch's ms as patched; raises where the fused kernel did not run, ran another config than
+            `config` (one that does not fit gives way to the next, as the shipped path does), or moved the output."""
+            fused, launched[:] = witness.TALLY.calls[int8_triton.TALLY, "triton+lora"], []
+            changed = (with_branch().float() - outs["branch"]).norm() / delta.norm()
+            # a kernel that failed leaves the call to the addmm, which is not what is timed
+            assert witness.TALLY.calls[int8_triton.TALLY, "triton+lora"] == fused + 1, \
+                f"{what}: the fused kernel did not run ({int8_lora._failed or 'a transient failure'})"
+            assert config is None or any(config.items() <= c.items() for c in launched), \
+                f"{what}: launched {launched} instead"
+            assert changed < 0.01, f"{what}: {changed:.1e} of the part from the shipped one"
+            return cuda_time_ms(with_branch)
+
+        def patched(what, module, name, value, config=None):
+            own = getattr(module, name)
+            setattr(module, name, value)
+            witness.launch = recording
             try:
-                changed = (with_branch().float() - outs["branch"]).norm() / delta.norm()
-                # a kernel that failed at this step size leaves the call to the addmm, which is not what is timed
-                assert witness.TALLY.calls[int8_triton.TALLY, "triton+lora"] == fused + 1, \
-                    f"BLOCK_R {block_r}: the fused kernel did not run ({int8_lora._failed or 'a transient failure'})"
-                assert changed < 0.01, f"BLOCK_R {block_r}: {changed:.1e} of the part from the shipped one"
-                row["branch_by_block_r"][block_r] = cuda_time_ms(with_branch)
-            except Exception as exc:  # one step size failing (shared memory, say) loses its row only
-                row["branch_by_block_r"][block_r] = f"{type(exc).__name__}: {exc}"[:300]
+                return fused_ms(what, config)
+            except Exception as exc:  # one variant failing (shared memory, say) loses its row only
+                return f"{type(exc).__name__}: {exc}"[:300]
             finally:
-                int8_lora.BLOCK_R, int8_lora._failed = shipped, failed  # as before the sweep, for the rows after
+                setattr(module, name, own)
+                witness.launch, int8_lora._failed = own_launch, failed  # as before, for the rows after
+
+        row["branch_by_block_r"] = {int8_lora.BLOCK_R: row["branch"]["ms"]}
+        for block_r in block_rs:
+            row["branch_by_block_r"][block_r] = patched(f"BLOCK_R {block_r}", int8_lora, "BLOCK_R", block_r)
+        row["branch_by_config"] = {"shipped": row["branch"]["ms"]}
+        shipped_config = int8_triton.config_for
+        for text, overrides in configs:
+            def config_for(kernel, shape, device, launch=None, overrides=overrides):
+                config = shipped_config(kernel, shape, device, launch)
+                ours = shape.get("N") == n and shape.get("K") == k  # the fused GEMM's, not the hidden's
+                return {**config, **overrides} if ours else config
+            row["branch_by_config"][text] = patched(text, int8_triton, "config_for", config_for, overrides)
     for cand in ("branch", "unfused", "bypass_h"):
         row[cand]["cost_ms"] = row[cand]["ms"] - row["layer"]["ms"]
         row[cand]["cost_fraction"] = row[cand]["cost_ms"] / row["layer"]["ms"]
@@ -141,9 +172,13 @@ def main():
     ap.add_argument("--blocks", type=int, default=None, help="blocks per step's forward(s)")
     ap.add_argument("--profile", action="store_true", help="also each variant's CUDA kernels, one call profiled")
     ap.add_argument("--block-r", default="", help="comma list: the branch again with these ranks per epilogue step")
+    ap.add_argument("--lora-configs", default="",
+                    help="';'-separated changes to the fused GEMM's config, each 'KEY=VALUE,...': the branch again")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     block_rs = [int(v) for v in args.block_r.split(",") if v]
+    configs = [(text, {key: int(value) for key, value in (item.split("=") for item in text.split(","))})
+               for text in args.lora_configs.split(";") if text]
     if not args.comfyui:
         raise SystemExit("give upstream ComfyUI's folder: --comfyui PATH or BIGDIT_COMFYUI")
     # each kernel compiled at its first launch: on the compile pool, the first calls (whose outputs are compared)
@@ -153,9 +188,10 @@ def main():
     import comfy.model_patcher  # noqa: F401 - ComfyUI's modules the branch's module imports
 
     print(f"{torch.cuda.get_device_name()}, {args.rows} rows: ms per call (branch cost: ms, % of the layer)")
-    results = [bench_shape(name, *shape, args.rows, args.profile, block_rs=block_rs) for name, shape in SHAPES.items()]
+    results = [bench_shape(name, *shape, args.rows, args.profile, block_rs=block_rs, configs=configs)
+               for name, shape in SHAPES.items()]
     side = bench_shape("qkv_proj side by side", *SHAPES["qkv_proj"], args.rows, args.profile, up_blocks=3,
-                       block_rs=block_rs)
+                       block_rs=block_rs, configs=configs)
     for r in results + [side]:
         print(f"{r['shape']:9} rank {r['rank']:3}: layer {r['layer']['ms']:7.3f}  with the branch "
               f"{r['branch']['ms']:7.3f} (+{r['branch']['cost_ms']:.3f}, {100 * r['branch']['cost_fraction']:.1f}%)"
@@ -163,23 +199,23 @@ def main():
               f"  as bypass h {r['bypass_h']['ms']:7.3f} (+{r['bypass_h']['cost_ms']:.3f})"
               f"  branch vs h: {r['branch_vs_bypass_rel']:.1e}, vs unfused {r['fused_vs_unfused_rel']:.1e}",
               flush=True)
-        if block_rs:
-            print("    the branch by ranks per epilogue step: " + ", ".join(
-                f"{br}: {ms:.3f} (+{ms - r['layer']['ms']:.3f})" if isinstance(ms, float) else f"{br}: {ms}"
-                for br, ms in r["branch_by_block_r"].items()))
+        for key, what in (("branch_by_block_r", "ranks per epilogue step"), ("branch_by_config", "GEMM config")):
+            if len(r[key]) > 1:
+                print(f"    the branch by {what}: " + ", ".join(
+                    f"{v}: {ms:.3f} (+{ms - r['layer']['ms']:.3f})" if isinstance(ms, float) else f"{v}: {ms}"
+                    for v, ms in r[key].items()))
         for cand in ("layer", "branch", "unfused") if args.profile else ():
             print(f"    {cand:6} " + "; ".join(f"{k['kernel'][:48]} {k['ms']:.3f}" for k in r[cand]["kernels"]))
     block = {c: sum(r[c]["cost_ms"] for r in results) for c in ("branch", "unfused", "bypass_h")}
     summary = {"block_cost_ms": block, "block_layers_ms": sum(r["layer"]["ms"] for r in results),
                "block_cost_ms_qkv_side_by_side": block["branch"] - results[0]["branch"]["cost_ms"]
                + side["branch"]["cost_ms"]}
-    if block_rs:
-        summary["block_cost_ms_by_block_r"] = {
-            br: sum(r["branch_by_block_r"][br] - r["layer"]["ms"] for r in results)
-            for br in results[0]["branch_by_block_r"]
-            if all(isinstance(r["branch_by_block_r"][br], float) for r in results)}
-        print("one block's branch by ranks per epilogue step: " + ", ".join(
-            f"{br}: {ms:.2f} ms" for br, ms in summary["block_cost_ms_by_block_r"].items()))
+    for key, what in (("branch_by_block_r", "ranks per epilogue step"), ("branch_by_config", "GEMM config")):
+        if len(results[0][key]) > 1:  # the block's branch at each variant that ran at all four shapes
+            summary[f"block_cost_ms_{key[len('branch_'):]}"] = sums = {
+                v: sum(r[key][v] - r["layer"]["ms"] for r in results)
+                for v in results[0][key] if all(isinstance(r[key][v], float) for r in results)}
+            print(f"one block's branch by {what}: " + ", ".join(f"{v}: {ms:.2f} ms" for v, ms in sums.items()))
     print(f"one block: the four layers {summary['block_layers_ms']:.2f} ms; the branch adds {block['branch']:.2f} ms "
           f"(unfused {block['unfused']:.2f} ms, as bypass h {block['bypass_h']:.2f} ms); with qkv's LoRA side by side "
           f"{summary['block_cost_ms_qkv_side_by_side']:.2f} ms")
