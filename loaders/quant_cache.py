@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..threads import name_this_thread
 from ..units import MIB, format_gib
 from .errors import CheckpointError
 from .safetensors_header import SafetensorsHeader, read_header
@@ -127,7 +128,8 @@ def file_digest(path: str) -> tuple[str, os.stat_result]:
             return hashlib.sha256(os.pread(fd, DIGEST_CHUNK, offset)).digest()
 
         offsets = range(0, before.st_size, DIGEST_CHUNK)
-        with ThreadPoolExecutor(max(1, min(DIGEST_THREADS, os.cpu_count() or 1, len(offsets)))) as pool:
+        with ThreadPoolExecutor(max(1, min(DIGEST_THREADS, os.cpu_count() or 1, len(offsets))),
+                                initializer=name_this_thread, initargs=("bigdit-digest",)) as pool:
             digest = hashlib.sha256(before.st_size.to_bytes(8, "little"))
             for part in pool.map(chunk, offsets):
                 digest.update(part)

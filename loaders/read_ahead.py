@@ -23,12 +23,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..threads import name_this_thread
 from ..units import GIB, format_gib
 
 HEADROOM = 4 * GIB  # besides the files: the process, its activations, the host's pinned buffers
 STRIPES = 4  # readers per file: the GPU machine's disk read 1.79 GiB/s with four, 1.45 with one (whole_job's probe)
 CHUNK = 16 * 1024 * 1024
-SYS_BLOCK = "/sys/dev/block"  # Linux: a block device's folder by major:minor, its queue's `rotational` flag
+SYS_BLOCK = "/sys/dev/block"
+THREAD_NAME = "bigdit-ahead"  # the reader's and its stripes' threads, as the OS shows them  # Linux: a block device's folder by major:minor, its queue's `rotational` flag
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def read_file(path: str, stripes: int = STRIPES, chunk: int = CHUNK, stopped=lam
                 done += n
         return done
 
-    with ThreadPoolExecutor(stripes) as pool:
+    with ThreadPoolExecutor(stripes, initializer=name_this_thread, initargs=(THREAD_NAME,)) as pool:
         return sum(pool.map(read_part, range(0, size, part or 1)))
 
 
@@ -149,6 +151,7 @@ class Reader:
             self._stopped.update(paths)
 
     def _run(self) -> None:
+        name_this_thread(THREAD_NAME)
         while True:
             files, label = self._queue.get()
             start, total, cut = time.perf_counter(), 0, []

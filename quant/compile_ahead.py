@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..pack_logging import pack_logger
+from ..threads import name_this_thread
 from . import tuning
 
 log = pack_logger(__name__)
@@ -77,7 +78,8 @@ def _mode():
     and gives the same pending kernel back while it compiles."""
     global _pool, _async
     if _async is None:
-        _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bigdit-triton-compile")
+        _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bigdit-triton-compile",
+                                   initializer=name_this_thread, initargs=("bigdit-compile",))
         _async = AsyncCompileMode(_pool)
     return _async
 

@@ -12,7 +12,7 @@ NOT_PACK = {"tests", "web", "example_workflows", "shared"}
 COMFYUI = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "nodes", "server", "execution",
            "node_helpers", "latent_preview"}
 # unit -> the pack's units it may import (ARCHITECTURE.md's layers)
-BASE = {"dtypes", "hardware", "units", "pack_logging"}
+BASE = {"dtypes", "hardware", "units", "pack_logging", "threads"}
 CORE = {"quant", "attention", "offload", "loaders"}
 ALLOWED = {
     **{base: set() for base in BASE},

@@ -341,28 +341,35 @@ def _proc(tmp_path, threads, machine="cpu  100 0 50 900 30 5 5 0 0 0\n"):
 def test_cpu_seconds_groups_threads_by_name_and_keeps_the_process_and_machine_counts(tmp_path):
     tick = whole_job.TICK
     proc = _proc(tmp_path, {7: ("python3 main", 3 * tick, tick), 8: ("pt_autograd_0", tick, 0),
-                            9: ("pt_autograd_1", 2 * tick, 0), 10: ("x264", tick // 2, 0)})
+                            9: ("pt_autograd_1", 2 * tick, 0), 10: ("x264", tick // 2, 0),
+                            11: ("bigdit-ahead", tick, 0), 12: ("python3 main", tick, 0)})
     counts = whole_job.cpu_seconds([7, 99], proc=proc)  # 99: a process that ended
-    assert counts["thread:python3 main"] == 4 and counts["thread:pt_autograd"] == 3
+    assert counts["thread:main"] == 4 and counts["thread:pt_autograd"] == 3  # the main thread: its tid is the pid
+    assert counts["thread:python3 main"] == 1 and counts["thread:bigdit-ahead"] == 1
     assert counts["thread:x"] == 0.5  # trailing digits go: "x264" is its group "x"
-    assert counts["process"] == (6 * tick + tick // 2 + 40 + tick) / tick  # ended threads' 40 ticks kept
+    assert counts["process"] == (8 * tick + tick // 2 + 40 + tick) / tick  # ended threads' 40 ticks kept
     assert counts["machine_busy"] == 160 / tick and counts["machine_iowait"] == 30 / tick
     real = whole_job.cpu_seconds([os.getpid()])
-    assert real["process"] > 0 and real["machine_busy"] > 0
+    assert real["process"] > 0 and real["machine_busy"] > 0 and "thread:main" in real
     assert sum(v for k, v in real.items() if k.startswith("thread:")) <= real["process"] + 0.05
 
 
-def test_cpu_by_stage_is_what_each_count_grew_by_with_the_busiest_threads():
-    segs = [(10.0, 11.0, "vae_decode", "a"), (11.0, 15.0, "save", "b"), (15.0, 16.0, "vae_decode", "c")]
-    cpu = [(9.0, {"process": 1.0, "machine_busy": 10.0, "thread:main": 1.0, "thread:gone": 0.5}),
+def test_cpu_by_stage_is_what_each_count_grew_by_read_between_samples_with_the_busiest_threads():
+    segs = [(10.0, 11.0, "vae_decode", "a"), (11.0, 12.0, "save", "b"), (12.0, 15.0, "save", "c"),
+            (15.0, 16.0, "vae_decode", "d")]
+    cpu = [(10.0, {"process": 1.0, "machine_busy": 10.0, "thread:main": 1.0, "thread:gone": 0.5}),
            (11.0, {"process": 2.0, "machine_busy": 12.0, "thread:main": 1.5, "thread:gone": 1.0}),
-           (14.9, {"process": 9.0, "machine_busy": 40.0, "thread:main": 2.0, "thread:x": 4.0, "thread:idle": 1.0}),
+           (13.0, {"process": 6.0, "machine_busy": 30.0, "thread:main": 1.7, "thread:x": 2.0}),
+           (15.0, {"process": 9.0, "machine_busy": 40.0, "thread:main": 2.0, "thread:x": 4.0, "thread:idle": 1.0}),
            (16.0, {"process": 9.5, "machine_busy": 41.0, "thread:main": 2.5, "thread:x": 4.0, "thread:idle": 1.0})]
     out = whole_job.cpu_by_stage(segs, cpu, top=3)
     assert out["save"] == {"process": 7.0, "machine_busy": 28.0, "threads": {"x": 4.0, "idle": 1.0, "main": 0.5}}
     assert whole_job.cpu_by_stage(segs, cpu, top=1)["save"]["threads"] == {"x": 4.0}
     assert out["vae_decode"]["process"] == 1.5 and out["vae_decode"]["machine_busy"] == 3.0
     assert out["vae_decode"]["threads"] == {"main": 1.0, "gone": 0.5}  # the ended group is 0 after its end
+    # a bound between two samples reads the line between them: 12 s is halfway from 11 s to 13 s
+    assert whole_job.cpu_by_stage(segs[1:2], cpu)["save"]["process"] == 2.0
+    assert whole_job.cpu_by_stage([(9.0, 10.0, "queue", None)], cpu)["queue"]["process"] == 0  # before: the first
     assert whole_job.cpu_by_stage(segs, []) == {}
 
 

@@ -82,6 +82,9 @@ def test_the_reader_reads_each_file_once_and_says_so(tmp_path, caplog):
             time.sleep(0.05)
     (record,) = caplog.records
     assert record.getMessage().startswith("read-ahead for job 1: 2 files, 0.00 GiB in "), record.getMessage()
+    if sys.platform.startswith("linux"):  # the reader, waiting for the next files, shows as itself in top and /proc
+        names = {(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
+        assert read_ahead.THREAD_NAME in names, names
 
 
 def test_a_missing_file_is_logged_and_the_rest_are_read(tmp_path, caplog):

@@ -69,8 +69,9 @@ VAEDecode starts (`page_cache_at_decode_gib`; the vae_decode stage starts at the
 first); which tensors of each file (grouped by name, digits as "*") the pages newly cached in each stage belong
 to (`file_reads_by_stage_gib`: what a stage read of the DiT's file, and whether a LoRA's); each node's disk reads
 (`nodes`' `disk_read_gib`) and, in a memory cgroup, the file pages it read again after the kernel had dropped them
-(`file_refaulted_gib`). The CPU seconds each stage used (every 0.2 s: `cpu_by_stage_s`): the server's, its
-busiest threads' by name, and the machine's busy and iowait seconds over all its cores (what else competed).
+(`file_refaulted_gib`). The CPU seconds each stage used (every 0.1 s: `cpu_by_stage_s`): the server's, its
+busiest threads' by name (its main thread, the pack's named ones, "python" for other Python threads), and the
+machine's busy and iowait seconds over all its cores (what else competed).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
@@ -206,7 +207,7 @@ SECOND_LORA_NODE = "bench_lora2"
 #: at or before its start and end, so a stage can be given what was read up to one interval before it started)
 SAMPLE_S = 0.02
 CACHE_EVERY = 25  # the model files' page-cache residency every 25th sample (0.5 s): mincore over ~40 GiB of maps
-CPU_EVERY = 10  # the server's CPU time by thread, and the machine's, every 10th sample (0.2 s)
+CPU_EVERY = 5  # the server's CPU time by thread, and the machine's, every 5th sample (0.1 s)
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 CPU_TOP = 6  # the thread groups a stage's CPU profile names, busiest first
 
@@ -447,9 +448,10 @@ def _stat_fields(text: str) -> tuple[str, list[str]]:
 
 def cpu_seconds(pids, proc: Path = Path("/proc")) -> dict:
     """CPU seconds (user + system) the processes have used: "process", their own counts (threads that ended
-    included), and by live thread, grouped by the thread's name without its trailing digits ("pt_autograd_0",
-    "pt_autograd_1" -> "pt_autograd"); "machine_busy" and "machine_iowait" from /proc/stat, all of the machine's
-    cores: another process, or the kernel reclaiming memory, competing with the server shows there."""
+    included), and by live thread: "thread:main" a process's main thread, the others grouped by their name without
+    its trailing digits ("pt_autograd_0", "pt_autograd_1" -> "pt_autograd"; the pack names its own, threads.py, and
+    Python's show as "python"); "machine_busy" and "machine_iowait" from /proc/stat, all of the machine's cores:
+    another process, or the kernel reclaiming memory, competing with the server shows there."""
     out = {"process": 0.0}
     for pid in pids:
         try:
@@ -464,7 +466,7 @@ def cpu_seconds(pids, proc: Path = Path("/proc")) -> dict:
                 used = (int(fields[11]) + int(fields[12])) / TICK
             except (OSError, ValueError, IndexError):
                 continue  # the thread ended
-            group = "thread:" + (name.rstrip("0123456789_-:.") or name)
+            group = "thread:" + ("main" if tid == str(pid) else (name.rstrip("0123456789_-:.") or name))
             out[group] = out.get(group, 0.0) + used
     try:
         ticks = [int(v) for v in (proc / "stat").read_text().splitlines()[0].split()[1:9]]
@@ -477,16 +479,22 @@ def cpu_seconds(pids, proc: Path = Path("/proc")) -> dict:
 
 
 def cpu_by_stage(segs, cpu, top: int = CPU_TOP) -> dict:
-    """Each stage's CPU seconds from Monitor.cpu's cumulative counts (what each grew by from the last sample at or
-    before a segment's start to the last at or before its end, summed by stage): "process", "machine_busy",
-    "machine_iowait" and the `top` busiest thread groups of at least 0.05 s. A group whose threads ended in a
-    segment is counted as 0 there (the process's count keeps their time)."""
+    """Each stage's CPU seconds from Monitor.cpu's cumulative counts: what each grew by over each segment, summed by
+    stage, a count at a segment's bounds read on the line between the samples around it (samples every 0.1 s;
+    outside them, the nearest): "process", "machine_busy", "machine_iowait" and the `top` busiest thread groups of
+    at least 0.05 s. A group whose threads ended in a segment is counted as 0 there (the process's count keeps their
+    time)."""
     if not cpu:
         return {}
     times = [t for t, _ in cpu]
 
     def at(t):
-        return cpu[max(0, bisect.bisect_right(times, t) - 1)][1]
+        i = bisect.bisect_right(times, t) - 1
+        if i < 0 or i == len(cpu) - 1:
+            return cpu[max(i, 0)][1]
+        (t0, c0), (t1, c1) = cpu[i], cpu[i + 1]
+        w = (t - t0) / (t1 - t0) if t1 > t0 else 0.0
+        return {k: c0.get(k, 0.0) + w * (c1.get(k, 0.0) - c0.get(k, 0.0)) for k in c0.keys() | c1.keys()}
     summed: dict = {}
     for start, end, stage, _ in segs:
         first, last = at(start), at(end)
