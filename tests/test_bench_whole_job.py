@@ -345,7 +345,7 @@ def test_cpu_seconds_groups_threads_by_name_and_keeps_the_process_and_machine_co
                             11: ("bigdit-ahead", tick, 0), 12: ("python3 main", tick, 0)})
     counts = whole_job.cpu_seconds([7, 99], proc=proc)  # 99: a process that ended
     assert counts["thread:main"] == 4 and counts["thread:pt_autograd"] == 3  # the main thread: its tid is the pid
-    assert counts["thread:python3 main"] == 1 and counts["thread:bigdit-ahead"] == 1
+    assert counts["thread:python3 main/12"] == 1 and counts["thread:bigdit-ahead"] == 1  # unnamed: each alone
     assert counts["thread:x"] == 0.5  # trailing digits go: "x264" is its group "x"
     assert counts["process"] == (8 * tick + tick // 2 + 40 + tick) / tick  # ended threads' 40 ticks kept
     assert counts["machine_busy"] == 160 / tick and counts["machine_iowait"] == 30 / tick

@@ -209,7 +209,7 @@ SAMPLE_S = 0.02
 CACHE_EVERY = 25  # the model files' page-cache residency every 25th sample (0.5 s): mincore over ~40 GiB of maps
 CPU_EVERY = 5  # the server's CPU time by thread, and the machine's, every 5th sample (0.1 s)
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-CPU_TOP = 6  # the thread groups a stage's CPU profile names, busiest first
+CPU_TOP = 8  # the thread groups a stage's CPU profile names, busiest first
 
 
 STAGES = ("queue", "encoder", "model_load", "sampling", "vae_decode", "save", "graph", "capture")
@@ -448,14 +448,15 @@ def _stat_fields(text: str) -> tuple[str, list[str]]:
 
 def cpu_seconds(pids, proc: Path = Path("/proc")) -> dict:
     """CPU seconds (user + system) the processes have used: "process", their own counts (threads that ended
-    included), and by live thread: "thread:main" a process's main thread, the others grouped by their name without
-    its trailing digits ("pt_autograd_0", "pt_autograd_1" -> "pt_autograd"; the pack names its own, threads.py, and
-    Python's show as "python"); "machine_busy" and "machine_iowait" from /proc/stat, all of the machine's cores:
-    another process, or the kernel reclaiming memory, competing with the server shows there."""
+    included), and by live thread: "thread:main" a process's main thread; threads named as the process is (Python's
+    and others that name none: ComfyUI runs prompts on such a thread) each as "thread:<name>/<tid>"; the others
+    grouped by their name without its trailing digits ("pt_autograd_0", "pt_autograd_1" -> "pt_autograd"; the
+    pack names its own, threads.py); "machine_busy" and "machine_iowait" from /proc/stat, all of the machine's
+    cores: another process, or the kernel reclaiming memory, competing with the server shows there."""
     out = {"process": 0.0}
     for pid in pids:
         try:
-            fields = _stat_fields((proc / str(pid) / "stat").read_text())[1]
+            own, fields = _stat_fields((proc / str(pid) / "stat").read_text())
             out["process"] += (int(fields[11]) + int(fields[12])) / TICK
             tasks = os.listdir(proc / str(pid) / "task")
         except (OSError, ValueError, IndexError):
@@ -466,8 +467,13 @@ def cpu_seconds(pids, proc: Path = Path("/proc")) -> dict:
                 used = (int(fields[11]) + int(fields[12])) / TICK
             except (OSError, ValueError, IndexError):
                 continue  # the thread ended
-            group = "thread:" + ("main" if tid == str(pid) else (name.rstrip("0123456789_-:.") or name))
-            out[group] = out.get(group, 0.0) + used
+            if tid == str(pid):
+                group = "main"
+            elif name == own:  # unnamed (a Python thread: ComfyUI's prompt worker among them): each on its own
+                group = f"{name}/{tid}"
+            else:
+                group = name.rstrip("0123456789_-:.") or name
+            out["thread:" + group] = out.get("thread:" + group, 0.0) + used
     try:
         ticks = [int(v) for v in (proc / "stat").read_text().splitlines()[0].split()[1:9]]
         user, nice, system, _idle, iowait, irq, softirq, steal = ticks
