@@ -29,8 +29,8 @@ from ..units import GIB, format_gib
 HEADROOM = 4 * GIB  # besides the files: the process, its activations, the host's pinned buffers
 STRIPES = 4  # readers per file: the GPU machine's disk read 1.79 GiB/s with four, 1.45 with one (whole_job's probe)
 CHUNK = 16 * 1024 * 1024
-SYS_BLOCK = "/sys/dev/block"
-THREAD_NAME = "bigdit-ahead"  # the reader's and its stripes' threads, as the OS shows them  # Linux: a block device's folder by major:minor, its queue's `rotational` flag
+SYS_BLOCK = "/sys/dev/block"  # Linux: a block device's folder by major:minor, its queue's `rotational` flag
+THREAD_NAME = "bigdit-ahead"  # the reader's and its stripes' threads, as the OS shows them
 
 
 @dataclass(frozen=True)
