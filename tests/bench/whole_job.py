@@ -70,8 +70,8 @@ first); which tensors of each file (grouped by name, digits as "*") the pages ne
 to (`file_reads_by_stage_gib`: what a stage read of the DiT's file, and whether a LoRA's); each node's disk reads
 (`nodes`' `disk_read_gib`) and, in a memory cgroup, the file pages it read again after the kernel had dropped them
 (`file_refaulted_gib`). The CPU seconds each stage used (every 0.1 s: `cpu_by_stage_s`): the server's, its
-busiest threads' by name (its main thread, the pack's named ones, "python" for other Python threads), and the
-machine's busy and iowait seconds over all its cores (what else competed).
+busiest threads (the main thread, the pack's named ones, each unnamed Python thread by its id: ComfyUI's prompt
+worker among them), and the machine's busy and iowait seconds over all its cores (what else competed).
 
 `profile` (issue 40): each stage's time beside its floor, the largest of its reads at the disk's bandwidth, its
 FLOPs at the GPU's peak and its weight traffic at the card's memory bandwidth, and the job's floors; the call
