@@ -670,8 +670,9 @@ def _write_lora(job, device):
         writer.write(f"diffusion_model.{module}.lora_down.weight",
                      (torch.randn(rank, n_in, device=device, generator=gen) * n_in ** -0.5).bfloat16())
     writer.close()
-    return {"bytes": writer.total_bytes, "tensors": len(entries), "layers": len(targets), "rank": job["rank"], "qkv": qkv,
-            "params": sum(math.prod(s) for _, s, _ in entries), "format": "lora_bf16", "quantized_layers": 0}
+    return {"bytes": writer.total_bytes, "tensors": len(entries), "layers": len(targets), "rank": job["rank"],
+            "qkv": qkv, "params": sum(math.prod(s) for _, s, _ in entries), "format": "lora_bf16",
+            "quantized_layers": 0}
 
 
 def _main(job):

@@ -73,8 +73,9 @@ def sources(arch: int) -> list[tuple[str, ASTSource, dict]]:
         lora = {**flags, "BLOCK_R": int8_lora.BLOCK_R}
         out.append((f"{name} gemm + LoRA", ASTSource(
             fn=int8_lora._gemm_low_rank_tma_kernel,
-            signature={**descs, **common, "h_ptr": "*bf16", "u_ptr": "*bf16", "alpha": "fp32", "N_PER_BLOCK": "i32", "R_PER_BLOCK": "i32",
-                       "stride_h": "i32", "stride_u": "i32", **{key: "constexpr" for key in lora}},
+            signature={**descs, **common, "h_ptr": "*bf16", "u_ptr": "*bf16", "alpha": "fp32",
+                       "N_PER_BLOCK": "i32", "R_PER_BLOCK": "i32", "stride_h": "i32", "stride_u": "i32",
+                       **{key: "constexpr" for key in lora}},
             constexprs=lora), run))
     return out
 
